@@ -1,0 +1,30 @@
+# The two commands of the README: `make serve` and `make test`. Both create and reuse .venv/.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+MODEL_ARGS ?=
+
+.PHONY: serve test proto install clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# the CPU wheel of torch lies on this machine's disk; an unpinned torch pulls a CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/splitserve serve $(MODEL_ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+proto: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/splitserve/v1/*.proto
+
+clean:
+	rm -rf $(VENV)
