@@ -1,0 +1,804 @@
+"""`splitserve bench serve`: an InferenceMAX-style load generator for a running Splitserve.
+
+Owns the client side of a serving benchmark: building prompts (random token ids of a fixed length,
+or real prompts rebuilt from a Mooncake trace's prefix-block hash ids), driving the OpenAI HTTP API
+(`/v1/completions`, streamed) or the gRPC `Generation.Generate` stream at a sweep of concurrency
+levels, timing every token, and reducing the timings to one JSON line per level plus a summary and
+a Pareto plot (`bench_serve_plot.py`). It knows nothing about the server's insides.
+
+Definitions (also in docs/benchmarking.md):
+
+- A *chunk* is one network read (HTTP) or one stream message (gRPC) that carries new tokens; every
+  token in it is stamped with the time the chunk arrived. Several SSE events that arrive in the same
+  read are one chunk.
+- TTFT: send -> first chunk with a token. E2E: send -> end of stream.
+- ITL: for every chunk after the first, its gap from the previous chunk split evenly over the k
+  tokens it carries (k samples of gap/k). Extra tokens in the first chunk give no ITL sample (their
+  wait is inside TTFT).
+- output_tok_s_per_user: the median over successful requests of (output_tokens - 1) / (e2e - ttft),
+  i.e. 1 / TPOT, the decode speed one user sees (InferenceMAX's "interactivity"). Requests with a
+  single output token have no decode phase and are left out.
+- output_tok_s: output tokens of successful requests / the level's wall time (first send -> last
+  completion); input_tok_s likewise with prompt tokens; *_per_gpu divides by --gpus.
+- A request fails (counted in `errors` by kind, left out of every latency and throughput figure) on
+  a non-200 status, a connection or protocol error, a timeout, an error event, a stream that ends
+  without [DONE] / a finish reason, or a stream with no tokens. A failed request never stops the run.
+- token_mismatches: successful requests whose output token count differs from max_tokens (the
+  requests set ignore_eos, so they must be equal) or from the server's own usage count.
+
+The client keeps per-token work to one list append: the SSE parser splits bytes into events, each
+event is JSON-decoded once, and a chunk appends one timestamp and one token count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SCENARIOS = {"1k1k": (1024, 1024), "1k8k": (1024, 8192), "8k1k": (8192, 1024)}
+DEFAULT_CONCURRENCY = "1,4,16,64,256"
+TRACE_BLOCK_TOKENS = 512
+DEFAULT_REQUESTS_CAP = 1024
+
+
+class BenchInputError(ValueError):
+    """Bad flags or a bad trace file; reported to the user, exit status 2."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Workload: what to send
+
+
+@dataclass(slots=True)
+class RequestSpec:
+    """One request to send. The prompt is built on send so that a sweep holds no token arrays."""
+
+    prompt_len: int
+    max_tokens: int
+    make_prompt: Callable[[], np.ndarray]
+    arrival_s: float = 0.0  # trace replay: when to send, from the start of the level
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRow:
+    """One Mooncake trace line, already scaled and capped."""
+
+    timestamp_ms: float
+    input_len: int
+    output_len: int
+    hash_ids: tuple[int, ...]
+
+
+def parse_scenario(name: str) -> tuple[int, int]:
+    """'1k8k' -> (1024, 8192). Accepts the InferenceMAX names and any '<a>k<b>k'."""
+    name = name.strip().lower()
+    if name in SCENARIOS:
+        return SCENARIOS[name]
+    parts = name.split("k")
+    if len(parts) == 3 and parts[2] == "" and parts[0].isdigit() and parts[1].isdigit():
+        return int(parts[0]) * 1024, int(parts[1]) * 1024
+    raise BenchInputError(f"unknown scenario {name!r}; use one of {', '.join(SCENARIOS)}")
+
+
+def parse_concurrency(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise BenchInputError(f"--concurrency wants comma-separated integers, got {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise BenchInputError(f"--concurrency levels must be >= 1, got {text!r}")
+    return levels
+
+
+def default_num_requests(concurrency: int) -> int:
+    return min(max(4 * concurrency, 16), DEFAULT_REQUESTS_CAP)
+
+
+def random_prompt(seed: Sequence[int], length: int, vocab_size: int) -> np.ndarray:
+    """`length` token ids uniform in [0, vocab_size), a pure function of `seed`."""
+    return np.random.default_rng(list(seed)).integers(0, vocab_size, length, dtype=np.int32)
+
+
+@functools.lru_cache(maxsize=8192)
+def block_tokens(seed: tuple[int, ...], hash_id: int, block_size: int, vocab_size: int) -> np.ndarray:
+    """The fixed token ids of one trace prefix block; equal (seed, hash_id) give equal tokens."""
+    tokens = random_prompt((*seed, hash_id), block_size, vocab_size)
+    tokens.flags.writeable = False  # shared through the cache
+    return tokens
+
+
+def trace_prompt(hash_ids: Sequence[int], input_len: int, block_size: int, vocab_size: int,
+                 seed: tuple[int, ...]) -> np.ndarray:
+    """A prompt of exactly `input_len` tokens: the hash ids' blocks concatenated.
+
+    Every block but the last is `block_size` tokens; the last is what remains
+    (`input_len - block_size * (len(hash_ids) - 1)`), a prefix of that id's block, so requests that
+    share leading ids share leading tokens. If the lengths disagree with the ids (scaling, capping),
+    trailing blocks are dropped, or the last block is extended with tokens of its own.
+    """
+    if not hash_ids:
+        return random_prompt((*seed, 1 << 62), input_len, vocab_size)
+    parts: list[np.ndarray] = []
+    remaining = input_len
+    for i, hash_id in enumerate(hash_ids):
+        if remaining <= 0:
+            break
+        block = block_tokens(seed, hash_id, block_size, vocab_size)
+        if i == len(hash_ids) - 1 and remaining > block_size:
+            extra = random_prompt((*seed, hash_id, 1), remaining - block_size, vocab_size)
+            block = np.concatenate([block, extra])
+        parts.append(block[:remaining])
+        remaining -= len(parts[-1])
+    return np.concatenate(parts)
+
+
+def load_trace(path: str, scale: float = 1.0, max_input_len: int | None = None,
+               limit: int | None = None) -> tuple[list[TraceRow], int]:
+    """Read a Mooncake JSONL trace; returns the rows and the (scaled) block size in tokens.
+
+    Lengths and the block size are multiplied by `scale` together (at least 1 token each);
+    `max_input_len` then caps the input length.
+    """
+    if scale <= 0:
+        raise BenchInputError(f"--trace-scale must be > 0, got {scale}")
+    block_size = max(1, round(TRACE_BLOCK_TOKENS * scale))
+    rows: list[TraceRow] = []
+    try:
+        with open(path) as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                if limit is not None and len(rows) >= limit:
+                    break
+                try:
+                    obj = json.loads(line)
+                    input_len = max(1, round(obj["input_length"] * scale))
+                    if max_input_len is not None:
+                        input_len = min(input_len, max_input_len)
+                    rows.append(TraceRow(float(obj["timestamp"]), input_len,
+                                         max(1, round(obj["output_length"] * scale)),
+                                         tuple(int(h) for h in obj.get("hash_ids", ()))))
+                except (ValueError, KeyError, TypeError) as e:
+                    raise BenchInputError(f"{path}:{line_no}: bad trace line ({e})") from None
+    except OSError as e:
+        raise BenchInputError(f"cannot read trace {path}: {e}") from None
+    if not rows:
+        raise BenchInputError(f"trace {path} has no requests")
+    return rows, block_size
+
+
+def synthetic_specs(isl: int, osl: int, num_requests: int, vocab_size: int,
+                    seed: tuple[int, ...]) -> list[RequestSpec]:
+    """Random prompts of exactly `isl` tokens; request i's prompt depends on (seed, i) only."""
+    return [RequestSpec(isl, osl, functools.partial(random_prompt, (*seed, i), isl, vocab_size))
+            for i in range(num_requests)]
+
+
+def trace_specs(rows: Sequence[TraceRow], block_size: int, vocab_size: int, seed: tuple[int, ...],
+                speedup: float = 1.0) -> list[RequestSpec]:
+    """One spec per trace row, arrival times relative to the first row and divided by `speedup`."""
+    t0 = rows[0].timestamp_ms
+    return [RequestSpec(r.input_len, r.output_len,
+                        functools.partial(trace_prompt, r.hash_ids, r.input_len, block_size,
+                                          vocab_size, seed),
+                        (r.timestamp_ms - t0) / 1000.0 / speedup)
+            for r in rows]
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement: what came back
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """Timings of one request. Times are time.perf_counter() seconds."""
+
+    prompt_len: int
+    expected_tokens: int
+    sent_at: float = 0.0
+    ended_at: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    usage_completion_tokens: int | None = None
+    error: str | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        if self.chunk_tokens:
+            return sum(self.chunk_tokens)
+        return self.usage_completion_tokens or 0
+
+    @property
+    def ttft_s(self) -> float:
+        return self.chunk_times[0] - self.sent_at
+
+    @property
+    def e2e_s(self) -> float:
+        return self.ended_at - self.sent_at
+
+    def finish(self, stream_complete: bool) -> RequestResult:
+        """Stamp the end and classify an unfinished or empty stream as an error."""
+        self.ended_at = time.perf_counter()
+        if self.error is None and not stream_complete:
+            self.error = "incomplete_stream"
+        if self.error is None and not self.chunk_times:
+            self.error = "no_tokens"
+        return self
+
+
+def itl_samples(chunk_times: Sequence[float], chunk_tokens: Sequence[int]) -> np.ndarray:
+    """Inter-token latencies: each later chunk's gap split evenly over its tokens."""
+    if len(chunk_times) < 2:
+        return np.empty(0)
+    counts = np.asarray(chunk_tokens[1:], dtype=np.float64)
+    gaps = np.diff(np.asarray(chunk_times, dtype=np.float64)) / counts
+    return np.repeat(gaps, counts.astype(np.int64))
+
+
+def percentile(values: np.ndarray, q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 6) if len(values) else None
+
+
+def summarize_level(results: Sequence[RequestResult], duration_s: float, gpus: int = 1) -> dict:
+    """Reduce one level's results to the fields of its JSON line (see the module docstring)."""
+    ok = [r for r in results if r.error is None]
+    ttft = np.array([r.ttft_s for r in ok])
+    e2e = np.array([r.e2e_s for r in ok])
+    itl = np.concatenate([itl_samples(r.chunk_times, r.chunk_tokens) for r in ok] or [np.empty(0)])
+    per_user = np.array([(r.num_output_tokens - 1) / (r.e2e_s - r.ttft_s) for r in ok
+                         if r.num_output_tokens > 1 and r.e2e_s > r.ttft_s])
+    output_tokens = sum(r.num_output_tokens for r in ok)
+    input_tokens = sum(r.prompt_len for r in ok)
+    mismatches = sum(1 for r in ok if r.num_output_tokens != r.expected_tokens
+                     or (r.usage_completion_tokens is not None
+                         and r.usage_completion_tokens != r.num_output_tokens))
+    output_tok_s = output_tokens / duration_s if duration_s > 0 else 0.0
+    input_tok_s = input_tokens / duration_s if duration_s > 0 else 0.0
+    return {
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "error_kinds": dict(Counter(r.error for r in results if r.error is not None)),
+        "token_mismatches": mismatches,
+        "duration_s": round(duration_s, 6),
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
+        "ttft_p99_s": percentile(ttft, 99),
+        "itl_p50_s": percentile(itl, 50), "itl_p90_s": percentile(itl, 90),
+        "itl_p99_s": percentile(itl, 99),
+        "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99),
+        "output_tokens": output_tokens,
+        "input_tokens": input_tokens,
+        "output_tok_s": round(output_tok_s, 3),
+        "output_tok_s_per_user": round(float(np.median(per_user)), 3) if len(per_user) else None,
+        "output_tok_s_per_gpu": round(output_tok_s / gpus, 3),
+        "input_tok_s": round(input_tok_s, 3),
+        "total_tok_s_per_gpu": round((output_tok_s + input_tok_s) / gpus, 3),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Clients: how to send
+
+
+class SseParser:
+    """Incremental Server-Sent Events decoder: feed raw bytes, get each event's data payload.
+
+    Reads may split lines (and events) anywhere, even inside a CRLF; incomplete lines wait in a
+    buffer. Lines other than `data:` (comments, `event:`, `id:`) are ignored; several data lines of
+    one event are joined with a newline, as the SSE spec says.
+    """
+
+    __slots__ = ("_tail", "_data")
+
+    def __init__(self) -> None:
+        self._tail = b""
+        self._data: list[bytes] = []
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        lines = (self._tail + chunk).split(b"\n")
+        self._tail = lines.pop()
+        events: list[bytes] = []
+        for line in lines:
+            self._line(line, events)
+        return events
+
+    def close(self) -> list[bytes]:
+        """Flush what is left when the stream ends (a last event without its blank line)."""
+        events: list[bytes] = []
+        if self._tail:
+            self._line(self._tail, events)
+            self._tail = b""
+        self._line(b"", events)
+        return events
+
+    def _line(self, line: bytes, events: list[bytes]) -> None:
+        if line.endswith(b"\r"):
+            line = line[:-1]
+        if not line:
+            if self._data:
+                events.append(b"\n".join(self._data))
+                self._data = []
+        elif line.startswith(b"data:"):
+            data = line[5:]
+            self._data.append(data[1:] if data.startswith(b" ") else data)
+
+
+@dataclass(slots=True)
+class EventTally:
+    """What a batch of SSE events said; events are JSON-decoded exactly once here."""
+
+    tokens: int = 0
+    done: bool = False
+    usage_completion_tokens: int | None = None
+    error: str | None = None
+
+
+def tally_events(events: Sequence[bytes]) -> EventTally:
+    """Count new tokens in OpenAI completion-chunk events.
+
+    Tokens are `choices[0].token_ids` when present; a chunk with text but no token ids counts as
+    one token (a server that ignores return_token_ids).
+    """
+    tally = EventTally()
+    for event in events:
+        if event == b"[DONE]":
+            tally.done = True
+            continue
+        obj = json.loads(event)
+        if obj.get("error"):
+            tally.error = "server_error"
+            continue
+        choices = obj.get("choices")
+        if choices:
+            ids = choices[0].get("token_ids")
+            if ids is not None:
+                tally.tokens += len(ids)
+            elif choices[0].get("text"):
+                tally.tokens += 1
+        usage = obj.get("usage")
+        if usage:
+            tally.usage_completion_tokens = usage.get("completion_tokens")
+    return tally
+
+
+class HttpClient:
+    """OpenAI `/v1/completions` streaming over httpx, one connection per in-flight request."""
+
+    def __init__(self, url: str, model: str, pool_size: int, timeout_s: float, api_key: str | None):
+        import httpx
+
+        self._httpx = httpx
+        self.model = model
+        self.timeout_s = timeout_s
+        self.headers = {"content-type": "application/json", "accept-encoding": "identity"}
+        if api_key:
+            self.headers["authorization"] = f"Bearer {api_key}"
+        self.client = httpx.AsyncClient(
+            base_url=url,
+            limits=httpx.Limits(max_connections=pool_size, max_keepalive_connections=pool_size),
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 30.0)))
+
+    async def list_models(self) -> list[dict]:
+        resp = await self.client.get("/v1/models", headers=self.headers)
+        resp.raise_for_status()
+        return [{"id": m["id"], "max_model_len": m.get("max_model_len")} for m in resp.json()["data"]]
+
+    def _body(self, spec: RequestSpec) -> bytes:
+        return json.dumps({
+            "model": self.model, "prompt": spec.make_prompt().tolist(), "max_tokens": spec.max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, "return_token_ids": True,
+        }).encode()
+
+    async def send(self, spec: RequestSpec) -> RequestResult:
+        res = RequestResult(spec.prompt_len, spec.max_tokens)
+        body = self._body(spec)  # built before the clock starts: not the server's time
+        done = False
+        res.sent_at = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                done = await self._stream(body, res)
+        except (TimeoutError, self._httpx.TimeoutException):
+            res.error = "timeout"
+        except self._httpx.HTTPError as e:
+            res.error = type(e).__name__
+        except (OSError, ValueError) as e:  # ValueError: a chunk that is not JSON
+            res.error = type(e).__name__
+        return res.finish(done)
+
+    async def _stream(self, body: bytes, res: RequestResult) -> bool:
+        times, counts = res.chunk_times, res.chunk_tokens
+        parser = SseParser()
+        done = False
+        async with self.client.stream("POST", "/v1/completions", content=body,
+                                      headers=self.headers) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                res.error = f"http_{resp.status_code}"
+                return False
+            async for chunk in resp.aiter_raw():
+                now = time.perf_counter()
+                events = parser.feed(chunk)
+                if not events:
+                    continue
+                tally = tally_events(events)
+                if tally.tokens:
+                    times.append(now)
+                    counts.append(tally.tokens)
+                done = done or tally.done
+                res.usage_completion_tokens = tally.usage_completion_tokens or res.usage_completion_tokens
+                res.error = res.error or tally.error
+        tally = tally_events(parser.close())
+        res.usage_completion_tokens = tally.usage_completion_tokens or res.usage_completion_tokens
+        return done or tally.done
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+class GrpcClient:
+    """`splitserve.v1.Generation.Generate` over grpc.aio, streams spread over a few channels."""
+
+    STREAMS_PER_CHANNEL = 64
+
+    def __init__(self, target: str, model: str, pool_size: int, timeout_s: float, api_key: str | None):
+        import grpc
+
+        from proto.splitserve.v1 import generation_pb2, generation_pb2_grpc
+
+        self._grpc, self._pb = grpc, generation_pb2
+        self.model = model
+        self.timeout_s = timeout_s
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+        num_channels = max(1, math.ceil(pool_size / self.STREAMS_PER_CHANNEL))
+        options = [("grpc.use_local_subchannel_pool", 1),  # a separate connection per channel
+                   ("grpc.max_receive_message_length", 64 << 20)]
+        self.channels = [grpc.aio.insecure_channel(target, options=options) for _ in range(num_channels)]
+        self.stubs = [generation_pb2_grpc.GenerationStub(c) for c in self.channels]
+        self._next = 0
+
+    async def list_models(self) -> list[dict]:
+        resp = await self.stubs[0].ListModels(self._pb.ListModelsRequest(), metadata=self.metadata,
+                                              timeout=min(self.timeout_s, 30.0))
+        return [{"id": m.id, "max_model_len": m.max_model_len or None} for m in resp.models]
+
+    async def send(self, spec: RequestSpec) -> RequestResult:
+        pb = self._pb
+        res = RequestResult(spec.prompt_len, spec.max_tokens)
+        request = pb.GenerateRequest(
+            model=self.model, token_ids=pb.TokenIds(ids=spec.make_prompt().tolist()),
+            sampling=pb.SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True))
+        stub = self.stubs[self._next % len(self.stubs)]
+        self._next += 1
+        times, counts = res.chunk_times, res.chunk_tokens
+        done = False
+        res.sent_at = time.perf_counter()
+        try:
+            call = stub.Generate(request, metadata=self.metadata, timeout=self.timeout_s)
+            async for msg in call:
+                now = time.perf_counter()
+                n = len(msg.token_ids)
+                if n:
+                    times.append(now)
+                    counts.append(n)
+                if msg.HasField("usage"):
+                    res.usage_completion_tokens = msg.usage.completion_tokens
+                if msg.finish_reason == pb.FINISH_REASON_ERROR:
+                    res.error = "server_error"
+                elif msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    done = True
+        except self._grpc.aio.AioRpcError as e:
+            res.error = "timeout" if e.code() == self._grpc.StatusCode.DEADLINE_EXCEEDED else \
+                f"grpc_{e.code().name}"
+        return res.finish(done)
+
+    async def aclose(self) -> None:
+        for channel in self.channels:
+            await channel.close()
+
+
+def make_client(url: str, model: str, pool_size: int, timeout_s: float, api_key: str | None):
+    if url.startswith("grpc://"):
+        return GrpcClient(url.removeprefix("grpc://"), model, pool_size, timeout_s, api_key)
+    return HttpClient(url, model, pool_size, timeout_s, api_key)
+
+
+# ---------------------------------------------------------------------------------------------
+# Load patterns: when to send
+
+
+@dataclass(slots=True)
+class LevelRun:
+    results: list[RequestResult]
+    duration_s: float
+    max_in_flight: int
+
+
+async def run_closed_loop(send, specs: Sequence[RequestSpec], concurrency: int,
+                          on_done: Callable[[], None] = lambda: None) -> LevelRun:
+    """Keep exactly `concurrency` requests in flight until `specs` runs out."""
+    pending = iter(specs)
+    results: list[RequestResult] = []
+
+    async def user() -> None:
+        for spec in pending:  # the shared iterator hands each free user the next request
+            results.append(await send(spec))
+            on_done()
+
+    start = time.perf_counter()
+    await asyncio.gather(*(user() for _ in range(min(concurrency, len(specs)))))
+    return LevelRun(results, time.perf_counter() - start, min(concurrency, len(specs)))
+
+
+async def run_replay(send, specs: Sequence[RequestSpec],
+                     on_done: Callable[[], None] = lambda: None) -> LevelRun:
+    """Send each request at its `arrival_s` (open loop), however many are then in flight."""
+    results: list[RequestResult] = []
+    in_flight = max_in_flight = 0
+
+    async def one(spec: RequestSpec) -> None:
+        nonlocal in_flight, max_in_flight
+        in_flight += 1
+        max_in_flight = max(max_in_flight, in_flight)
+        results.append(await send(spec))
+        in_flight -= 1
+        on_done()
+
+    start = time.perf_counter()
+    tasks = []
+    for spec in specs:
+        delay = start + spec.arrival_s - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(spec)))
+    await asyncio.gather(*tasks)
+    return LevelRun(results, time.perf_counter() - start, max_in_flight)
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    p = parser
+    p.add_argument("--url", default="http://127.0.0.1:8000",
+                   help="http://host:port (OpenAI API) or grpc://host:port (gRPC API)")
+    p.add_argument("--model", default=None, help="model id (default: the first the server lists)")
+    p.add_argument("--isl", type=int, default=None, help="input tokens per request (random ids)")
+    p.add_argument("--osl", type=int, default=None, help="output tokens per request (ignore_eos)")
+    p.add_argument("--scenario", default=None, help="shorthand for --isl/--osl: 1k1k, 1k8k or 8k1k")
+    p.add_argument("--trace", default=None, help="Mooncake JSONL trace (timestamp, lengths, hash_ids)")
+    p.add_argument("--trace-scale", type=float, default=1.0,
+                   help="multiply trace lengths and the 512-token block size by this")
+    p.add_argument("--max-input-len", type=int, default=None, help="cap trace input lengths")
+    p.add_argument("--speedup", type=float, default=1.0,
+                   help="trace replay: divide arrival times by this")
+    p.add_argument("--vocab-size", type=int, default=4000,
+                   help="prompt token ids are drawn from [0, vocab-size), below the special tokens")
+    p.add_argument("--concurrency", default=None,
+                   help=f"comma-separated closed-loop levels (default {DEFAULT_CONCURRENCY}); "
+                        "with --trace, given = closed loop over the trace, absent = replay arrivals")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help=f"requests per level (default max(4*concurrency, 16), at most "
+                        f"{DEFAULT_REQUESTS_CAP}; replay: the whole trace)")
+    p.add_argument("--warmup", type=int, default=2, help="requests sent before the sweep, not measured")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs serving; divides throughput per GPU")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=600.0, help="per-request limit, whole stream")
+    p.add_argument("--output", default=None, help="append the JSON lines to this file")
+    p.add_argument("--plot", default=None, help="write the Pareto plot to this PNG")
+    p.add_argument("--label", default="", help="device label for the plot title and the JSON")
+    p.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"),
+                   help="bearer token (default: $SPLITSERVE_API_KEY)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The validated workload: synthetic (isl/osl) or trace, closed loop or replay."""
+
+    levels: tuple[int | None, ...]  # None = one replay level
+    isl: int | None = None
+    osl: int | None = None
+    scenario: str | None = None
+    trace_rows: tuple[TraceRow, ...] = ()
+    block_size: int = TRACE_BLOCK_TOKENS
+
+    @property
+    def workload_fields(self) -> dict:
+        if self.trace_rows:
+            return {}
+        return {"scenario": self.scenario, "isl": self.isl, "osl": self.osl}
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    modes = [args.trace is not None, args.scenario is not None,
+             args.isl is not None or args.osl is not None]
+    if sum(modes) != 1:
+        raise BenchInputError("give exactly one of --isl/--osl, --scenario or --trace")
+    for name in ("gpus", "vocab_size"):
+        if getattr(args, name) < 1:
+            raise BenchInputError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.speedup <= 0 or args.timeout_s <= 0:
+        raise BenchInputError("--speedup and --timeout-s must be > 0")
+    if args.num_requests is not None and args.num_requests < 1:
+        raise BenchInputError("--num-requests must be >= 1")
+    if args.trace is not None:
+        rows, block_size = load_trace(args.trace, args.trace_scale, args.max_input_len)
+        levels = tuple(parse_concurrency(args.concurrency)) if args.concurrency else (None,)
+        return Plan(levels, trace_rows=tuple(rows), block_size=block_size)
+    levels = tuple(parse_concurrency(args.concurrency or DEFAULT_CONCURRENCY))
+    if args.scenario is not None:
+        isl, osl = parse_scenario(args.scenario)
+        return Plan(levels, isl, osl, args.scenario.strip().lower())
+    if args.isl is None or args.osl is None or args.isl < 1 or args.osl < 1:
+        raise BenchInputError("--isl and --osl go together and must be >= 1")
+    return Plan(levels, args.isl, args.osl)
+
+
+def level_specs(plan: Plan, args: argparse.Namespace, concurrency: int | None,
+                salt: int) -> list[RequestSpec]:
+    """This level's requests. Each level (and the warmup) gets its own token seed `salt`, so that
+    no level hits a prefix that an earlier level left in the server's cache."""
+    seed = (args.seed, salt)
+    if concurrency is None:  # trace replay
+        rows = plan.trace_rows[:args.num_requests] if args.num_requests else plan.trace_rows
+        return trace_specs(rows, plan.block_size, args.vocab_size, seed, args.speedup)
+    n = args.num_requests or default_num_requests(concurrency)
+    if plan.trace_rows:
+        return trace_specs(plan.trace_rows[:n], plan.block_size, args.vocab_size, seed)
+    return synthetic_specs(plan.isl, plan.osl, n, args.vocab_size, seed)
+
+
+def git_sha() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=5, cwd=os.path.dirname(os.path.abspath(__file__)))
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def emit(record: dict, output: str | None) -> None:
+    line = json.dumps(record)
+    print(line, flush=True)
+    if output:
+        with open(output, "a") as f:
+            f.write(line + "\n")
+
+
+async def discover_model(args: argparse.Namespace) -> tuple[str, int | None]:
+    client = make_client(args.url, args.model or "", 1, args.timeout_s, args.api_key)
+    try:
+        models = await client.list_models()
+    except Exception as e:  # noqa: BLE001 - any failure to list models is reported the same way
+        if args.model:
+            return args.model, None
+        raise BenchInputError(f"cannot list models at {args.url} ({type(e).__name__}: {e}); "
+                              "pass --model") from None
+    finally:
+        await client.aclose()
+    chosen = next((m for m in models if m["id"] == args.model), None) if args.model else \
+        (models[0] if models else None)
+    if chosen is None:
+        if args.model:
+            return args.model, None
+        raise BenchInputError(f"{args.url} lists no models; pass --model")
+    return chosen["id"], chosen["max_model_len"]
+
+
+async def run_level(args: argparse.Namespace, model: str, specs: list[RequestSpec],
+                    concurrency: int | None, desc: str) -> LevelRun:
+    from tqdm import tqdm
+
+    pool = concurrency if concurrency is not None else min(len(specs), 4096)
+    client = make_client(args.url, model, pool, args.timeout_s, args.api_key)
+    bar = tqdm(total=len(specs), desc=desc, unit="req", file=sys.stderr, mininterval=0.5,
+               disable=args.no_progress, leave=False)
+    try:
+        if concurrency is None:
+            return await run_replay(client.send, specs, bar.update)
+        return await run_closed_loop(client.send, specs, concurrency, bar.update)
+    finally:
+        bar.close()
+        await client.aclose()
+
+
+WARMUP_SALT = 1 << 31
+
+
+async def warm_up(args: argparse.Namespace, plan: Plan, model: str) -> None:
+    """Send --warmup requests (closed loop, as many at once as the largest level), unmeasured."""
+    concurrency = min(args.warmup, max((c for c in plan.levels if c), default=args.warmup))
+    seed = (args.seed, WARMUP_SALT)
+    if plan.trace_rows:
+        specs = trace_specs(plan.trace_rows[:args.warmup], plan.block_size, args.vocab_size, seed)
+    else:
+        specs = synthetic_specs(plan.isl, plan.osl, args.warmup, args.vocab_size, seed)
+    await run_level(args, model, specs, concurrency, "warmup")
+
+
+async def run_sweep(args: argparse.Namespace, plan: Plan) -> int:
+    model, max_model_len = await discover_model(args)
+    if max_model_len and plan.isl and plan.isl + plan.osl > max_model_len:
+        print(f"bench serve: warning: isl+osl={plan.isl + plan.osl} exceeds the model's "
+              f"max_model_len={max_model_len}", file=sys.stderr)
+    header = {"bench": "serve", "git_sha": git_sha(), "url": args.url,
+              "api": "grpc" if args.url.startswith("grpc://") else "http", "model": model,
+              "label": args.label, "gpus": args.gpus, "seed": args.seed, **plan.workload_fields}
+    if plan.trace_rows:
+        header |= {"trace": os.path.basename(args.trace), "trace_scale": args.trace_scale,
+                   "max_input_len": args.max_input_len}
+    if args.warmup > 0:
+        await warm_up(args, plan, model)
+    levels = []
+    for i, concurrency in enumerate(plan.levels):
+        specs = level_specs(plan, args, concurrency, salt=i)
+        run = await run_level(args, model, specs, concurrency,
+                              f"c={concurrency}" if concurrency else "replay")
+        mode = {"concurrency": concurrency} if concurrency else \
+            {"concurrency": None, "mode": "replay", "speedup": args.speedup,
+             "max_in_flight": run.max_in_flight}
+        record = header | mode | summarize_level(run.results, run.duration_s, args.gpus)
+        emit(record, args.output)
+        levels.append(record)
+    return finish_sweep(args, header, levels)
+
+
+def finish_sweep(args: argparse.Namespace, header: dict, levels: list[dict]) -> int:
+    from splitserve.bench_serve_plot import frontier_levels, plot_pareto
+
+    front = frontier_levels(levels)
+    if args.plot:
+        what = header.get("scenario") or header.get("trace") or f"isl{header.get('isl')}/osl{header.get('osl')}"
+        plot_pareto(levels, args.plot, f"{header['model']} | {what} | {args.label or header['api']}")
+    keys = ("concurrency", "requests", "errors", "token_mismatches", "ttft_p50_s", "itl_p50_s",
+            "e2e_p50_s", "output_tok_s", "output_tok_s_per_user", "output_tok_s_per_gpu")
+    summary = {**header, "bench": "serve_summary",
+               "levels": [{k: lv.get(k) for k in keys} for lv in levels],
+               "pareto_concurrency": [lv["concurrency"] for lv in front],
+               "max_output_tok_s_per_gpu": max((lv["output_tok_s_per_gpu"] for lv in levels), default=None),
+               "total_requests": sum(lv["requests"] for lv in levels),
+               "total_errors": sum(lv["errors"] for lv in levels),
+               "total_token_mismatches": sum(lv["token_mismatches"] for lv in levels),
+               "plot": args.plot}
+    emit(summary, args.output)
+    return 0
+
+
+def _event_loop_factory(url: str):
+    if url.startswith("grpc://"):
+        return None  # grpc.aio is only supported on the standard asyncio loop
+    try:
+        import uvloop
+        return uvloop.new_event_loop
+    except ImportError:
+        return None
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the sweep; 0 when it ran (failed requests are reported, not fatal), 2 on bad input."""
+    try:
+        plan = make_plan(args)
+        with asyncio.Runner(loop_factory=_event_loop_factory(args.url)) as runner:
+            return runner.run(run_sweep(args, plan))
+    except BenchInputError as e:
+        print(f"bench serve: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="splitserve bench serve", description=__doc__.split("\n")[0])
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))
