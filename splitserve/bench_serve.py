@@ -8,9 +8,10 @@ a Pareto plot (`bench_serve_plot.py`). It knows nothing about the server's insid
 
 Definitions (also in docs/benchmarking.md):
 
-- A *chunk* is one network read (HTTP) or one stream message (gRPC) that carries new tokens; every
-  token in it is stamped with the time the chunk arrived. Several SSE events that arrive in the same
-  read are one chunk.
+- A *chunk* is one piece of response body as httpx hands it over (one HTTP/1.1 transfer chunk,
+  normally one SSE event per server flush) or one gRPC stream message, that carries new tokens;
+  every token in it is stamped with the time the client read the chunk. Several SSE events inside one
+  piece are one chunk.
 - TTFT: send -> first chunk with a token. E2E: send -> end of stream.
 - ITL: for every chunk after the first, its gap from the previous chunk split evenly over the k
   tokens it carries (k samples of gap/k). Extra tokens in the first chunk give no ITL sample (their
@@ -26,6 +27,10 @@ Definitions (also in docs/benchmarking.md):
 - token_mismatches: successful requests whose output token count differs from max_tokens (the
   requests set ignore_eos, so they must be equal) or from the server's own usage count.
 
+- client_lag_p99_s: how late the client's event loop woke a 10 ms timer (p99) during the level. When
+  it exceeds a few ms the client, not the server, is the bottleneck: chunks queue in the socket and
+  are read back to back, so ITL and TTFT are inflated or squashed. Use fewer streams per process.
+
 The client keeps per-token work to one list append: the SSE parser splits bytes into events, each
 event is JSON-decoded once, and a chunk appends one timestamp and one token count.
 """
@@ -38,6 +43,7 @@ import functools
 import json
 import math
 import os
+import ssl
 import subprocess
 import sys
 import time
@@ -373,24 +379,45 @@ def tally_events(events: Sequence[bytes]) -> EventTally:
 
 
 class HttpClient:
-    """OpenAI `/v1/completions` streaming over httpx, one connection per in-flight request."""
+    """OpenAI `/v1/completions` streaming over httpx, one keep-alive connection per in-flight request.
+
+    Each connection is its own single-connection `httpx.AsyncClient`, handed out from a free list:
+    httpcore's shared pool rescans every connection on each request (O(connections) per request,
+    O(n^2) per wave), which at 256 streams cost the client more CPU than all the token parsing.
+    """
 
     def __init__(self, url: str, model: str, pool_size: int, timeout_s: float, api_key: str | None):
         import httpx
 
         self._httpx = httpx
+        self.url = url
         self.model = model
         self.timeout_s = timeout_s
         self.headers = {"content-type": "application/json", "accept-encoding": "identity"}
         if api_key:
             self.headers["authorization"] = f"Bearer {api_key}"
-        self.client = httpx.AsyncClient(
-            base_url=url,
-            limits=httpx.Limits(max_connections=pool_size, max_keepalive_connections=pool_size),
-            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 30.0)))
+        self._all: list = []
+        self._idle: list = []
+        # one TLS context for all connections (httpx would load the CA file per client: ~20 ms each)
+        self._verify = ssl.create_default_context() if url.startswith("https://") else False
+
+    def _acquire(self):
+        if self._idle:
+            return self._idle.pop()
+        httpx = self._httpx
+        client = httpx.AsyncClient(
+            base_url=self.url, verify=self._verify,
+            limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
+            timeout=httpx.Timeout(self.timeout_s, connect=min(self.timeout_s, 30.0)))
+        self._all.append(client)
+        return client
 
     async def list_models(self) -> list[dict]:
-        resp = await self.client.get("/v1/models", headers=self.headers)
+        client = self._acquire()
+        try:
+            resp = await client.get("/v1/models", headers=self.headers)
+        finally:
+            self._idle.append(client)
         resp.raise_for_status()
         return [{"id": m["id"], "max_model_len": m.get("max_model_len")} for m in resp.json()["data"]]
 
@@ -405,23 +432,26 @@ class HttpClient:
         res = RequestResult(spec.prompt_len, spec.max_tokens)
         body = self._body(spec)  # built before the clock starts: not the server's time
         done = False
+        client = self._acquire()
         res.sent_at = time.perf_counter()
         try:
             async with asyncio.timeout(self.timeout_s):
-                done = await self._stream(body, res)
+                done = await self._stream(client, body, res)
         except (TimeoutError, self._httpx.TimeoutException):
             res.error = "timeout"
         except self._httpx.HTTPError as e:
             res.error = type(e).__name__
         except (OSError, ValueError) as e:  # ValueError: a chunk that is not JSON
             res.error = type(e).__name__
+        finally:
+            self._idle.append(client)
         return res.finish(done)
 
-    async def _stream(self, body: bytes, res: RequestResult) -> bool:
+    async def _stream(self, client, body: bytes, res: RequestResult) -> bool:
         times, counts = res.chunk_times, res.chunk_tokens
         parser = SseParser()
         done = False
-        async with self.client.stream("POST", "/v1/completions", content=body,
+        async with client.stream("POST", "/v1/completions", content=body,
                                       headers=self.headers) as resp:
             if resp.status_code != 200:
                 await resp.aread()
@@ -444,7 +474,7 @@ class HttpClient:
         return done or tally.done
 
     async def aclose(self) -> None:
-        await self.client.aclose()
+        await asyncio.gather(*(c.aclose() for c in self._all))
 
 
 class GrpcClient:
@@ -523,6 +553,15 @@ class LevelRun:
     results: list[RequestResult]
     duration_s: float
     max_in_flight: int
+    loop_lag_s: list[float] = field(default_factory=list)
+
+
+async def sample_loop_lag(into: list[float], period_s: float = 0.01) -> None:
+    """Until cancelled, append how late each `period_s` sleep wakes up: the client's own load."""
+    while True:
+        start = time.perf_counter()
+        await asyncio.sleep(period_s)
+        into.append(time.perf_counter() - start - period_s)
 
 
 async def run_closed_loop(send, specs: Sequence[RequestSpec], concurrency: int,
@@ -706,11 +745,17 @@ async def run_level(args: argparse.Namespace, model: str, specs: list[RequestSpe
     client = make_client(args.url, model, pool, args.timeout_s, args.api_key)
     bar = tqdm(total=len(specs), desc=desc, unit="req", file=sys.stderr, mininterval=0.5,
                disable=args.no_progress, leave=False)
+    lag: list[float] = []
+    sampler = asyncio.create_task(sample_loop_lag(lag))
     try:
         if concurrency is None:
-            return await run_replay(client.send, specs, bar.update)
-        return await run_closed_loop(client.send, specs, concurrency, bar.update)
+            run = await run_replay(client.send, specs, bar.update)
+        else:
+            run = await run_closed_loop(client.send, specs, concurrency, bar.update)
+        run.loop_lag_s = lag
+        return run
     finally:
+        sampler.cancel()
         bar.close()
         await client.aclose()
 
@@ -751,6 +796,7 @@ async def run_sweep(args: argparse.Namespace, plan: Plan) -> int:
             {"concurrency": None, "mode": "replay", "speedup": args.speedup,
              "max_in_flight": run.max_in_flight}
         record = header | mode | summarize_level(run.results, run.duration_s, args.gpus)
+        record["client_lag_p99_s"] = percentile(np.array(run.loop_lag_s), 99)
         emit(record, args.output)
         levels.append(record)
     return finish_sweep(args, header, levels)

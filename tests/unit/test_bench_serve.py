@@ -337,7 +337,7 @@ def test_http_sweep_at_concurrency_1_and_8(tmp_path, capsys):
         assert 0 < line["ttft_p50_s"] <= line["ttft_p99_s"] < line["e2e_p99_s"]
         assert line["itl_p50_s"] > 0 and line["output_tok_s_per_user"] > 0
         assert line["output_tok_s_per_gpu"] == pytest.approx(line["output_tok_s"] / 2, rel=1e-3)
-        assert line["git_sha"] and line["label"] == "test-cpu"
+        assert line["git_sha"] and line["label"] == "test-cpu" and line["client_lag_p99_s"] >= 0
     assert len(server.prompts) == 2 + 48 and all(len(p) == 64 for p in server.prompts)
     assert len({tuple(p) for p in server.prompts}) == 50  # no prompt reused across levels
     summary = lines[-1]
