@@ -1,0 +1,53 @@
+"""The attention backend interface: what the model needs from whoever computes paged attention.
+
+A step's tokens from all sequences are flattened into one (T, H, D) batch. `AttentionMetadata`
+describes how they split into sequences and where their KV lives; a backend `plan`s once per step
+(outside any CUDA graph) and `forward`s once per layer. The KV cache of one layer is a tensor of
+shape (num_blocks, 2, block_size, num_kv_heads, head_dim) — [:, 0] keys, [:, 1] values.
+
+Contract of `forward(layer, q, k, v, kv_layer)`: first write k and v (T, Hkv, D) into `kv_layer`
+at `metadata.slot_mapping`, then return causal attention of q (T, H, D) over each sequence's whole
+context (cached prefix + this step's tokens), shape (T, H, D). The torch backend is the oracle.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    query_lens: list[int]            # tokens of each sequence in this step
+    context_lens: list[int]          # each sequence's length after this step (cached + new)
+    block_tables: list[list[int]]    # each sequence's block ids, in order
+    slot_mapping: torch.Tensor       # (T,) int64: block_id * block_size + offset for each new token
+    query_start_loc: torch.Tensor    # (S+1,) int32 cumulative query lens (on device)
+    block_size: int
+    is_decode_only: bool             # every sequence has exactly one query token
+
+
+class AttentionBackend(ABC):
+    """Computes paged attention for one model; holds any per-step plan."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def plan(self, metadata: AttentionMetadata) -> None:
+        """Prepare for the step described by `metadata` (called once per step, before layer 0)."""
+
+    @abstractmethod
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_layer: torch.Tensor) -> torch.Tensor:
+        """Store k, v in the cache, then attend. See the module docstring for shapes."""
+
+
+def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             block_size: int) -> None:
+    """Scatter this step's keys and values into their cache slots."""
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping - blocks * block_size
+    kv_layer[blocks, 0, offsets] = k.to(kv_layer.dtype)
+    kv_layer[blocks, 1, offsets] = v.to(kv_layer.dtype)

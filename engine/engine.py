@@ -1,0 +1,165 @@
+"""The engine step: schedule → execute → update, and the thread that runs it.
+
+`Engine` is synchronous and single-threaded. `EngineLoop` runs it on its own thread, fed by a
+queue of commands, so that gRPC, Redis and detokenization never wait on the model and the model
+never waits on them. Outputs leave through a callback called on the engine thread; the caller
+hops them onto its event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
+
+from kvstore.block_pool import BlockPool
+from kvstore.events import KvEvent
+from engine.model_runner import ModelRunner
+from engine.request import FinishReason, Request, RequestOutput
+from engine.scheduler import Scheduler
+from runtime.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_total_blocks: int
+    num_free_blocks: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_prefix_hit_tokens: int
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, runner: ModelRunner | None = None) -> None:
+        self.cfg = cfg
+        self.runner = runner or ModelRunner(cfg)
+        self.max_model_len = min(self.runner.max_model_len, self.runner.num_blocks * cfg.block_size)
+        self.pool = BlockPool(self.runner.num_blocks, enable_caching=cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.pool, cfg.block_size, self.max_model_len, cfg.max_num_seqs,
+                                   cfg.max_num_batched_tokens, self.runner.model_config.eos_token_ids)
+
+    def add_request(self, request: Request) -> RequestOutput | None:
+        """Queue a request; returns an immediate error output if it can never run here."""
+        if request.num_tokens >= self.max_model_len or not request.prompt_token_ids:
+            return RequestOutput(request.request_id, [], FinishReason.ERROR, 0, request.tag,
+                                 error=f"prompt of {request.num_tokens} tokens does not fit the context "
+                                       f"of {self.max_model_len}")
+        self.scheduler.add(request)
+        return None
+
+    def abort_request(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id) is not None
+
+    def step(self) -> list[RequestOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        sampled = self.runner.execute(chunks)
+        return self.scheduler.update(chunks, sampled)
+
+    def take_events(self) -> list[KvEvent]:
+        return self.pool.take_events()
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(self.pool.num_blocks, self.pool.num_free, len(s.running), len(s.waiting),
+                           s.num_preemptions, s.num_prompt_tokens, s.num_prefix_hit_tokens)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+
+class EngineLoop:
+    """Runs an `Engine` on a thread. Thread-safe: submit / abort / call from anywhere."""
+
+    def __init__(self, engine: Engine, on_outputs: Callable[[list[RequestOutput]], None],
+                 on_events: Callable[[list[KvEvent]], None] | None = None) -> None:
+        self.engine = engine
+        self._on_outputs = on_outputs
+        self._on_events = on_events
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.stats = engine.stats()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request: Request) -> None:
+        self._inbox.put(("add", request))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def call(self, fn: Callable[[Engine], object]) -> Future:
+        """Run fn(engine) on the engine thread between steps (e.g. a consistent snapshot)."""
+        fut: Future = Future()
+        self._inbox.put(("call", (fn, fut)))
+        return fut
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        self._thread.join(timeout=10)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, kind: str, payload) -> None:
+        eng = self.engine
+        if kind == "add":
+            err = eng.add_request(payload)
+            if err is not None:
+                self._on_outputs([err])
+        elif kind == "abort":
+            eng.abort_request(payload)
+        elif kind == "call":
+            fn, fut = payload
+            try:
+                fut.set_result(fn(eng))
+            except Exception as e:  # returned to the caller, not fatal to the loop
+                fut.set_exception(e)
+
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stop.is_set():
+            self._drain(block=not eng.has_work)
+            if self._stop.is_set():
+                break
+            if eng.has_work:
+                try:
+                    outputs = eng.step()
+                except Exception:
+                    log.exception("engine step failed; failing the running requests")
+                    outputs = self._fail_all()
+                if outputs:
+                    self._on_outputs(outputs)
+            events = eng.take_events()
+            if events and self._on_events:
+                self._on_events(events)
+            self.stats = eng.stats()
+
+    def _fail_all(self) -> list[RequestOutput]:
+        sched = self.engine.scheduler
+        failed = list(sched.requests.values())
+        for req in failed:
+            sched.abort(req.request_id)
+        return [RequestOutput(r.request_id, [], FinishReason.ERROR, 0, r.tag, error="engine step failed")
+                for r in failed]

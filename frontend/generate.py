@@ -1,0 +1,151 @@
+"""One generation, from validated input to a stream of deltas: the part HTTP and gRPC share.
+
+`GenerateInput` is what both APIs reduce a request to (prompt token ids + sampling). `Generator`
+routes it to a worker, fans the worker's token deltas through an incremental detokenizer with stop
+strings, migrates the request to another worker if its worker dies (prompt + tokens so far), and
+cancels it on the worker when the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from engine.request import FinishReason, SamplingParams
+from frontend.tokenizer import IncrementalDetokenizer, ModelTokenizer
+from frontend.workers import WORKER_LOST, WorkerPool
+from kvstore.hashing import block_hashes
+from proto.splitserve.v1 import generation_pb2, worker_pb2
+from runtime.convert import FINISH_FROM_PB, sampling_to_pb
+from runtime.errors import InvalidRequest, Unavailable
+from runtime.metrics import FrontendMetrics
+
+log = logging.getLogger(__name__)
+
+MAX_MIGRATIONS = 3
+
+
+@dataclass(slots=True)
+class GenerateInput:
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    request_id: str = ""
+
+
+@dataclass(slots=True)
+class Delta:
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Generator:
+    def __init__(self, pool: WorkerPool, tokenizer: ModelTokenizer, metrics: FrontendMetrics,
+                 max_model_len: int, block_size: int, wait_for_workers_s: float = 10.0) -> None:
+        self.pool, self.tokenizer, self.metrics = pool, tokenizer, metrics
+        self.max_model_len, self.block_size = max_model_len, block_size
+        self.wait_for_workers_s = wait_for_workers_s
+
+    def check_prompt(self, prompt: list[int], max_tokens: int | None, default_max_tokens: int | None) -> int:
+        """Validate prompt length and max_tokens against the context; return the max_tokens to use."""
+        n = len(prompt)
+        if n == 0:
+            raise InvalidRequest("the prompt is empty", "prompt")
+        vocab = self.tokenizer.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt):
+            raise InvalidRequest(f"token ids must lie in [0, {vocab})", "prompt")
+        if n >= self.max_model_len:
+            raise InvalidRequest(f"This model's maximum context length is {self.max_model_len} tokens; "
+                                 f"the prompt has {n} tokens.", "prompt")
+        room = self.max_model_len - n
+        if max_tokens is None:
+            return min(default_max_tokens or room, room)
+        if max_tokens <= 0:
+            raise InvalidRequest("max_tokens must be at least 1", "max_tokens")
+        if max_tokens > room:
+            raise InvalidRequest(f"This model's maximum context length is {self.max_model_len} tokens; "
+                                 f"the prompt has {n} tokens and max_tokens is {max_tokens}.", "max_tokens")
+        return max_tokens
+
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[Delta]:
+        rid = inp.request_id or uuid.uuid4().hex
+        m = self.metrics
+        start = time.perf_counter()
+        last = None
+        detok = IncrementalDetokenizer(self.tokenizer, inp.stop)
+        output: list[int] = []
+        cached = 0
+        exclude: set[str] = set()
+        hashes = block_hashes(inp.prompt_token_ids, self.block_size)
+        m.running.inc()
+        conn = None
+        finished = False
+        try:
+            for attempt in range(MAX_MIGRATIONS + 1):
+                if not self.pool.workers and not await self.pool.wait_for_workers(self.wait_for_workers_s):
+                    raise Unavailable("no workers are available")
+                try:
+                    choice = self.pool.choose(rid, hashes, len(inp.prompt_token_ids), exclude)
+                except Unavailable:
+                    if attempt and await self.pool.wait_for_workers(self.wait_for_workers_s):
+                        exclude.clear()
+                        choice = self.pool.choose(rid, hashes, len(inp.prompt_token_ids), exclude)
+                    else:
+                        raise
+                conn = choice.conn
+                q = conn.submit(worker_pb2.WorkerSubmit(
+                    request_id=rid, prompt_token_ids=inp.prompt_token_ids,
+                    sampling=sampling_to_pb(inp.sampling), output_token_ids=output))
+                while True:
+                    delta = await q.get()
+                    if delta is WORKER_LOST:
+                        break
+                    if delta.finish_reason == generation_pb2.FINISH_REASON_ERROR:
+                        raise InvalidRequest(delta.error or "the worker rejected the request")
+                    now = time.perf_counter()
+                    if not output and delta.token_ids:
+                        m.ttft.observe(now - start)
+                        cached = delta.num_cached_tokens
+                    elif last is not None and delta.token_ids:
+                        m.itl.observe((now - last) / len(delta.token_ids))
+                    last = now
+                    output.extend(delta.token_ids)
+                    text = detok.add(list(delta.token_ids))
+                    reason = FINISH_FROM_PB.get(delta.finish_reason)
+                    if detok.stopped:
+                        reason = FinishReason.STOP
+                        conn.cancel(rid)
+                    if reason is not None:
+                        text += detok.flush()
+                        finished = True
+                        m.requests.labels("all", reason.name.lower()).inc()
+                        yield Delta(list(delta.token_ids), text, reason, len(inp.prompt_token_ids),
+                                    len(output), cached)
+                        return
+                    if delta.token_ids or text:
+                        yield Delta(list(delta.token_ids), text)
+                exclude.add(conn.worker_id)
+                m.migrations.inc()
+                log.warning("request %s lost its worker %s after %d tokens; migrating", rid,
+                            conn.worker_id, len(output))
+            raise Unavailable("the request's workers failed repeatedly")
+        finally:
+            m.running.dec()
+            self.pool.router.finished(rid)
+            if conn is not None:
+                if finished:
+                    conn.release(rid)
+                else:
+                    conn.cancel(rid)   # client went away or an error: free the worker's blocks
+            m.e2e.observe(time.perf_counter() - start)
+            m.prompt_tokens.inc(len(inp.prompt_token_ids))
+            m.generation_tokens.inc(len(output))
+            m.cached_tokens.inc(cached)

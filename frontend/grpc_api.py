@@ -1,0 +1,116 @@
+"""The public gRPC API: splitserve.v1.Generation (+ health and reflection on the same port).
+
+Errors map to status codes via runtime.errors (INVALID_ARGUMENT for bad input, NOT_FOUND for an
+unknown model, UNAUTHENTICATED without the API key). With an API key configured, calls must carry
+metadata `authorization: Bearer <key>`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import uuid
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.request import SamplingParams
+from frontend.generate import GenerateInput
+from frontend.http_api import FrontendState
+from frontend.tokenizer import ChatTurn
+from proto.splitserve.v1 import generation_pb2, generation_pb2_grpc
+from runtime.convert import FINISH_TO_PB
+from runtime.errors import InvalidRequest, NotFound, SplitserveError, Unauthenticated
+
+MAX_STOP_STRINGS = 16
+
+
+class GenerationService(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, state: FrontendState) -> None:
+        self.state = state
+
+    def _authorize(self, context) -> None:
+        key = self.state.api_key
+        if not key:
+            return
+        md = dict(context.invocation_metadata())
+        scheme, _, token = md.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise Unauthenticated("invalid or missing API key (metadata authorization: Bearer <key>)")
+
+    def _to_input(self, req: generation_pb2.GenerateRequest) -> GenerateInput:
+        st = self.state
+        if req.model and req.model != st.model_name:
+            raise NotFound(f"The model `{req.model}` does not exist; this server serves `{st.model_name}`")
+        kind = req.WhichOneof("prompt")
+        if kind == "text":
+            prompt = st.tokenizer.encode(req.text)
+        elif kind == "token_ids":
+            prompt = list(req.token_ids.ids)
+        elif kind == "chat":
+            if not req.chat.messages:
+                raise InvalidRequest("chat.messages must not be empty")
+            for m in req.chat.messages:
+                if m.role not in ("system", "user", "assistant"):
+                    raise InvalidRequest(f"unknown chat role {m.role!r}")
+            prompt = st.tokenizer.encode_chat([ChatTurn(m.role, m.content) for m in req.chat.messages])
+        else:
+            raise InvalidRequest("one of text, token_ids or chat is required")
+        s = req.sampling
+        max_tokens = st.generator.check_prompt(prompt, s.max_tokens if s.HasField("max_tokens") else None, None)
+        t = s.temperature if s.HasField("temperature") else 1.0
+        top_p = s.top_p if s.HasField("top_p") else 1.0
+        if t < 0:
+            raise InvalidRequest("temperature must be >= 0")
+        if not 0 < top_p <= 1:
+            raise InvalidRequest("top_p must be in (0, 1]")
+        if s.HasField("top_k") and s.top_k < 0:
+            raise InvalidRequest("top_k must be >= 0")
+        if len(s.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings")
+        vocab = st.tokenizer.vocab_size
+        if any(i < 0 or i >= vocab for i in s.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids must lie in [0, {vocab})")
+        sampling = SamplingParams(temperature=t, top_p=top_p, top_k=s.top_k if s.HasField("top_k") else 0,
+                                  max_tokens=max_tokens, seed=s.seed if s.HasField("seed") else None,
+                                  stop_token_ids=frozenset(s.stop_token_ids), ignore_eos=s.ignore_eos)
+        return GenerateInput(prompt, sampling, [x for x in s.stop if x], req.request_id or uuid.uuid4().hex)
+
+    async def Generate(self, request, context):
+        try:
+            self._authorize(context)
+            inp = self._to_input(request)
+            async for d in self.state.generator.generate(inp):
+                msg = generation_pb2.GenerateResponse(request_id=inp.request_id, token_ids=d.token_ids,
+                                                      text=d.text, finish_reason=FINISH_TO_PB[d.finish_reason])
+                if d.finish_reason is not None:
+                    msg.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=d.prompt_tokens,
+                                                            completion_tokens=d.completion_tokens,
+                                                            cached_tokens=d.cached_tokens))
+                yield msg
+        except SplitserveError as e:
+            self.state.metrics.errors.labels("grpc", e.grpc_code.name).inc()
+            await context.abort(e.grpc_code, e.message)
+
+    async def ListModels(self, request, context):
+        try:
+            self._authorize(context)
+        except SplitserveError as e:
+            await context.abort(e.grpc_code, e.message)
+        return generation_pb2.ListModelsResponse(models=[generation_pb2.ModelInfo(
+            id=self.state.model_name, max_model_len=self.state.max_model_len, owned_by="splitserve")])
+
+
+async def start_grpc_server(state: FrontendState, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20)])
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(state), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set("splitserve.v1.Generation", health_pb2.HealthCheckResponse.SERVING)
+    return server, bound

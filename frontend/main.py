@@ -1,0 +1,55 @@
+"""Runs the frontend process: HTTP (uvicorn) and gRPC servers on one event loop, worker discovery."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import redis.asyncio as aioredis
+import uvicorn
+
+from engine.model_config import ModelConfig
+from frontend.generate import Generator
+from frontend.grpc_api import start_grpc_server
+from frontend.http_api import FrontendState, create_app
+from frontend.routing import LeastLoadedRouter
+from frontend.tokenizer import ModelTokenizer
+from frontend.workers import WorkerPool
+from runtime.config import FrontendConfig
+from runtime.metrics import FrontendMetrics
+from runtime.process import install_stop_handlers
+
+log = logging.getLogger(__name__)
+
+
+async def serve_frontend(cfg: FrontendConfig) -> None:
+    model_cfg = ModelConfig.from_dir(cfg.model)
+    tokenizer = ModelTokenizer(cfg.model)
+    model_name = cfg.model_name or Path(cfg.model).resolve().name
+    metrics = FrontendMetrics()
+    redis = aioredis.Redis.from_url(cfg.redis.url)
+    pool = WorkerPool(redis, cfg.redis.namespace, LeastLoadedRouter())
+    await pool.start()
+    generator = Generator(pool, tokenizer, metrics, model_cfg.max_position_embeddings, cfg.block_size)
+    state = FrontendState(generator=generator, tokenizer=tokenizer, metrics=metrics, model_name=model_name,
+                          max_model_len=model_cfg.max_position_embeddings, api_key=cfg.api_key,
+                          max_body_bytes=cfg.max_body_bytes)
+    grpc_server, grpc_port = await start_grpc_server(state, cfg.host, cfg.grpc_port)
+    http = uvicorn.Server(uvicorn.Config(create_app(state), host=cfg.host, port=cfg.http_port,
+                                         log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
+    http.install_signal_handlers = lambda: None   # we own SIGINT/SIGTERM
+    http_task = asyncio.create_task(http.serve())
+    stop = asyncio.Event()
+    install_stop_handlers(stop)
+    log.info("frontend: model %r, HTTP on %s:%d, gRPC on %s:%d", model_name, cfg.host, cfg.http_port,
+             cfg.host, grpc_port)
+    done, _ = await asyncio.wait({http_task, asyncio.create_task(stop.wait())},
+                                 return_when=asyncio.FIRST_COMPLETED)
+    if http_task in done and http_task.exception():
+        log.error("HTTP server failed: %s", http_task.exception())
+    http.should_exit = True
+    await grpc_server.stop(grace=1.0)
+    await asyncio.gather(http_task, return_exceptions=True)
+    await pool.close()
+    await redis.aclose()

@@ -1,0 +1,126 @@
+"""Tokenization at the client edge: encode, chat templates, incremental detokenization, stop strings.
+
+Uses the Rust `tokenizers` library on the model directory's tokenizer.json and renders the chat
+template from tokenizer_config.json with a sandboxed jinja2 environment configured like HF's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+from runtime.errors import InvalidRequest
+
+
+def _raise(message: str):
+    raise TemplateError(message)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTurn:
+    role: str
+    content: str
+
+
+class ModelTokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise InvalidRequest(f"{model_dir} has no tokenizer.json")
+        self.tok = Tokenizer.from_file(str(path))
+        cfg_path = model_dir / "tokenizer_config.json"
+        self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.bos_token = _token_text(self.config.get("bos_token"))
+        self.eos_token = _token_text(self.config.get("eos_token"))
+        template = self.config.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self._template = None
+        if template:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+            self._template = env.from_string(template)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, turns: list[ChatTurn], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise InvalidRequest("this model has no chat template; use /v1/completions")
+        try:
+            return self._template.render(
+                messages=[{"role": t.role, "content": t.content} for t in turns],
+                add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "")
+        except TemplateError as e:
+            raise InvalidRequest(f"chat template rejected the messages: {e}") from None
+
+    def encode_chat(self, turns: list[ChatTurn]) -> list[int]:
+        # the template writes special tokens itself
+        return self.encode(self.apply_chat_template(turns), add_special_tokens=False)
+
+
+def _token_text(tok) -> str | None:
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a stream of token ids, holding back what may still become a stop string."""
+
+    def __init__(self, tokenizer: ModelTokenizer, stop: list[str]) -> None:
+        self._tok = tokenizer.tok
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._stop = [s for s in stop if s]
+        self._hold = max((len(s) for s in self._stop), default=1) - 1
+        self._text = ""          # all text decoded so far
+        self._emitted = 0        # chars of _text already returned
+        self.stopped = False
+
+    def add(self, token_ids: list[int]) -> str:
+        """Feed new tokens; return the text that can be released now. Sets `stopped` on a stop string."""
+        if self.stopped:
+            return ""
+        for t in token_ids:
+            piece = self._stream.step(self._tok, t)
+            if piece:
+                self._text += piece
+        if self._stop:
+            search_from = max(self._emitted - self._hold, 0)
+            cut = min((i for s in self._stop if (i := self._text.find(s, search_from)) >= 0), default=-1)
+            if cut >= 0:
+                self.stopped = True
+                self._text = self._text[:cut]
+                return self._release(len(self._text))
+        return self._release(len(self._text) - self._hold)
+
+    def flush(self) -> str:
+        """At the end of the stream: release what was held back."""
+        return self._release(len(self._text))
+
+    def _release(self, upto: int) -> str:
+        if upto <= self._emitted:
+            return ""
+        out = self._text[self._emitted:upto]
+        self._emitted = upto
+        return out
+
+    @property
+    def text(self) -> str:
+        return self._text

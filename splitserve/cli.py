@@ -1,0 +1,139 @@
+"""The `splitserve` command: serve a cluster, run one component, make the tiny model, benchmark.
+
+Flags mirror the config dataclasses in runtime/config.py. Secrets (the API key) are read from the
+environment (SPLITSERVE_API_KEY) as well as flags, so launchers can pass them without putting them
+on a command line that `ps` shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+from runtime.config import EngineConfig, FrontendConfig, RedisConfig, WorkerConfig
+from runtime.logging import setup_logging
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="HF model directory, or 'tiny' (default)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: fit memory)")
+    p.add_argument("--kv-cpu-mib", type=int, default=256, help="KV pool size on the CPU")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"])
+    p.add_argument("--no-cuda-graphs", action="store_true")
+
+
+def _add_redis_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-url", default=os.environ.get("SPLITSERVE_REDIS_URL"),
+                   help="Redis URL (default: start an embedded one; components need it)")
+    p.add_argument("--namespace", default="splitserve")
+    p.add_argument("--lease-ttl-s", type=float, default=5.0)
+
+
+def _add_frontend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"),
+                   help="require this key (Bearer on HTTP, metadata on gRPC); env SPLITSERVE_API_KEY")
+    p.add_argument("--model-name", default=None, help="model id for clients (default: directory name)")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+
+
+def engine_config(a: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(model=a.model, device=a.device, dtype=a.dtype, block_size=a.block_size,
+                        num_blocks=a.num_blocks, kv_cpu_bytes=a.kv_cpu_mib << 20, max_model_len=a.max_model_len,
+                        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                        enable_prefix_caching=not a.no_prefix_caching, attention_backend=a.attention_backend,
+                        cuda_graphs=not a.no_cuda_graphs)
+
+
+def redis_config(a: argparse.Namespace) -> RedisConfig:
+    return RedisConfig(url=a.redis_url, namespace=a.namespace, lease_ttl_s=a.lease_ttl_s)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="a whole cluster on this machine")
+    _add_engine_args(p)
+    _add_redis_args(p)
+    _add_frontend_args(p)
+    p.add_argument("--decode-workers", type=int, default=1)
+    p.add_argument("--prefill-workers", type=int, default=0)
+    p.add_argument("--startup-timeout-s", type=float, default=300.0)
+
+    p = sub.add_parser("frontend", help="the client edge (HTTP + gRPC)")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--block-size", type=int, default=16)
+    _add_redis_args(p)
+    _add_frontend_args(p)
+
+    for name in ("decode-worker", "worker"):
+        p = sub.add_parser(name, help="one worker (prefills locally and decodes)")
+        _add_engine_args(p)
+        _add_redis_args(p)
+        p.add_argument("--role", default="aggregated", choices=["aggregated", "decode"])
+        p.add_argument("--host", default="127.0.0.1")
+        p.add_argument("--port", type=int, default=0)
+        p.add_argument("--metrics-port", type=int, default=None)
+        p.add_argument("--worker-id", default=None)
+
+    p = sub.add_parser("model", help="model utilities")
+    msub = p.add_subparsers(dest="model_command", required=True)
+    from splitserve import tiny_model
+    tiny_model.add_arguments(msub.add_parser("tiny", help="write the tiny seeded-random model"))
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bsub = p.add_subparsers(dest="bench_command", required=True)
+    from splitserve import bench_serve
+    bench_serve.add_arguments(bsub.add_parser("serve", help="load-generate against a running server"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cmd = args.command
+    if cmd == "model":
+        from splitserve import tiny_model
+        return tiny_model.main(args)
+    if cmd == "bench":
+        from splitserve import bench_serve
+        return bench_serve.main(args)
+    if cmd == "serve":
+        from splitserve.serve import serve
+        setup_logging("serve")
+        return serve(args)
+    from splitserve.models import resolve_model
+    args.model = resolve_model(args.model)
+    if cmd == "frontend":
+        setup_logging("frontend")
+        if not args.redis_url:
+            print("splitserve frontend: --redis-url is required", file=sys.stderr)
+            return 2
+        from frontend.main import serve_frontend
+        asyncio.run(serve_frontend(FrontendConfig(
+            model=args.model, model_name=args.model_name, redis=redis_config(args), host=args.host,
+            http_port=args.http_port, grpc_port=args.grpc_port, api_key=args.api_key,
+            max_body_bytes=args.max_body_bytes, block_size=args.block_size)))
+        return 0
+    if cmd in ("decode-worker", "worker"):
+        setup_logging(args.worker_id or "worker")
+        if not args.redis_url:
+            print(f"splitserve {cmd}: --redis-url is required", file=sys.stderr)
+            return 2
+        from decode_worker.main import serve_worker
+        asyncio.run(serve_worker(WorkerConfig(
+            engine=engine_config(args), redis=redis_config(args), role=args.role, host=args.host,
+            port=args.port, metrics_port=args.metrics_port, worker_id=args.worker_id)))
+        return 0
+    raise AssertionError(cmd)

@@ -1,0 +1,37 @@
+"""Resolves --model: a HF directory as given, or "tiny[-qwen2][:seed]" → the generated tiny model,
+written once into a cache directory ($SPLITSERVE_CACHE, default ~/.cache/splitserve)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from runtime.errors import InvalidRequest
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPLITSERVE_CACHE", Path.home() / ".cache" / "splitserve"))
+
+
+def resolve_model(spec: str) -> str:
+    if spec.startswith("tiny"):
+        name, _, seed = spec.partition(":")
+        arch = "qwen2" if name == "tiny-qwen2" else "llama"
+        if name not in ("tiny", "tiny-llama", "tiny-qwen2"):
+            raise InvalidRequest(f"unknown tiny model {spec!r} (tiny, tiny-qwen2, tiny:SEED)")
+        out = cache_dir() / "models" / f"tiny-{arch}-seed{int(seed or 0)}"
+        if not (out / "model.safetensors").is_file():
+            from splitserve.tiny_model import write_tiny_model
+            tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+            write_tiny_model(tmp, arch=arch, seed=int(seed or 0))
+            out.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                tmp.rename(out)
+            except OSError:  # another process won the race; theirs is identical
+                import shutil
+                shutil.rmtree(tmp, ignore_errors=True)
+        return str(out)
+    path = Path(spec).expanduser()
+    if not (path / "config.json").is_file():
+        raise InvalidRequest(f"--model {spec}: not a HF model directory (no config.json) and not 'tiny'")
+    return str(path.resolve())
