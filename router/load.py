@@ -36,26 +36,29 @@ class LoadTracker:
     block_size: int
     _workers: dict[str, _WorkerLoad] = field(default_factory=dict)
     _requests: dict[str, list[_Routed]] = field(default_factory=dict)
+    # reported + routed, kept current so that selection reads one dict instead of calling per worker
+    decode: dict[str, float] = field(default_factory=dict)
+    prefill: dict[str, float] = field(default_factory=dict)
 
     def add_worker(self, worker_id: str) -> None:
-        self._workers.setdefault(worker_id, _WorkerLoad())
+        w = self._workers.setdefault(worker_id, _WorkerLoad())
+        self._refresh(worker_id, w)
 
     def remove_worker(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
+        self.decode.pop(worker_id, None)
+        self.prefill.pop(worker_id, None)
 
-    def decode_load(self, worker_id: str) -> float:
-        w = self._workers[worker_id]
-        return w.reported_decode + w.routed_decode
-
-    def prefill_load(self, worker_id: str) -> float:
-        w = self._workers[worker_id]
-        return w.reported_prefill + w.routed_prefill
+    def _refresh(self, worker_id: str, w: _WorkerLoad) -> None:
+        self.decode[worker_id] = w.reported_decode + w.routed_decode
+        self.prefill[worker_id] = w.reported_prefill + w.routed_prefill
 
     def route(self, request_id: str, worker_id: str, decode_blocks: float,
               prefill_blocks: float) -> None:
         w = self._workers[worker_id]
         w.routed_decode += decode_blocks
         w.routed_prefill += prefill_blocks
+        self._refresh(worker_id, w)
         self._requests.setdefault(request_id, []).append(
             _Routed(worker_id, decode_blocks, prefill_blocks, w.epoch))
 
@@ -74,6 +77,7 @@ class LoadTracker:
             if w is not None and w.epoch == r.epoch:
                 w.routed_decode = max(0.0, w.routed_decode - r.decode_blocks)
                 w.routed_prefill = max(0.0, w.routed_prefill - r.prefill_blocks)
+                self._refresh(r.worker_id, w)
         if keep:
             self._requests[request_id] = keep
         else:
@@ -87,6 +91,7 @@ class LoadTracker:
         w.reported_prefill = waiting_prefill_tokens / self.block_size
         w.routed_decode = 0.0
         w.routed_prefill = 0.0
+        self._refresh(worker_id, w)
 
     def num_requests(self) -> int:
         return len(self._requests)

@@ -82,7 +82,7 @@ class Router:
                                     f"({len(self._roles)} registered, {len(exclude)} excluded)")
         prompt_blocks = max(len(block_hashes), -(-num_prompt_tokens // self.block_size))
         overlaps = self._overlaps(block_hashes)
-        load = self._loads.prefill_load if role is WorkerRole.PREFILL else self._loads.decode_load
+        load = self._loads.prefill if role is WorkerRole.PREFILL else self._loads.decode
         worker, cost = self._selector.select(candidates, prompt_blocks, overlaps, load)
         overlap = int(overlaps.get(worker, 0))
         to_prefill = prompt_blocks - overlap
@@ -109,8 +109,8 @@ class Router:
     def load(self, worker_id: str) -> float:
         """The load the KV cost uses for this worker (decode blocks, or queued prefill blocks)."""
         if self._roles.get(worker_id) is WorkerRole.PREFILL:
-            return self._loads.prefill_load(worker_id)
-        return self._loads.decode_load(worker_id)
+            return self._loads.prefill[worker_id]
+        return self._loads.decode[worker_id]
 
     def overlaps(self, block_hashes: Sequence[int]) -> dict[str, float]:
         """Cached leading blocks per worker, as the KV cost sees them."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from router.config import RouterConfig, RoutingPolicy
 
@@ -30,7 +30,7 @@ class Selector:
         self._next_rr = 0
 
     def select(self, candidates: Sequence[str], prompt_blocks: int,
-               overlaps: Mapping[str, float], load: Callable[[str], float]) -> tuple[str, float]:
+               overlaps: Mapping[str, float], load: Mapping[str, float]) -> tuple[str, float]:
         """Pick one of ``candidates`` (non-empty); returns it with its KV cost."""
         assert candidates
         policy = self._config.policy
@@ -40,7 +40,7 @@ class Selector:
         elif policy is RoutingPolicy.RANDOM:
             w = self._rng.choice(candidates)
         elif policy is RoutingPolicy.LEAST_LOADED:
-            w = self._cheapest(candidates, [load(c) for c in candidates])
+            w = self._cheapest(candidates, [load[c] for c in candidates])
         else:
             costs = self.costs(candidates, prompt_blocks, overlaps, load)
             if self._config.temperature > 0:
@@ -50,15 +50,20 @@ class Selector:
         return w, self.cost(w, prompt_blocks, overlaps, load)
 
     def cost(self, worker_id: str, prompt_blocks: int, overlaps: Mapping[str, float],
-             load: Callable[[str], float]) -> float:
+             load: Mapping[str, float]) -> float:
         to_prefill = max(0.0, prompt_blocks - overlaps.get(worker_id, 0))
-        return self._config.overlap_weight * to_prefill + load(worker_id)
+        return self._config.overlap_weight * to_prefill + load[worker_id]
 
     def costs(self, candidates: Sequence[str], prompt_blocks: int,
-              overlaps: Mapping[str, float], load: Callable[[str], float]) -> list[float]:
+              overlaps: Mapping[str, float], load: Mapping[str, float]) -> list[float]:
         weight = self._config.overlap_weight
-        get = overlaps.get
-        return [weight * max(0.0, prompt_blocks - get(c, 0)) + load(c) for c in candidates]
+        base = weight * prompt_blocks
+        costs = [base + load[c] for c in candidates]
+        if overlaps:   # usually few workers hold any of the prompt: correct only theirs
+            for i, c in enumerate(candidates):
+                if c in overlaps:
+                    costs[i] -= weight * min(overlaps[c], prompt_blocks)
+        return costs
 
     def _cheapest(self, candidates: Sequence[str], costs: list[float]) -> str:
         best = min(costs)
