@@ -1,0 +1,46 @@
+"""The router's configuration and the small enums its API speaks.
+
+Plain data only; what the router does with it lives in selection.py, index.py and router.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from kvstore.events import Tier
+
+
+class WorkerRole(Enum):
+    """What a worker does. A DECODE worker prefills locally when it is not sent a prefill worker."""
+    DECODE = "decode"
+    PREFILL = "prefill"
+    AGGREGATED = "aggregated"
+
+
+class RoutingPolicy(Enum):
+    KV = "kv"                    # lowest cost: prefill still to do + current load
+    ROUND_ROBIN = "round_robin"
+    RANDOM = "random"
+    LEAST_LOADED = "least_loaded"
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    policy: RoutingPolicy = RoutingPolicy.KV
+    overlap_weight: float = 1.0        # cost per prompt block a worker would still have to prefill
+    temperature: float = 0.0           # 0 = pick the cheapest; >0 = softmax over -cost/normaliser
+    approximate: bool = False          # no KV events: assume routed prompts stay cached for a while
+    approx_ttl_s: float = 120.0
+    gap_max_buffered: int = 64         # early batches held while waiting for a missing one ...
+    gap_timeout_s: float = 1.0         # ... or for this long, before the worker needs a resync
+    tiers: tuple[Tier, ...] = (Tier.GPU,)   # tiers whose blocks count as cached
+    lower_tier_weight: float = 0.0     # >0: blocks only on a slower tier count this fraction of a hit
+
+    def __post_init__(self) -> None:
+        if self.overlap_weight < 0 or self.temperature < 0 or not 0 <= self.lower_tier_weight <= 1:
+            raise ValueError(f"bad router config: {self}")
+        if self.gap_max_buffered < 1 or self.gap_timeout_s <= 0 or self.approx_ttl_s <= 0:
+            raise ValueError(f"bad router config: {self}")
+        if not self.tiers:
+            raise ValueError("router config needs at least one tier")

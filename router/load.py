@@ -1,0 +1,97 @@
+"""Per-worker load as the router sees it: what it routed, corrected by what workers report.
+
+A worker's load is its last reported value plus what the router sent it since that report. A
+request routed before a report is assumed to be inside the report, so finishing it changes
+nothing until the next report says so; a worker that never reports is tracked by the router's
+own accounting alone (route adds, finish subtracts).
+
+Two loads per worker: decode blocks (KV held by running sequences) and prefill blocks (prompt
+blocks queued for prefill). Which one a policy looks at depends on the worker's role.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class _WorkerLoad:
+    epoch: int = 0                  # bumped on every report
+    reported_decode: float = 0.0
+    reported_prefill: float = 0.0
+    routed_decode: float = 0.0      # routed since the last report
+    routed_prefill: float = 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class _Routed:
+    worker_id: str
+    decode_blocks: float
+    prefill_blocks: float
+    epoch: int
+
+
+@dataclass(slots=True)
+class LoadTracker:
+    block_size: int
+    _workers: dict[str, _WorkerLoad] = field(default_factory=dict)
+    _requests: dict[str, list[_Routed]] = field(default_factory=dict)
+    # reported + routed, kept current so that selection reads one dict instead of calling per worker
+    decode: dict[str, float] = field(default_factory=dict)
+    prefill: dict[str, float] = field(default_factory=dict)
+
+    def add_worker(self, worker_id: str) -> None:
+        w = self._workers.setdefault(worker_id, _WorkerLoad())
+        self._refresh(worker_id, w)
+
+    def remove_worker(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)
+        self.decode.pop(worker_id, None)
+        self.prefill.pop(worker_id, None)
+
+    def _refresh(self, worker_id: str, w: _WorkerLoad) -> None:
+        self.decode[worker_id] = w.reported_decode + w.routed_decode
+        self.prefill[worker_id] = w.reported_prefill + w.routed_prefill
+
+    def route(self, request_id: str, worker_id: str, decode_blocks: float,
+              prefill_blocks: float) -> None:
+        w = self._workers[worker_id]
+        w.routed_decode += decode_blocks
+        w.routed_prefill += prefill_blocks
+        self._refresh(worker_id, w)
+        self._requests.setdefault(request_id, []).append(
+            _Routed(worker_id, decode_blocks, prefill_blocks, w.epoch))
+
+    def finish(self, request_id: str, worker_id: str | None = None) -> bool:
+        """Release a request's load (on ``worker_id`` only, if given). False if nothing was held."""
+        routed = self._requests.get(request_id)
+        if not routed:
+            return False
+        keep = [r for r in routed if worker_id is not None and r.worker_id != worker_id]
+        if len(keep) == len(routed):
+            return False
+        for r in routed:
+            if r in keep:
+                continue
+            w = self._workers.get(r.worker_id)
+            if w is not None and w.epoch == r.epoch:
+                w.routed_decode = max(0.0, w.routed_decode - r.decode_blocks)
+                w.routed_prefill = max(0.0, w.routed_prefill - r.prefill_blocks)
+                self._refresh(r.worker_id, w)
+        if keep:
+            self._requests[request_id] = keep
+        else:
+            del self._requests[request_id]
+        return True
+
+    def report(self, worker_id: str, active_blocks: int, waiting_prefill_tokens: int) -> None:
+        w = self._workers[worker_id]
+        w.epoch += 1
+        w.reported_decode = float(active_blocks)
+        w.reported_prefill = waiting_prefill_tokens / self.block_size
+        w.routed_decode = 0.0
+        w.routed_prefill = 0.0
+        self._refresh(worker_id, w)
+
+    def num_requests(self) -> int:
+        return len(self._requests)

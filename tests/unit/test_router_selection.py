@@ -1,0 +1,155 @@
+"""Router facade and selection: who gets a request, and how load spreads."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from kvstore.events import BlockStored, KvEventBatch, Tier
+from kvstore.hashing import block_hashes
+from router import NoWorkerAvailable, Router, RouterConfig, RoutingPolicy, UnknownWorker, WorkerRole
+
+BS = 16
+
+
+def make_router(n: int = 4, role: WorkerRole = WorkerRole.DECODE, **cfg) -> Router:
+    r = Router(RouterConfig(**cfg), block_size=BS, seed=1)
+    for i in range(n):
+        r.add_worker(f"w{i}", role)
+    return r
+
+
+def cache(r: Router, worker: str, hashes, seq: int = 1, tier: Tier = Tier.GPU) -> None:
+    r.apply_events(KvEventBatch(worker, seq, [BlockStored(tuple(hashes), None, tier)]))
+
+
+def prompt(seed: int, num_tokens: int = 256) -> list[int]:
+    return [(seed * 7919 + i) % 4096 for i in range(num_tokens)]
+
+
+def test_kv_policy_sends_a_prompt_to_the_worker_holding_its_prefix():
+    r = make_router()
+    toks = prompt(1)
+    hs = block_hashes(toks, BS)
+    cache(r, "w2", hs[:12])
+    cache(r, "w3", hs[:4])
+    d = r.route("req", hs, len(toks), WorkerRole.DECODE)
+    assert (d.worker_id, d.overlap_blocks, d.prefill_blocks) == ("w2", 12, 4)
+    assert d.cost == pytest.approx(4.0)
+
+
+def test_load_keeps_a_shared_system_prompt_from_piling_onto_one_worker():
+    r = make_router(n=4)
+    system = prompt(0, 128)                     # 8 blocks every request shares
+    for i in range(4):
+        cache(r, f"w{i}", block_hashes(system, BS))
+    picks = Counter()
+    for i in range(400):
+        toks = system + prompt(1000 + i, 128)
+        picks[r.route(f"r{i}", block_hashes(toks, BS), len(toks), WorkerRole.DECODE).worker_id] += 1
+    assert set(picks) == {"w0", "w1", "w2", "w3"}
+    assert max(picks.values()) - min(picks.values()) <= 2
+
+
+def test_finishing_requests_releases_load_and_reports_replace_the_router_estimate():
+    r = make_router(n=2)
+    hs = block_hashes(prompt(3), BS)
+    d = r.route("a", hs, 256, WorkerRole.DECODE)
+    assert r.load(d.worker_id) == 16
+    r.finished("a")
+    r.finished("a")                              # a cancel racing the finish is harmless
+    assert r.load(d.worker_id) == 0
+    r.update_worker_load("w0", active_blocks=100, waiting_prefill_tokens=0)
+    assert r.route("b", hs, 256, WorkerRole.DECODE).worker_id == "w1"
+    with pytest.raises(UnknownWorker):
+        r.update_worker_load("nope", 1, 0)
+
+
+def test_a_busy_worker_loses_to_an_idle_one_once_load_outweighs_the_cached_prefix():
+    r = make_router(n=2, overlap_weight=1.0)
+    hs = block_hashes(prompt(4), BS)             # 16 blocks
+    cache(r, "w0", hs)
+    r.update_worker_load("w0", active_blocks=10, waiting_prefill_tokens=0)
+    assert r.route("a", hs, 256, WorkerRole.DECODE).worker_id == "w0"      # 10 < 16
+    r.update_worker_load("w0", active_blocks=20, waiting_prefill_tokens=0)
+    assert r.route("b", hs, 256, WorkerRole.DECODE).worker_id == "w1"      # 20 > 16
+
+
+def test_prefill_workers_are_chosen_by_queued_prefill_and_roles_are_kept_apart():
+    r = Router(RouterConfig(), block_size=BS)
+    r.add_worker("p0", WorkerRole.PREFILL)
+    r.add_worker("p1", WorkerRole.PREFILL)
+    r.add_worker("d0", WorkerRole.DECODE)
+    hs = block_hashes(prompt(5), BS)
+    r.update_worker_load("p0", active_blocks=0, waiting_prefill_tokens=64 * BS)
+    assert r.route("a", hs, 256, WorkerRole.PREFILL).worker_id == "p1"
+    assert r.route("a", hs, 256, WorkerRole.DECODE).worker_id == "d0"
+    r.finished("a", "p1")                        # prefill half done; decode half still held
+    assert r.load("p1") == 0 and r.load("d0") == 16
+
+
+def test_no_worker_of_the_role_raises_a_router_error():
+    r = make_router(n=2)
+    hs = block_hashes(prompt(6), BS)
+    with pytest.raises(NoWorkerAvailable):
+        r.route("a", hs, 256, WorkerRole.PREFILL)
+    with pytest.raises(NoWorkerAvailable):
+        r.route("a", hs, 256, WorkerRole.DECODE, exclude={"w0", "w1"})
+    assert r.route("a", hs, 256, WorkerRole.DECODE, exclude={"w0"}).worker_id == "w1"
+    r.remove_worker("w1")
+    assert r.route("b", hs, 256, WorkerRole.DECODE).worker_id == "w0"
+
+
+def test_baseline_policies():
+    hs = block_hashes(prompt(7), BS)
+    rr = make_router(n=3, policy=RoutingPolicy.ROUND_ROBIN)
+    assert [rr.route(f"r{i}", hs, 256, WorkerRole.DECODE).worker_id for i in range(6)] == \
+        ["w0", "w1", "w2", "w0", "w1", "w2"]
+    ll = make_router(n=3, policy=RoutingPolicy.LEAST_LOADED)
+    ll.update_worker_load("w0", 5, 0)
+    ll.update_worker_load("w1", 1, 0)
+    ll.update_worker_load("w2", 3, 0)
+    assert ll.route("a", hs, 256, WorkerRole.DECODE).worker_id == "w1"
+    picks = [make_router(n=8, policy=RoutingPolicy.RANDOM).route("a", hs, 256, WorkerRole.DECODE)
+             .worker_id for _ in range(3)]
+    assert len(set(picks)) == 1                 # seeded: the same seed picks the same worker
+
+
+def test_temperature_spreads_picks_among_near_equal_workers_but_avoids_expensive_ones():
+    r = make_router(n=3, temperature=0.5)
+    hs = block_hashes(prompt(8), BS)
+    cache(r, "w0", hs[:15])
+    cache(r, "w1", hs[:14])
+    picks = Counter()
+    for i in range(300):
+        picks[r.route(f"r{i}", hs, 256, WorkerRole.DECODE).worker_id] += 1
+        r.finished(f"r{i}")
+    assert picks["w0"] > picks["w2"] and picks["w1"] > picks["w2"]
+    assert picks["w1"] > 30
+
+
+def test_host_tier_counts_only_when_weighted():
+    hs = block_hashes(prompt(9), BS)
+    for weight, expect in ((0.0, "w1"), (0.8, "w0")):
+        r = make_router(n=2, lower_tier_weight=weight)
+        cache(r, "w0", hs, tier=Tier.HOST)       # all 16 blocks, but in host RAM
+        cache(r, "w1", hs[:4])
+        assert r.route("a", hs, 256, WorkerRole.DECODE).worker_id == expect
+
+
+def test_router_reports_workers_needing_resync():
+    r = make_router(n=1, gap_max_buffered=1)
+    cache(r, "w0", [1], seq=1)
+    cache(r, "w0", [3], seq=3)
+    assert r.apply_events(KvEventBatch("w0", 4, [])).needs_resync
+    assert r.workers_needing_resync() == ["w0"]
+    r.apply_snapshot("w0", 4, [(Tier.GPU, [1, 2, 3])])
+    assert r.workers_needing_resync() == [] and r.overlaps([1, 2, 3]) == {"w0": 3}
+
+
+def test_bad_config_is_rejected():
+    with pytest.raises(ValueError):
+        RouterConfig(overlap_weight=-1)
+    with pytest.raises(ValueError):
+        RouterConfig(gap_max_buffered=0)
