@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 import uuid
 
@@ -21,6 +20,7 @@ from engine.engine import Engine, EngineLoop
 from proto.splitserve.v1 import worker_pb2_grpc
 from runtime.config import WorkerConfig
 from runtime.discovery import Lease, WorkerInfo
+from runtime.kv_events import KvEventPublisher
 from runtime.metrics import WorkerMetrics, start_metrics_server
 from runtime.process import install_stop_handlers
 
@@ -28,13 +28,20 @@ log = logging.getLogger(__name__)
 
 
 async def serve_worker(cfg: WorkerConfig, ready: asyncio.Event | None = None) -> None:
-    worker_id = cfg.worker_id or f"{cfg.role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+    # unique per process: a restarted worker must not reuse its predecessor's KV-event numbering
+    worker_id = f"{cfg.worker_id or cfg.role + '-' + socket.gethostname()}-{uuid.uuid4().hex[:6]}"
     engine = await asyncio.to_thread(Engine, cfg.engine)
     service = WorkerService(worker_id, cfg.role, cfg.engine.block_size)
     metrics = WorkerMetrics(worker_id)
-    loop = EngineLoop(engine, service.on_outputs)
+    redis = aioredis.Redis.from_url(cfg.redis.url)
+    events: asyncio.Queue = asyncio.Queue()
+    service.publisher = KvEventPublisher(redis, cfg.redis.namespace, worker_id, track_blocks=True)
+    aio_loop = asyncio.get_running_loop()
+    loop = EngineLoop(engine, service.on_outputs,
+                      on_events=lambda evs: aio_loop.call_soon_threadsafe(events.put_nowait, evs))
     service.attach(loop)
     loop.start()
+    publisher_task = asyncio.create_task(_publish_events(events, service.publisher))
 
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
     worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
@@ -49,7 +56,6 @@ async def serve_worker(cfg: WorkerConfig, ready: asyncio.Event | None = None) ->
         mport = start_metrics_server(cfg.host, cfg.metrics_port, metrics.registry)
         metrics_url = f"http://{cfg.host}:{mport}/metrics"
 
-    redis = aioredis.Redis.from_url(cfg.redis.url)
     info = WorkerInfo(worker_id=worker_id, role=cfg.role, address=f"{cfg.host}:{port}",
                       model=cfg.engine.model, block_size=cfg.engine.block_size,
                       num_blocks=engine.pool.num_blocks, metrics_url=metrics_url)
@@ -68,10 +74,22 @@ async def serve_worker(cfg: WorkerConfig, ready: asyncio.Event | None = None) ->
     finally:
         log.info("worker %s stopping", worker_id)
         sampler.cancel()
+        publisher_task.cancel()
         await lease.close()
         await server.stop(grace=1.0)
         loop.stop()
         await redis.aclose()
+
+
+async def _publish_events(events: asyncio.Queue, publisher: KvEventPublisher) -> None:
+    while True:
+        batch = await events.get()
+        while not events.empty():           # one XADD for everything queued meanwhile
+            batch = batch + events.get_nowait()
+        try:
+            await publisher.publish(batch)
+        except Exception as e:  # the router sees the gap and resyncs from our snapshot
+            log.warning("publishing KV events failed: %s", e)
 
 
 async def _sample_metrics(loop: EngineLoop, metrics: WorkerMetrics) -> None:

@@ -34,7 +34,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.engine_loop: EngineLoop | None = None
         self._loop = asyncio.get_running_loop()
         self._sessions: set[_Session] = set()
-        self.last_event_seq = 0      # set by the KV-event publisher
+        self.publisher = None        # KvEventPublisher: answers Snapshot consistently with its seq
 
     def attach(self, engine_loop: EngineLoop) -> None:
         self.engine_loop = engine_loop
@@ -104,13 +104,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             worker_id=self.worker_id, role=self.role, num_total_blocks=s.num_total_blocks,
             num_free_blocks=s.num_free_blocks, num_running=s.num_running, num_waiting=s.num_waiting,
             block_size=self.block_size, num_prefix_hit_tokens=s.num_prefix_hit_tokens,
-            num_prompt_tokens=s.num_prompt_tokens)
+            num_prompt_tokens=s.num_prompt_tokens, num_waiting_prefill_tokens=s.num_waiting_prefill_tokens)
 
     async def Snapshot(self, request, context):
-        def snap(engine):
-            return engine.pool.snapshot(), self.last_event_seq
-        entries, seq = await asyncio.wrap_future(self.engine_loop.call(snap))
-        return worker_pb2.SnapshotResponse(
-            worker_id=self.worker_id, last_event_seq=seq, block_hashes=[h for h, _ in entries],
-            parent_hashes=[p or 0 for _, p in entries], has_parent=[p is not None for _, p in entries],
-            tiers=[1] * len(entries))
+        if self.publisher is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "KV events are off on this worker")
+        last_seq, per_tier = self.publisher.snapshot()
+        hashes, tiers = [], []
+        for tier, blocks in per_tier:
+            hashes.extend(blocks)
+            tiers.extend([int(tier)] * len(blocks))
+        return worker_pb2.SnapshotResponse(worker_id=self.worker_id, last_event_seq=last_seq,
+                                           block_hashes=hashes, tiers=tiers)

@@ -34,6 +34,7 @@ class EngineStats:
     num_preemptions: int
     num_prompt_tokens: int
     num_prefix_hit_tokens: int
+    num_waiting_prefill_tokens: int
 
 
 class Engine:
@@ -69,8 +70,10 @@ class Engine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
+        to_prefill = sum(r.num_tokens for r in s.waiting) + sum(
+            r.num_tokens - r.num_computed_tokens - 1 for r in s.running if r.num_computed_tokens < r.num_tokens - 1)
         return EngineStats(self.pool.num_blocks, self.pool.num_free, len(s.running), len(s.waiting),
-                           s.num_preemptions, s.num_prompt_tokens, s.num_prefix_hit_tokens)
+                           s.num_preemptions, s.num_prompt_tokens, s.num_prefix_hit_tokens, to_prefill)
 
     @property
     def has_work(self) -> bool:

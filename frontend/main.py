@@ -13,7 +13,7 @@ from engine.model_config import ModelConfig
 from frontend.generate import Generator
 from frontend.grpc_api import start_grpc_server
 from frontend.http_api import FrontendState, create_app
-from frontend.routing import LeastLoadedRouter
+from frontend.routing import FrontendRouter
 from frontend.tokenizer import ModelTokenizer
 from frontend.workers import WorkerPool
 from runtime.config import FrontendConfig
@@ -29,8 +29,10 @@ async def serve_frontend(cfg: FrontendConfig) -> None:
     model_name = cfg.model_name or Path(cfg.model).resolve().name
     metrics = FrontendMetrics()
     redis = aioredis.Redis.from_url(cfg.redis.url)
-    pool = WorkerPool(redis, cfg.redis.namespace, LeastLoadedRouter())
+    router = FrontendRouter(cfg.router_policy, cfg.block_size, approximate=cfg.router_approximate)
+    pool = WorkerPool(redis, cfg.redis.namespace, router)
     await pool.start()
+    router.start(redis, cfg.redis.namespace)
     generator = Generator(pool, tokenizer, metrics, model_cfg.max_position_embeddings, cfg.block_size)
     state = FrontendState(generator=generator, tokenizer=tokenizer, metrics=metrics, model_name=model_name,
                           max_model_len=model_cfg.max_position_embeddings, api_key=cfg.api_key,
@@ -51,5 +53,6 @@ async def serve_frontend(cfg: FrontendConfig) -> None:
     http.should_exit = True
     await grpc_server.stop(grace=1.0)
     await asyncio.gather(http_task, return_exceptions=True)
+    await router.close()
     await pool.close()
     await redis.aclose()

@@ -1,40 +1,85 @@
-"""Adapter between the frontend's worker pool and a routing policy.
+"""Adapter between the frontend's worker pool and the KV-aware router (router/).
 
-Until the KV-aware router lands this holds the least-loaded policy: the worker with the fewest
-requests this frontend has in flight there (ties: round robin).
+It keeps the router's worker set in step with discovery, feeds it KV events from Redis (resyncing
+a worker through its Snapshot RPC when events went missing) and worker-reported load, and turns
+its decisions into the pool's (worker id, cached blocks) answer.
 """
 
 from __future__ import annotations
 
-import itertools
+import asyncio
+import logging
 
+import redis.asyncio as aioredis
+
+from kvstore.events import Tier
+from proto.splitserve.v1 import worker_pb2
+from router import NoWorkerAvailable, Router, RouterConfig, RoutingPolicy, WorkerRole
 from runtime.errors import Unavailable
+from runtime.kv_events import KvEventConsumer
+
+log = logging.getLogger(__name__)
+
+ROLES = {"aggregated": WorkerRole.AGGREGATED, "decode": WorkerRole.DECODE, "prefill": WorkerRole.PREFILL}
 
 
-class LeastLoadedRouter:
-    def __init__(self) -> None:
-        self._load: dict[str, int] = {}
-        self._of: dict[str, str] = {}
-        self._rr = itertools.count()
+class FrontendRouter:
+    def __init__(self, policy: str, block_size: int, approximate: bool = False, seed: int = 0) -> None:
+        self.router = Router(RouterConfig(policy=RoutingPolicy(policy), approximate=approximate), block_size, seed)
+        self._stubs: dict[str, object] = {}
+        self._tasks: list[asyncio.Task] = []
 
-    def add_worker(self, worker_id: str, info) -> None:
-        self._load.setdefault(worker_id, 0)
+    # ---- membership (called by WorkerPool) ----------------------------------------------
+    def add_worker(self, worker_id: str, info, stub=None) -> None:
+        self.router.add_worker(worker_id, ROLES[info.role])
+        if stub is not None:
+            self._stubs[worker_id] = stub
 
     def remove_worker(self, worker_id: str) -> None:
-        self._load.pop(worker_id, None)
+        self.router.remove_worker(worker_id)
+        self._stubs.pop(worker_id, None)
 
+    # ---- decisions ----------------------------------------------------------------------
     def route(self, request_id: str, block_hashes: list[int], num_prompt_tokens: int,
-              candidates: list[str]) -> tuple[str, int]:
-        if not candidates:
-            raise Unavailable("no workers are available")
-        turn = next(self._rr)
-        best = min(candidates, key=lambda w: (self._load.get(w, 0), (hash(w) + turn) % len(candidates)))
-        self.finished(request_id)
-        self._load[best] = self._load.get(best, 0) + 1
-        self._of[request_id] = best
-        return best, 0
+              candidates: list[str], role: WorkerRole = WorkerRole.DECODE) -> tuple[str, int]:
+        exclude = set(self.router.workers()) - set(candidates)
+        try:
+            d = self.router.route(request_id, block_hashes, num_prompt_tokens, role, exclude)
+        except NoWorkerAvailable as e:
+            raise Unavailable(str(e)) from None
+        return d.worker_id, d.overlap_blocks
 
-    def finished(self, request_id: str) -> None:
-        w = self._of.pop(request_id, None)
-        if w is not None and w in self._load:
-            self._load[w] -= 1
+    def finished(self, request_id: str, worker_id: str | None = None) -> None:
+        self.router.finished(request_id, worker_id)
+
+    # ---- background feeds ---------------------------------------------------------------
+    def start(self, redis: aioredis.Redis, namespace: str, load_interval_s: float = 0.5) -> None:
+        consumer = KvEventConsumer(redis, namespace, self.router, self._resync)
+        self._tasks = [asyncio.create_task(consumer.run(), name="kv-events"),
+                       asyncio.create_task(self._poll_load(load_interval_s), name="worker-load")]
+
+    async def _resync(self, worker_id: str):
+        stub = self._stubs.get(worker_id)
+        if stub is None:
+            raise Unavailable(f"no connection to {worker_id}")
+        snap = await stub.Snapshot(worker_pb2.SnapshotRequest(), timeout=5.0)
+        by_tier: dict[Tier, list[int]] = {}
+        for h, t in zip(snap.block_hashes, snap.tiers):
+            by_tier.setdefault(Tier(t), []).append(h)
+        return snap.last_event_seq, list(by_tier.items())
+
+    async def _poll_load(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            for wid, stub in list(self._stubs.items()):
+                try:
+                    s = await stub.GetStatus(worker_pb2.WorkerStatusRequest(), timeout=1.0)
+                    self.router.update_worker_load(wid, s.num_total_blocks - s.num_free_blocks,
+                                                   s.num_waiting_prefill_tokens)
+                except Exception:   # a dying worker; discovery removes it
+                    pass
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

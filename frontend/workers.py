@@ -135,8 +135,9 @@ class WorkerPool:
         for wid, info in live.items():
             if wid not in self.workers and info.role in ("aggregated", "decode"):
                 log.info("worker %s joined (%s at %s)", wid, info.role, info.address)
-                self.workers[wid] = WorkerConnection(info)
-                self.router.add_worker(wid, info)
+                conn = WorkerConnection(info)
+                self.workers[wid] = conn
+                self.router.add_worker(wid, info, conn.stub)
         self.changed.set()
 
     def choose(self, request_id: str, block_hashes: list[int], num_prompt_tokens: int,

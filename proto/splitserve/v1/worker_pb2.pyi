@@ -78,7 +78,7 @@ class WorkerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "block_size", "num_prefix_hit_tokens", "num_prompt_tokens")
+    __slots__ = ("worker_id", "role", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "block_size", "num_prefix_hit_tokens", "num_prompt_tokens", "num_waiting_prefill_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class WorkerStatus(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_total_blocks: int
@@ -97,7 +98,8 @@ class WorkerStatus(_message.Message):
     block_size: int
     num_prefix_hit_tokens: int
     num_prompt_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., block_size: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    num_waiting_prefill_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., block_size: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_waiting_prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
     __slots__ = ()
