@@ -1,9 +1,10 @@
-"""The worker's gRPC service: one multiplexed Session stream per frontend, status and snapshot.
+"""The decode worker's gRPC service: one multiplexed Session stream per frontend.
 
 A frontend opens one Session and sends Submit/Cancel messages on it; the worker answers with one
 StepOutput per engine step carrying the new tokens of every request of that frontend (several
 queued steps are merged into one message when the frontend reads slower than the engine runs).
 When a Session ends for any reason, its unfinished requests are aborted and their blocks freed.
+A Submit naming a prefill worker goes through `RemotePrefillClient`.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from collections import defaultdict
 
 import grpc
 
+from decode_worker.remote_prefill import RemotePrefillClient
 from engine.engine import EngineLoop
 from engine.request import Request, RequestOutput
-from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
+from proto.splitserve.v1 import worker_pb2
 from runtime.convert import FINISH_TO_PB, sampling_from_pb
+from runtime.worker_host import StatusService
 
 log = logging.getLogger(__name__)
 
@@ -28,16 +31,16 @@ class _Session:
         self.active: set[str] = set()
 
 
-class WorkerService(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, worker_id: str, role: str, block_size: int) -> None:
-        self.worker_id, self.role, self.block_size = worker_id, role, block_size
+class WorkerService(StatusService):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self.engine_loop: EngineLoop | None = None
+        self.remote: RemotePrefillClient | None = None
         self._loop = asyncio.get_running_loop()
         self._sessions: set[_Session] = set()
-        self.publisher = None        # KvEventPublisher: answers Snapshot consistently with its seq
 
-    def attach(self, engine_loop: EngineLoop) -> None:
-        self.engine_loop = engine_loop
+    def attach(self, engine_loop: EngineLoop, remote: RemotePrefillClient | None) -> None:
+        self.engine_loop, self.remote = engine_loop, remote
 
     # called on the engine thread
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -76,9 +79,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             reader.cancel()
             self._sessions.discard(session)
             for rid in session.active:
-                self.engine_loop.abort(rid)
+                self._abort(rid)
             if session.active:
                 log.info("session closed: aborted %d unfinished requests", len(session.active))
+
+    def _abort(self, request_id: str) -> None:
+        if self.remote is None or not self.remote.cancel(request_id):
+            self.engine_loop.abort(request_id)
 
     async def _read(self, request_iterator, session: _Session) -> None:
         try:
@@ -87,32 +94,18 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 if kind == "submit":
                     s = msg.submit
                     session.active.add(s.request_id)
-                    self.engine_loop.submit(Request.new(
-                        s.request_id, list(s.prompt_token_ids), sampling_from_pb(s.sampling),
-                        list(s.output_token_ids), tag=session))
+                    req = Request.new(s.request_id, list(s.prompt_token_ids), sampling_from_pb(s.sampling),
+                                      list(s.output_token_ids), tag=session)
+                    target = s.remote_prefill
+                    if target.prefill_address and self.remote is not None:
+                        req.remote_prefill = self.remote.expect(req.request_id, target, req.sampling)
+                    self.engine_loop.submit(req)
                 elif kind == "cancel":
-                    if session.active.discard(s := msg.cancel.request_id) is None:
-                        self.engine_loop.abort(s)
+                    rid = msg.cancel.request_id
+                    if rid in session.active:
+                        session.active.discard(rid)
+                        self._abort(rid)
         except (asyncio.CancelledError, grpc.aio.AioRpcError):
             pass
         finally:
             session.queue.put_nowait(None)
-
-    async def GetStatus(self, request, context):
-        s = self.engine_loop.stats
-        return worker_pb2.WorkerStatus(
-            worker_id=self.worker_id, role=self.role, num_total_blocks=s.num_total_blocks,
-            num_free_blocks=s.num_free_blocks, num_running=s.num_running, num_waiting=s.num_waiting,
-            block_size=self.block_size, num_prefix_hit_tokens=s.num_prefix_hit_tokens,
-            num_prompt_tokens=s.num_prompt_tokens, num_waiting_prefill_tokens=s.num_waiting_prefill_tokens)
-
-    async def Snapshot(self, request, context):
-        if self.publisher is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "KV events are off on this worker")
-        last_seq, per_tier = self.publisher.snapshot()
-        hashes, tiers = [], []
-        for tier, blocks in per_tier:
-            hashes.extend(blocks)
-            tiers.extend([int(tier)] * len(blocks))
-        return worker_pb2.SnapshotResponse(worker_id=self.worker_id, last_event_seq=last_seq,
-                                           block_hashes=hashes, tiers=tiers)

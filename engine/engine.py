@@ -18,7 +18,7 @@ from typing import Callable
 from kvstore.block_pool import BlockPool
 from kvstore.events import KvEvent
 from engine.model_runner import ModelRunner
-from engine.request import FinishReason, Request, RequestOutput
+from engine.request import FinishReason, KvReservation, Request, RequestOutput
 from engine.scheduler import Scheduler
 from runtime.config import EngineConfig
 
@@ -35,6 +35,8 @@ class EngineStats:
     num_prompt_tokens: int
     num_prefix_hit_tokens: int
     num_waiting_prefill_tokens: int
+    num_awaiting_kv: int = 0
+    num_held: int = 0
 
 
 class Engine:
@@ -68,12 +70,17 @@ class Engine:
     def take_events(self) -> list[KvEvent]:
         return self.pool.take_events()
 
+    def take_reservations(self) -> list[KvReservation]:
+        out, self.scheduler.reservations = self.scheduler.reservations, []
+        return out
+
     def stats(self) -> EngineStats:
         s = self.scheduler
         to_prefill = sum(r.num_tokens for r in s.waiting) + sum(
             r.num_tokens - r.num_computed_tokens - 1 for r in s.running if r.num_computed_tokens < r.num_tokens - 1)
         return EngineStats(self.pool.num_blocks, self.pool.num_free, len(s.running), len(s.waiting),
-                           s.num_preemptions, s.num_prompt_tokens, s.num_prefix_hit_tokens, to_prefill)
+                           s.num_preemptions, s.num_prompt_tokens, s.num_prefix_hit_tokens, to_prefill,
+                           len(s.awaiting_kv), len(s.held))
 
     @property
     def has_work(self) -> bool:
@@ -84,10 +91,12 @@ class EngineLoop:
     """Runs an `Engine` on a thread. Thread-safe: submit / abort / call from anywhere."""
 
     def __init__(self, engine: Engine, on_outputs: Callable[[list[RequestOutput]], None],
-                 on_events: Callable[[list[KvEvent]], None] | None = None) -> None:
+                 on_events: Callable[[list[KvEvent]], None] | None = None,
+                 on_reservations: Callable[[list[KvReservation]], None] | None = None) -> None:
         self.engine = engine
         self._on_outputs = on_outputs
         self._on_events = on_events
+        self._on_reservations = on_reservations
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -101,6 +110,15 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
+
+    def kv_arrived(self, request_id: str, first_token: int) -> None:
+        self._inbox.put(("kv_arrived", (request_id, first_token)))
+
+    def kv_failed(self, request_id: str) -> None:
+        self._inbox.put(("kv_failed", request_id))
+
+    def release_held(self, request_id: str) -> None:
+        self._inbox.put(("release", request_id))
 
     def call(self, fn: Callable[[Engine], object]) -> Future:
         """Run fn(engine) on the engine thread between steps (e.g. a consistent snapshot)."""
@@ -133,6 +151,14 @@ class EngineLoop:
                 self._on_outputs([err])
         elif kind == "abort":
             eng.abort_request(payload)
+        elif kind == "kv_arrived":
+            out = eng.scheduler.kv_arrived(*payload)
+            if out is not None:
+                self._on_outputs([out])
+        elif kind == "kv_failed":
+            eng.scheduler.kv_failed(payload)
+        elif kind == "release":
+            eng.scheduler.release_held(payload)
         elif kind == "call":
             fn, fut = payload
             try:
@@ -154,6 +180,9 @@ class EngineLoop:
                     outputs = self._fail_all()
                 if outputs:
                     self._on_outputs(outputs)
+            reservations = eng.take_reservations()
+            if reservations and self._on_reservations:
+                self._on_reservations(reservations)
             events = eng.take_events()
             if events and self._on_events:
                 self._on_events(events)

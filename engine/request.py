@@ -62,6 +62,8 @@ class Request:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     tag: object = None                  # who submitted it (the worker's session); opaque here
+    remote_prefill: bool = False        # decode side: KV arrives from a prefill worker
+    hold_blocks: bool = False           # prefill side: keep the blocks after finishing, until released
 
     @staticmethod
     def new(request_id: str, prompt: list[int], sampling: SamplingParams,
@@ -92,3 +94,15 @@ class RequestOutput:
     num_cached_tokens: int
     tag: object = None
     error: str = ""
+    held_block_ids: list[int] | None = None   # hold_blocks requests: their blocks, still pinned
+
+
+@dataclass(slots=True)
+class KvReservation:
+    """Decode side: blocks reserved for a remotely prefilled prompt; those from
+    `num_cached_tokens // block_size` on must be filled by the prefill worker."""
+    request_id: RequestId
+    prompt_token_ids: list[int]
+    block_ids: list[int]
+    num_cached_tokens: int
+    tag: object = None

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from kvstore.block_pool import BlockPool, NoFreeBlocks
 from kvstore.hashing import hash_block
-from engine.request import FinishReason, Request, RequestOutput, RequestStatus
+from engine.request import FinishReason, KvReservation, Request, RequestOutput, RequestStatus
 
 
 @dataclass(slots=True)
@@ -47,6 +47,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.awaiting_kv: dict[str, Request] = {}      # decode side: blocks reserved, KV in flight
+        self.reservations: list[KvReservation] = []     # new reservations for the caller to act on
+        self.held: dict[str, list[int]] = {}            # prefill side: finished, blocks still pinned
         self.num_preemptions = 0
         self.num_prompt_tokens = 0          # prompt tokens admitted (first admission only)
         self.num_prefix_hit_tokens = 0      # of which served from the prefix cache
@@ -105,8 +108,8 @@ class Scheduler:
             req.block_ids = list(hit)
             req.num_registered_blocks = len(hit)
             req.num_computed_tokens = len(hit) * self.block_size
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._reserve(req, req.num_computed_tokens + n):
+            n = 0 if req.remote_prefill else min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._reserve(req, req.num_tokens if req.remote_prefill else req.num_computed_tokens + n):
                 self.pool.free(req.block_ids)
                 req.block_ids, req.num_computed_tokens, req.num_registered_blocks = [], 0, 0
                 break
@@ -115,11 +118,44 @@ class Scheduler:
                 req.num_cached_tokens = req.num_computed_tokens
                 self.num_prompt_tokens += req.num_prompt_tokens
                 self.num_prefix_hit_tokens += req.num_computed_tokens
+            if req.remote_prefill:
+                self.awaiting_kv[req.request_id] = req
+                self.reservations.append(KvReservation(req.request_id, list(req.token_ids), list(req.block_ids),
+                                                       req.num_computed_tokens, req.tag))
+                continue
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
         return budget
+
+    # ---- disaggregation --------------------------------------------------------------------
+    def kv_arrived(self, request_id: str, first_token: int) -> RequestOutput | None:
+        """Decode side: the prompt's KV landed in the reserved blocks; continue from `first_token`."""
+        req = self.awaiting_kv.pop(request_id, None)
+        if req is None:          # aborted meanwhile
+            return None
+        req.remote_prefill = False
+        req.num_computed_tokens = req.num_tokens
+        self._register_full_blocks(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return self._append_token(req, first_token)
+
+    def kv_failed(self, request_id: str) -> None:
+        """Decode side: the remote prefill failed; compute the prompt here, in the blocks we hold."""
+        req = self.awaiting_kv.pop(request_id, None)
+        if req is None:
+            return
+        req.remote_prefill = False
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def release_held(self, request_id: str) -> None:
+        """Prefill side: the decode side has the KV (or gave up); unpin the blocks."""
+        blocks = self.held.pop(request_id, None)
+        if blocks is not None:
+            self.pool.free(blocks)
 
     def _reserve(self, req: Request, num_tokens: int) -> bool:
         need = -(-num_tokens // self.block_size) - len(req.block_ids)
@@ -150,16 +186,20 @@ class Scheduler:
             req.num_computed_tokens += chunk.num_tokens
             self._register_full_blocks(req)
             token = sampled.get(req.request_id)
-            if token is None:
-                continue
-            req.token_ids.append(token)
-            reason = self._stop_reason(req, token)
-            first = req.num_output_tokens == req.num_initial_output_tokens + 1
-            outputs.append(RequestOutput(req.request_id, [token], reason,
-                                         req.num_cached_tokens if first else -1, req.tag))
-            if reason is not None:
-                self._finish(req, reason)
+            if token is not None:
+                outputs.append(self._append_token(req, token))
         return outputs
+
+    def _append_token(self, req: Request, token: int) -> RequestOutput:
+        req.token_ids.append(token)
+        reason = self._stop_reason(req, token)
+        first = req.num_output_tokens == req.num_initial_output_tokens + 1
+        out = RequestOutput(req.request_id, [token], reason, req.num_cached_tokens if first else -1, req.tag)
+        if reason is not None:
+            if req.hold_blocks:
+                out.held_block_ids = list(req.block_ids)
+            self._finish(req, reason)
+        return out
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         p = req.sampling
@@ -191,11 +231,14 @@ class Scheduler:
         req.status = _FINISH_STATUS[reason]
         if req in self.running:
             self.running.remove(req)
-        else:
+        elif self.awaiting_kv.pop(req.request_id, None) is None:
             try:
                 self.waiting.remove(req)
             except ValueError:
                 pass
-        self.pool.free(req.block_ids)
+        if req.hold_blocks and reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self.held[req.request_id] = req.block_ids
+        else:
+            self.pool.free(req.block_ids)
         req.block_ids = []
         self.requests.pop(req.request_id, None)

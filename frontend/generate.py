@@ -49,10 +49,13 @@ class Delta:
 
 class Generator:
     def __init__(self, pool: WorkerPool, tokenizer: ModelTokenizer, metrics: FrontendMetrics,
-                 max_model_len: int, block_size: int, wait_for_workers_s: float = 10.0) -> None:
+                 max_model_len: int, block_size: int, wait_for_workers_s: float = 10.0,
+                 remote_prefill_min_tokens: int = 128, max_prefill_queue_tokens: int = 32768) -> None:
         self.pool, self.tokenizer, self.metrics = pool, tokenizer, metrics
         self.max_model_len, self.block_size = max_model_len, block_size
         self.wait_for_workers_s = wait_for_workers_s
+        self.remote_prefill_min_tokens = remote_prefill_min_tokens
+        self.max_prefill_queue_tokens = max_prefill_queue_tokens
 
     def check_prompt(self, prompt: list[int], max_tokens: int | None, default_max_tokens: int | None) -> int:
         """Validate prompt length and max_tokens against the context; return the max_tokens to use."""
@@ -74,6 +77,31 @@ class Generator:
             raise InvalidRequest(f"This model's maximum context length is {self.max_model_len} tokens; "
                                  f"the prompt has {n} tokens and max_tokens is {max_tokens}.", "max_tokens")
         return max_tokens
+
+    def _remote_prefill(self, rid: str, hashes: list[int], inp: GenerateInput, overlap_blocks: int,
+                        migrated: bool) -> worker_pb2.RemotePrefill | None:
+        """Conditional disaggregation (DESIGN.md §2 step 3): a prefill worker computes the prompt
+        when the decode worker would have many uncached tokens and the prefill pool has room."""
+        to_prefill = len(inp.prompt_token_ids) - overlap_blocks * self.block_size
+        local = self.metrics.prefill_local
+        if migrated or not self.pool.num_alive(prefill=True):
+            local.labels("migrated" if migrated else "no_prefill_pool").inc()
+            return None
+        if to_prefill < self.remote_prefill_min_tokens:
+            local.labels("short").inc()
+            return None
+        try:
+            choice = self.pool.choose(rid, hashes, len(inp.prompt_token_ids), set(), prefill=True)
+        except Unavailable:
+            local.labels("no_prefill_pool").inc()
+            return None
+        if self.pool.router.queued_prefill_tokens(choice.conn.worker_id) > self.max_prefill_queue_tokens:
+            self.pool.router.finished(rid, choice.conn.worker_id)
+            local.labels("saturated").inc()
+            return None
+        self.metrics.prefill_remote.inc()
+        return worker_pb2.RemotePrefill(prefill_worker_id=choice.conn.worker_id,
+                                        prefill_address=choice.conn.info.address)
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[Delta]:
         rid = inp.request_id or uuid.uuid4().hex
@@ -101,9 +129,10 @@ class Generator:
                     else:
                         raise
                 conn = choice.conn
+                remote = self._remote_prefill(rid, hashes, inp, choice.overlap_blocks, bool(output))
                 q = conn.submit(worker_pb2.WorkerSubmit(
                     request_id=rid, prompt_token_ids=inp.prompt_token_ids,
-                    sampling=sampling_to_pb(inp.sampling), output_token_ids=output))
+                    sampling=sampling_to_pb(inp.sampling), output_token_ids=output, remote_prefill=remote))
                 while True:
                     delta = await q.get()
                     if delta is WORKER_LOST:

@@ -244,9 +244,11 @@ def create_app(state: FrontendState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        n = sum(1 for c in state.generator.pool.workers.values() if c.alive)
-        return JSONResponse(status_code=200 if n else 503,
-                            content={"status": "ok" if n else "no workers", "workers": n})
+        pool = state.generator.pool
+        decode, prefill = pool.num_alive(), pool.num_alive(prefill=True)
+        return JSONResponse(status_code=200 if decode else 503,
+                            content={"status": "ok" if decode else "no decode workers",
+                                     "workers": decode + prefill, "decode": decode, "prefill": prefill})
 
     @app.get("/metrics")
     async def metrics():

@@ -13,6 +13,7 @@ from engine.model_config import ModelConfig
 from frontend.generate import Generator
 from frontend.grpc_api import start_grpc_server
 from frontend.http_api import FrontendState, create_app
+from frontend.metrics_merge import WorkerMetricsScraper
 from frontend.routing import FrontendRouter
 from frontend.tokenizer import ModelTokenizer
 from frontend.workers import WorkerPool
@@ -33,10 +34,13 @@ async def serve_frontend(cfg: FrontendConfig) -> None:
     pool = WorkerPool(redis, cfg.redis.namespace, router)
     await pool.start()
     router.start(redis, cfg.redis.namespace)
-    generator = Generator(pool, tokenizer, metrics, model_cfg.max_position_embeddings, cfg.block_size)
+    max_model_len = cfg.max_model_len or model_cfg.max_position_embeddings
+    generator = Generator(pool, tokenizer, metrics, max_model_len, cfg.block_size,
+                          remote_prefill_min_tokens=cfg.remote_prefill_min_tokens,
+                          max_prefill_queue_tokens=cfg.max_prefill_queue_tokens)
     state = FrontendState(generator=generator, tokenizer=tokenizer, metrics=metrics, model_name=model_name,
-                          max_model_len=model_cfg.max_position_embeddings, api_key=cfg.api_key,
-                          max_body_bytes=cfg.max_body_bytes)
+                          max_model_len=max_model_len, api_key=cfg.api_key,
+                          max_body_bytes=cfg.max_body_bytes, extra_metrics=WorkerMetricsScraper(pool).scrape)
     grpc_server, grpc_port = await start_grpc_server(state, cfg.host, cfg.grpc_port)
     http = uvicorn.Server(uvicorn.Config(create_app(state), host=cfg.host, port=cfg.http_port,
                                          log_level="warning", lifespan="off", timeout_graceful_shutdown=2))

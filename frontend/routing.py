@@ -49,6 +49,10 @@ class FrontendRouter:
             raise Unavailable(str(e)) from None
         return d.worker_id, d.overlap_blocks
 
+    def queued_prefill_tokens(self, worker_id: str) -> float:
+        """Prompt tokens queued on a prefill worker: its last report plus what we routed there since."""
+        return self.router.load(worker_id) * self.router.block_size
+
     def finished(self, request_id: str, worker_id: str | None = None) -> None:
         self.router.finished(request_id, worker_id)
 

@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 
 from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from runtime.discovery import WorkerInfo, list_workers
+from router import WorkerRole
 from runtime.errors import Unavailable
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,8 @@ WORKER_LOST = object()       # put on a request's queue when its worker goes awa
 
 
 class WorkerConnection:
+    """A channel to one worker; decode/aggregated workers also get the Session stream."""
+
     def __init__(self, info: WorkerInfo) -> None:
         self.info = info
         self.channel = grpc.aio.insecure_channel(info.address, options=[
@@ -34,7 +37,9 @@ class WorkerConnection:
         self._out: asyncio.Queue[worker_pb2.SessionRequest | None] = asyncio.Queue()
         self._streams: dict[str, asyncio.Queue] = {}
         self.alive = True
-        self._reader = asyncio.create_task(self._run(), name=f"session-{info.worker_id}")
+        self.has_session = info.role != "prefill"
+        self._reader = asyncio.create_task(self._run() if self.has_session else self._watch(),
+                                           name=f"session-{info.worker_id}")
 
     @property
     def worker_id(self) -> str:
@@ -81,6 +86,20 @@ class WorkerConnection:
             log.warning("session with worker %s broke: %s", self.worker_id, e.code().name)
         finally:
             self._lost()
+
+    async def _watch(self) -> None:
+        """Prefill workers carry no session: notice their death by the channel's state."""
+        try:
+            state = self.channel.get_state(try_to_connect=True)
+            while True:
+                await self.channel.wait_for_state_change(state)
+                state = self.channel.get_state(try_to_connect=True)
+                if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                    break
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self.alive = False
 
     def _lost(self) -> None:
         self.alive = False
@@ -133,7 +152,7 @@ class WorkerPool:
                 self.router.remove_worker(wid)
                 await conn.close()
         for wid, info in live.items():
-            if wid not in self.workers and info.role in ("aggregated", "decode"):
+            if wid not in self.workers:
                 log.info("worker %s joined (%s at %s)", wid, info.role, info.address)
                 conn = WorkerConnection(info)
                 self.workers[wid] = conn
@@ -141,14 +160,20 @@ class WorkerPool:
         self.changed.set()
 
     def choose(self, request_id: str, block_hashes: list[int], num_prompt_tokens: int,
-               exclude: set[str]) -> Choice:
+               exclude: set[str], prefill: bool = False) -> Choice:
+        role = WorkerRole.PREFILL if prefill else WorkerRole.DECODE
         wid, overlap = self.router.route(request_id, block_hashes, num_prompt_tokens,
-                                         [w for w, c in self.workers.items() if c.alive and w not in exclude])
+                                         [w for w, c in self.workers.items()
+                                          if c.alive and w not in exclude and (c.info.role == "prefill") == prefill],
+                                         role)
         return Choice(self.workers[wid], overlap)
+
+    def num_alive(self, prefill: bool = False) -> int:
+        return sum(1 for c in self.workers.values() if c.alive and (c.info.role == "prefill") == prefill)
 
     async def wait_for_workers(self, timeout_s: float) -> bool:
         deadline = asyncio.get_running_loop().time() + timeout_s
-        while not any(c.alive for c in self.workers.values()):
+        while not self.num_alive():
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
                 return False

@@ -63,3 +63,6 @@ class FrontendConfig:
     router_approximate: bool = False        # build the prefix index from routing decisions (no events)
     request_timeout_s: float = 600.0
     block_size: int = 16
+    remote_prefill_min_tokens: int = 128    # prefill remotely only when more uncached tokens than this
+    max_prefill_queue_tokens: int = 32768   # a prefill worker with more queued is "saturated"
+    max_model_len: int | None = None        # None: the model's max_position_embeddings

@@ -30,6 +30,18 @@ class WorkerMetrics:
         self.prefix_hit_tokens = Gauge("splitserve_worker_prefix_hit_tokens", "Prompt tokens served from "
                                        "the prefix cache so far", labels, registry=self.registry)
 
+        r = self.registry
+        self.kv_handoffs = Counter("splitserve_kv_handoffs", "Prompts whose KV a prefill worker pushed here",
+                                   labels, registry=r)
+        self.prefill_fallback = Counter("splitserve_prefill_fallback", "Remote prefills that failed and were "
+                                        "computed here instead", labels, registry=r)
+        self.handoff_s = Histogram("splitserve_kv_handoff_seconds", "Decode side: reservation to KV landed",
+                                   labels, registry=r, buckets=LATENCY_BUCKETS_S)
+        self.kv_transfer_bytes = Counter("splitserve_kv_transfer_bytes", "KV bytes pushed to decode workers",
+                                         labels, registry=r)
+        self.kv_transfer_s = Histogram("splitserve_kv_transfer_seconds", "Duration of one KV push (NIXL WRITE)",
+                                       labels, registry=r, buckets=(1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1, 3))
+
     def observe(self, stats) -> None:
         w = self.worker_id
         self.blocks_free.labels(w).set(stats.num_free_blocks)
@@ -57,5 +69,8 @@ class FrontendMetrics:
         self.cached_tokens = Counter("splitserve_prompt_cached_tokens", "Prompt tokens from the prefix cache",
                                      registry=r)
         self.generation_tokens = Counter("splitserve_generation_tokens", "Generated tokens", registry=r)
+        self.prefill_remote = Counter("splitserve_prefill_remote", "Prompts sent to a prefill worker", registry=r)
+        self.prefill_local = Counter("splitserve_prefill_local", "Prompts prefilled on their decode worker, by "
+                                     "reason", ["reason"], registry=r)
         self.migrations = Counter("splitserve_request_migrations", "Requests moved to another worker "
                                   "after their worker failed", registry=r)

@@ -46,6 +46,13 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
                    help="require this key (Bearer on HTTP, metadata on gRPC); env SPLITSERVE_API_KEY")
     p.add_argument("--model-name", default=None, help="model id for clients (default: directory name)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--router-policy", default="kv", choices=["kv", "round_robin", "random", "least_loaded"])
+    p.add_argument("--router-approximate", action="store_true",
+                   help="build the prefix index from routing decisions instead of KV events")
+    p.add_argument("--remote-prefill-min-tokens", type=int, default=128,
+                   help="send a prompt to a prefill worker only with more uncached tokens than this")
+    p.add_argument("--max-prefill-queue-tokens", type=int, default=32768,
+                   help="a prefill worker with more queued prompt tokens counts as saturated")
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -69,20 +76,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_redis_args(p)
     _add_frontend_args(p)
     p.add_argument("--decode-workers", type=int, default=1)
-    p.add_argument("--prefill-workers", type=int, default=0)
+    p.add_argument("--prefill-workers", type=int, default=1,
+                   help="0 = aggregated serving (each worker prefills its own prompts)")
     p.add_argument("--startup-timeout-s", type=float, default=300.0)
 
     p = sub.add_parser("frontend", help="the client edge (HTTP + gRPC)")
     p.add_argument("--model", default="tiny")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None)
     _add_redis_args(p)
     _add_frontend_args(p)
 
-    for name in ("decode-worker", "worker"):
-        p = sub.add_parser(name, help="one worker (prefills locally and decodes)")
+    for name, text in (("decode-worker", "one decode worker (takes pushed KV, or prefills locally)"),
+                       ("prefill-worker", "one prefill worker (computes prompts, pushes KV over NIXL)")):
+        p = sub.add_parser(name, help=text)
         _add_engine_args(p)
         _add_redis_args(p)
-        p.add_argument("--role", default="aggregated", choices=["aggregated", "decode"])
+        if name == "decode-worker":
+            p.add_argument("--role", default="decode", choices=["aggregated", "decode"])
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--port", type=int, default=0)
         p.add_argument("--metrics-port", type=int, default=None)
@@ -124,16 +135,23 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(serve_frontend(FrontendConfig(
             model=args.model, model_name=args.model_name, redis=redis_config(args), host=args.host,
             http_port=args.http_port, grpc_port=args.grpc_port, api_key=args.api_key,
-            max_body_bytes=args.max_body_bytes, block_size=args.block_size)))
+            max_body_bytes=args.max_body_bytes, block_size=args.block_size, router_policy=args.router_policy,
+            router_approximate=args.router_approximate, remote_prefill_min_tokens=args.remote_prefill_min_tokens,
+            max_prefill_queue_tokens=args.max_prefill_queue_tokens, max_model_len=args.max_model_len)))
         return 0
-    if cmd in ("decode-worker", "worker"):
-        setup_logging(args.worker_id or "worker")
+    if cmd in ("decode-worker", "prefill-worker"):
+        setup_logging(args.worker_id or cmd)
         if not args.redis_url:
             print(f"splitserve {cmd}: --redis-url is required", file=sys.stderr)
             return 2
-        from decode_worker.main import serve_worker
-        asyncio.run(serve_worker(WorkerConfig(
-            engine=engine_config(args), redis=redis_config(args), role=args.role, host=args.host,
-            port=args.port, metrics_port=args.metrics_port, worker_id=args.worker_id)))
+        cfg = WorkerConfig(engine=engine_config(args), redis=redis_config(args),
+                           role=getattr(args, "role", "prefill"), host=args.host, port=args.port,
+                           metrics_port=args.metrics_port, worker_id=args.worker_id)
+        if cmd == "prefill-worker":
+            from prefill_worker.main import serve_prefill_worker
+            asyncio.run(serve_prefill_worker(cfg))
+        else:
+            from decode_worker.main import serve_worker
+            asyncio.run(serve_worker(cfg))
         return 0
     raise AssertionError(cmd)

@@ -25,6 +25,8 @@ from splitserve.models import resolve_model
 
 log = logging.getLogger("splitserve.serve")
 
+_FRONTEND_FLAGS = ("block_size", "max_body_bytes", "router_policy", "remote_prefill_min_tokens",
+                   "max_prefill_queue_tokens", "max_model_len")
 _ENGINE_FLAGS = ("device", "dtype", "block_size", "num_blocks", "kv_cpu_mib", "max_model_len", "max_num_seqs",
                  "max_num_batched_tokens", "attention_backend")
 
@@ -69,9 +71,11 @@ def serve(args: argparse.Namespace) -> int:
     except InvalidRequest as e:
         print(f"splitserve serve: {e.message}", file=sys.stderr)
         return 2
-    if args.prefill_workers:
-        print("splitserve serve: --prefill-workers needs the disaggregated build; workers prefill locally",
+    from kvstore.transfer import nixl_available
+    if args.prefill_workers and not nixl_available():
+        print("splitserve serve: NIXL is not installed (pip install 'splitserve[nixl]'); serving aggregated",
               file=sys.stderr)
+        args.prefill_workers = 0
     model_name = args.model_name or (args.model.split(":")[0] if args.model.startswith("tiny") else Path(model_dir).name)
     redis = None if args.redis_url else EmbeddedRedis()
     redis_url = args.redis_url or redis.url
@@ -88,19 +92,24 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
+        engine = [*common, *_flags(args, _ENGINE_FLAGS), "--host", args.host, "--metrics-port", "0"] \
+            + (["--no-prefix-caching"] if args.no_prefix_caching else []) \
+            + (["--no-cuda-graphs"] if args.no_cuda_graphs else [])
+        role = "decode" if args.prefill_workers else "aggregated"
+        for i in range(args.prefill_workers):
+            cluster.spawn(f"prefill-{i}", ["prefill-worker", *engine, "--worker-id", f"prefill-{i}"], env)
         for i in range(args.decode_workers):
-            cluster.spawn(f"worker-{i}", ["decode-worker", *common, *_flags(args, _ENGINE_FLAGS),
-                                          "--worker-id", f"worker-{i}", "--host", args.host]
-                          + (["--no-prefix-caching"] if args.no_prefix_caching else [])
-                          + (["--no-cuda-graphs"] if args.no_cuda_graphs else []), env)
+            cluster.spawn(f"decode-{i}", ["decode-worker", *engine, "--worker-id", f"{role}-{i}", "--role", role], env)
         cluster.spawn("frontend", ["frontend", *common, "--model-name", model_name, "--host", args.host,
                                    "--http-port", str(args.http_port), "--grpc-port", str(args.grpc_port),
-                                   "--block-size", str(args.block_size),
-                                   "--max-body-bytes", str(args.max_body_bytes)], env)
+                                   *_flags(args, _FRONTEND_FLAGS)]
+                      + (["--router-approximate"] if args.router_approximate else []), env)
         if not _wait_ready(cluster, args, stop):
             return 1
         url = f"http://{args.host}:{args.http_port}"
-        print(f"\nSplitserve is ready: model {model_name!r}, {args.decode_workers} worker(s)\n"
+        pools = (f"{args.prefill_workers} prefill + {args.decode_workers} decode worker(s)" if args.prefill_workers
+                 else f"{args.decode_workers} aggregated worker(s)")
+        print(f"\nSplitserve is ready: model {model_name!r}, {pools}\n"
               f"  OpenAI HTTP  {url}/v1   (health {url}/health, metrics {url}/metrics)\n"
               f"  gRPC         {args.host}:{args.grpc_port}   (splitserve.v1.Generation)\n"
               f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "
@@ -130,7 +139,9 @@ def _wait_ready(cluster: Cluster, args, stop) -> bool:
             return False
         try:
             r = httpx.get(url, timeout=1.0)
-            if r.status_code == 200 and r.json().get("workers", 0) >= args.decode_workers:
+            body = r.json()
+            if r.status_code == 200 and body.get("decode", 0) >= args.decode_workers \
+                    and body.get("prefill", 0) >= args.prefill_workers:
                 return True
         except (httpx.HTTPError, ValueError):
             pass

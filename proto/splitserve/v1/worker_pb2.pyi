@@ -28,16 +28,26 @@ class EngineSampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class WorkerSubmit(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "output_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "output_token_ids", "remote_prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: EngineSampling
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSampling, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    remote_prefill: RemotePrefill
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSampling, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., remote_prefill: _Optional[_Union[RemotePrefill, _Mapping]] = ...) -> None: ...
+
+class RemotePrefill(_message.Message):
+    __slots__ = ("prefill_worker_id", "prefill_address")
+    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    prefill_worker_id: str
+    prefill_address: str
+    def __init__(self, prefill_worker_id: _Optional[str] = ..., prefill_address: _Optional[str] = ...) -> None: ...
 
 class WorkerCancel(_message.Message):
     __slots__ = ("request_id",)
@@ -120,3 +130,47 @@ class SnapshotResponse(_message.Message):
     has_parent: _containers.RepeatedScalarFieldContainer[bool]
     tiers: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, worker_id: _Optional[str] = ..., last_event_seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., parent_hashes: _Optional[_Iterable[int]] = ..., has_parent: _Optional[_Iterable[bool]] = ..., tiers: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ConnectRequest(_message.Message):
+    __slots__ = ("decode_worker_id", "agent_metadata")
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    decode_worker_id: str
+    agent_metadata: bytes
+    def __init__(self, decode_worker_id: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ...) -> None: ...
+
+class ConnectResponse(_message.Message):
+    __slots__ = ("prefill_agent_name",)
+    PREFILL_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    prefill_agent_name: str
+    def __init__(self, prefill_agent_name: _Optional[str] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_agent_name", "first_block", "decode_block_ids", "lease_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DECODE_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: EngineSampling
+    decode_agent_name: str
+    first_block: int
+    decode_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    lease_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSampling, _Mapping]] = ..., decode_agent_name: _Optional[str] = ..., first_block: _Optional[int] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token", "num_cached_tokens", "transfer_bytes", "transfer_s")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    num_cached_tokens: int
+    transfer_bytes: int
+    transfer_s: float
+    def __init__(self, first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ...) -> None: ...

@@ -181,3 +181,118 @@ class Worker:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PrefillStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Connect = channel.unary_unary(
+                '/splitserve.v1.Prefill/Connect',
+                request_serializer=proto_dot_splitserve_dot_v1_dot_worker__pb2.ConnectRequest.SerializeToString,
+                response_deserializer=proto_dot_splitserve_dot_v1_dot_worker__pb2.ConnectResponse.FromString,
+                _registered_method=True)
+        self.Prefill = channel.unary_unary(
+                '/splitserve.v1.Prefill/Prefill',
+                request_serializer=proto_dot_splitserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=proto_dot_splitserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+                _registered_method=True)
+
+
+class PrefillServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Connect(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prefill(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PrefillServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Connect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Connect,
+                    request_deserializer=proto_dot_splitserve_dot_v1_dot_worker__pb2.ConnectRequest.FromString,
+                    response_serializer=proto_dot_splitserve_dot_v1_dot_worker__pb2.ConnectResponse.SerializeToString,
+            ),
+            'Prefill': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=proto_dot_splitserve_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=proto_dot_splitserve_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'splitserve.v1.Prefill', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('splitserve.v1.Prefill', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Prefill:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Connect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Prefill/Connect',
+            proto_dot_splitserve_dot_v1_dot_worker__pb2.ConnectRequest.SerializeToString,
+            proto_dot_splitserve_dot_v1_dot_worker__pb2.ConnectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Prefill/Prefill',
+            proto_dot_splitserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+            proto_dot_splitserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,150 @@
+"""Decode side of the prefill → decode handoff (DESIGN.md §2, steps 3–5).
+
+For a request whose Submit names a prefill worker P, the engine first reserves blocks for the
+whole prompt (reusing this worker's own cached prefix). Then, here: connect to P once per pair
+(exchanging NIXL agent metadata), ask P to compute the prompt and push the KV of the uncached
+blocks into ours, and wait for P's answer and NIXL's notification; then the engine continues
+from P's first token. If anything fails, the engine computes the prompt itself in the same
+blocks: the client never sees the error. A request cancelled while its KV is in flight keeps its
+blocks until P has answered, so a late write can never land in blocks reused by another request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from engine.engine import EngineLoop
+from engine.request import KvReservation, SamplingParams
+from kvstore.transfer import KvTransferAgent
+from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
+from runtime.convert import sampling_to_pb
+from runtime.metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Pending:
+    target: worker_pb2.RemotePrefill
+    sampling: SamplingParams
+    task: asyncio.Task | None = None
+    cancelled: bool = False
+
+
+class RemotePrefillClient:
+    def __init__(self, worker_id: str, agent: KvTransferAgent, engine_loop: EngineLoop, block_size: int,
+                 metrics: WorkerMetrics, lease_s: float = 30.0) -> None:
+        self.worker_id, self.agent, self.engine_loop = worker_id, agent, engine_loop
+        self.block_size, self.metrics, self.lease_s = block_size, metrics, lease_s
+        self._loop = asyncio.get_running_loop()
+        self._pending: dict[str, _Pending] = {}
+        self._peers: dict[str, worker_pb2_grpc.PrefillStub] = {}
+        self._connecting: dict[str, asyncio.Future] = {}
+        self._notified: dict[str, asyncio.Future] = {}
+        self._poller: asyncio.Task | None = None
+
+    def expect(self, request_id: str, target: worker_pb2.RemotePrefill, sampling: SamplingParams) -> bool:
+        """Called at Submit: remember where this request's prefill goes. True = remote prefill."""
+        self._pending[request_id] = _Pending(target, sampling)
+        return True
+
+    def on_reservations(self, reservations: list[KvReservation]) -> None:
+        """Engine thread: blocks are reserved; start the handoffs on the event loop."""
+        self._loop.call_soon_threadsafe(self._start, reservations)
+
+    def _start(self, reservations: list[KvReservation]) -> None:
+        for r in reservations:
+            p = self._pending.get(r.request_id)
+            if p is None:
+                self.engine_loop.kv_failed(r.request_id)
+                continue
+            p.task = asyncio.create_task(self._handoff(r, p))
+
+    def cancel(self, request_id: str) -> bool:
+        """True if the request is in a handoff: it is aborted once P has answered."""
+        p = self._pending.get(request_id)
+        if p is None:
+            return False
+        p.cancelled = True
+        if p.task is None:         # not reserved yet: the engine can drop it at once
+            self._pending.pop(request_id, None)
+            self.engine_loop.abort(request_id)
+        return True
+
+    async def _handoff(self, r: KvReservation, p: _Pending) -> None:
+        rid = r.request_id
+        bs = self.block_size
+        first_block = r.num_cached_tokens // bs
+        num_blocks = -(-len(r.prompt_token_ids) // bs)
+        fut = self._loop.create_future()
+        self._notified[rid] = fut
+        self._ensure_poller()
+        start = time.perf_counter()
+        ok = False
+        try:
+            stub = await self._connect(p.target)
+            resp = await stub.Prefill(worker_pb2.PrefillRequest(
+                request_id=rid, prompt_token_ids=r.prompt_token_ids, sampling=sampling_to_pb(p.sampling),
+                decode_agent_name=self.agent.name, first_block=first_block,
+                decode_block_ids=r.block_ids[first_block:num_blocks], lease_s=self.lease_s / 2),
+                timeout=self.lease_s)
+            await asyncio.wait_for(fut, timeout=5.0)   # NIXL's notification: the bytes have landed
+            ok = True
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            detail = e.code().name if isinstance(e, grpc.aio.AioRpcError) else type(e).__name__
+            log.warning("remote prefill of %s on %s failed (%s); prefilling locally", rid,
+                        p.target.prefill_worker_id, detail)
+            self._peers.pop(p.target.prefill_address, None)
+        finally:
+            self._notified.pop(rid, None)
+            self._pending.pop(rid, None)
+        if p.cancelled:
+            self.engine_loop.abort(rid)
+        elif ok:
+            self.metrics.kv_handoffs.labels(self.worker_id).inc()
+            self.metrics.handoff_s.labels(self.worker_id).observe(time.perf_counter() - start)
+            self.engine_loop.kv_arrived(rid, resp.first_token)
+        else:
+            self.metrics.prefill_fallback.labels(self.worker_id).inc()
+            self.engine_loop.kv_failed(rid)
+
+    async def _connect(self, target: worker_pb2.RemotePrefill) -> worker_pb2_grpc.PrefillStub:
+        """One Connect per (decode, prefill) pair: P loads our agent metadata and prepares descriptors."""
+        addr = target.prefill_address
+        if addr in self._peers:
+            return self._peers[addr]
+        if addr not in self._connecting:
+            self._connecting[addr] = asyncio.ensure_future(self._do_connect(addr))
+        try:
+            stub = await asyncio.shield(self._connecting[addr])
+        finally:
+            self._connecting.pop(addr, None)
+        self._peers[addr] = stub
+        return stub
+
+    async def _do_connect(self, addr: str) -> worker_pb2_grpc.PrefillStub:
+        channel = grpc.aio.insecure_channel(addr, options=[("grpc.max_send_message_length", 64 << 20)])
+        stub = worker_pb2_grpc.PrefillStub(channel)
+        await stub.Connect(worker_pb2.ConnectRequest(decode_worker_id=self.worker_id,
+                                                     agent_metadata=self.agent.metadata()), timeout=10.0)
+        return stub
+
+    def _ensure_poller(self) -> None:
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.create_task(self._poll_notifications())
+
+    async def _poll_notifications(self) -> None:
+        """Without a NIXL progress thread our polls drive the target side; poll while handoffs run."""
+        while self._notified:
+            for _peer, msg in self.agent.take_notifications():
+                fut = self._notified.get(msg.decode(errors="replace"))
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
+            await asyncio.sleep(0.0005)

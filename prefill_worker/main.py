@@ -1,0 +1,40 @@
+"""Runs one prefill worker process: engine + Prefill service + NIXL agent + lease + KV events."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from engine.engine import Engine, EngineLoop
+from kvstore.transfer import KvTransferAgent, nixl_available
+from prefill_worker.service import PrefillService
+from proto.splitserve.v1 import worker_pb2_grpc
+from runtime.config import WorkerConfig
+from runtime.worker_host import StatusService, WorkerHost, make_worker_id
+
+log = logging.getLogger(__name__)
+
+
+async def serve_prefill_worker(cfg: WorkerConfig) -> None:
+    if not nixl_available():
+        raise SystemExit("a prefill worker needs NIXL (pip install 'splitserve[nixl]')")
+    worker_id = make_worker_id(cfg)
+    engine = await asyncio.to_thread(Engine, cfg.engine)
+    host = WorkerHost(cfg, worker_id)
+    agent = KvTransferAgent(worker_id, engine.runner.kv_cache)
+    service = PrefillService(worker_id, agent, host.metrics)
+    loop = EngineLoop(engine, service.on_outputs, on_events=host.events_sink)
+    service.attach(loop)
+    loop.start()
+    worker_pb2_grpc.add_PrefillServicer_to_server(service, host.server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(
+        StatusService(worker_id, "prefill", cfg.engine.block_size, lambda: loop.stats, host.publisher), host.server)
+    info = await host.start(engine.pool.num_blocks, lambda: loop.stats)
+    log.info("prefill worker %s serving on %s (%d blocks)", worker_id, info.address, engine.pool.num_blocks)
+    try:
+        await host.run_until_stopped()
+    finally:
+        log.info("prefill worker %s stopping", worker_id)
+        await host.close()
+        loop.stop()
+        agent.close()
