@@ -9,6 +9,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -106,6 +108,13 @@ def pair(request):
 
 def test_module_reports_nixl():
     assert nixl_available()
+
+
+def test_module_imports_without_nixl():
+    code = ("import sys; sys.modules['nixl'] = None; import kvstore.transfer as t; "
+            "assert not t.nixl_available()")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=60)
 
 
 def test_merge_runs_splits_where_either_side_jumps():
