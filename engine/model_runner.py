@@ -1,13 +1,22 @@
 """The only engine part that touches the device: builds a step's tensors, runs the model, samples.
 
-It owns the weights, the KV cache tensor (num_layers, num_blocks, 2, block_size, num_kv_heads,
-head_dim) and the attention backend. It knows nothing about queues, clients or preemption.
+It owns the weights, the KV cache tensor (num_layers, num_blocks + 1, 2, block_size, num_kv_heads,
+head_dim) — the last block is a scratch block that no sequence owns, where padded CUDA-graph rows
+write — the attention backend and the decode CUDA graphs. It knows nothing about queues, clients or
+preemption.
+
+A step's inputs are built on the host with numpy from per-sequence values (no per-token Python
+loop except copying the chunk's token ids) and reach the device in one copy from a pinned buffer.
+Decode-only steps that fit a captured batch size replay a CUDA graph; other steps run eagerly.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
@@ -36,13 +45,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def make_backend(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device) -> AttentionBackend:
+def make_backend(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device,
+                 dtype: torch.dtype = torch.bfloat16) -> AttentionBackend:
     choice = cfg.attention_backend
     if choice == "auto":
         choice = "flashinfer" if device.type == "cuda" and _flashinfer_available() else "torch"
     if choice == "flashinfer":
         from engine.attention.flashinfer_backend import FlashInferAttention
-        return FlashInferAttention(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, device)
+        return FlashInferAttention(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, device, dtype)
     return TorchAttention(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim)
 
 
@@ -55,6 +65,66 @@ def _flashinfer_available() -> bool:
         return False
 
 
+@dataclass(slots=True)
+class HostStep:
+    """One step's inputs on the host (numpy; int64 unless noted). T tokens, S sequences."""
+    input_ids: np.ndarray          # (T,)
+    positions: np.ndarray          # (T,)
+    slots: np.ndarray              # (T,) block * block_size + offset
+    kv_rows: np.ndarray            # (2, T) rows of the new key / value in the (N*2*bs, Hkv, D) layer view
+    sample_rows: np.ndarray        # (R,) rows whose logits are sampled
+    qo_indptr: np.ndarray          # (S+1,) int32
+    kv_indptr: np.ndarray          # (S+1,) int32
+    kv_indices: np.ndarray         # (pages,) int32
+    kv_last_page_len: np.ndarray   # (S,) int32
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    samples: list[bool]            # per sequence: its chunk yields a token
+
+    @property
+    def is_decode_only(self) -> bool:
+        return len(self.input_ids) == len(self.query_lens)
+
+
+def build_host_step(chunks: list[ScheduledChunk], block_size: int) -> HostStep:
+    bs, n = block_size, len(chunks)
+    starts = np.fromiter((c.start for c in chunks), np.int64, n)
+    lens = np.fromiter((c.num_tokens for c in chunks), np.int64, n)
+    ctx = starts + lens
+    qo_indptr = np.zeros(n + 1, np.int64)
+    np.cumsum(lens, out=qo_indptr[1:])
+    num_tokens = int(qo_indptr[-1])
+    if num_tokens == n:                                   # decode-only: one token each
+        ids = [c.request.token_ids[c.start] for c in chunks]
+        seq = np.arange(n)
+        positions = starts
+    else:
+        ids = []
+        for c in chunks:
+            ids += c.request.token_ids[c.start:c.start + c.num_tokens]
+        seq = np.repeat(np.arange(n), lens)
+        positions = np.arange(num_tokens) - qo_indptr[seq] + starts[seq]
+    num_pages = (ctx + bs - 1) // bs
+    kv_indptr = np.zeros(n + 1, np.int64)
+    np.cumsum(num_pages, out=kv_indptr[1:])
+    tables = [c.request.block_ids for c in chunks]
+    flat: list[int] = []
+    for table, p in zip(tables, num_pages.tolist()):
+        flat += table[:p]
+    kv_indices = np.array(flat, np.int64)
+    offsets = positions % bs
+    pages = kv_indices[kv_indptr[seq] + positions // bs]
+    k_rows = pages * (2 * bs) + offsets
+    samples = [c.samples for c in chunks]
+    return HostStep(
+        input_ids=np.array(ids, np.int64), positions=positions, slots=pages * bs + offsets,
+        kv_rows=np.stack([k_rows, k_rows + bs]), sample_rows=(qo_indptr[1:] - 1)[np.array(samples, bool)],
+        qo_indptr=qo_indptr.astype(np.int32), kv_indptr=kv_indptr.astype(np.int32),
+        kv_indices=kv_indices.astype(np.int32), kv_last_page_len=(ctx - (num_pages - 1) * bs).astype(np.int32),
+        query_lens=lens.tolist(), context_lens=ctx.tolist(), block_tables=tables, samples=samples)
+
+
 class ModelRunner:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
@@ -62,17 +132,39 @@ class ModelRunner:
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         torch.manual_seed(cfg.seed)
-        self.model = load_model(cfg.model, self.model_config, self.dtype, self.device)
+        self.model = load_model(cfg.model, self.model_config, self.dtype, self.device,
+                                cfg.load_format, cfg.seed)
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.model.setup_rope(self.max_model_len, self.device)
         self.num_blocks = cfg.num_blocks or self._blocks_that_fit()
+        self.scratch_block = self.num_blocks
         mc = self.model_config
-        self.kv_cache = torch.zeros(mc.num_layers, self.num_blocks, 2, cfg.block_size, mc.num_kv_heads,
+        self.kv_cache = torch.zeros(mc.num_layers, self.num_blocks + 1, 2, cfg.block_size, mc.num_kv_heads,
                                     mc.head_dim, dtype=self.dtype, device=self.device)
-        self.backend = make_backend(cfg, mc, self.device)
-        log.info("model %s on %s (%s), %d KV blocks of %d tokens, attention=%s", mc.model_type,
-                 self.device, self.dtype, self.num_blocks, cfg.block_size, self.backend.name)
+        self.backend = make_backend(cfg, mc, self.device, self.dtype)
+        self._fi = None
+        if self.backend.name == "flashinfer":
+            import flashinfer
+            self._fi = flashinfer
+            self.model.use_flashinfer_kernels(flashinfer)
+        self._pinned = self.device.type == "cuda"
+        self._staging = torch.zeros(0, dtype=torch.int64)
+        self._staging_free = torch.cuda.Event() if self._pinned else None   # the last H2D copy is done
+        self.graphs = None
+        self.use_cuda_graphs = False
+        if cfg.cuda_graphs and self.device.type == "cuda" and self.backend.name == "flashinfer":
+            from engine.cuda_graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(self.model, self.backend, self.kv_cache, cfg.block_size,
+                                       self.scratch_block, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
+                                       self.device)
+            self.graphs.capture()
+            self.use_cuda_graphs = True
+        self.last_logits: torch.Tensor | None = None   # the last step's sampled rows (graph output: copy it)
+        self.last_prepare_s = 0.0                      # host time of the last step before the launch
+        log.info("model %s on %s (%s), %d KV blocks of %d tokens, attention=%s, cuda graphs=%s",
+                 mc.model_type, self.device, self.dtype, self.num_blocks, cfg.block_size,
+                 self.backend.name, self.graphs.sizes if self.graphs else None)
 
     @property
     def block_bytes(self) -> int:
@@ -88,43 +180,62 @@ class ModelRunner:
             budget = int(free * self.cfg.kv_memory_fraction) - (1 << 30)  # keep 1 GiB for activations
         else:
             budget = self.cfg.kv_cpu_bytes
-        return max(budget // per_block, 1)
+        return max(budget // per_block - 1, 1)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> dict[str, int]:
         """Run one step; return the sampled token of every chunk that samples."""
-        bs = self.cfg.block_size
-        ids, positions, slots = [], [], []
-        sample_rows, sample_reqs = [], []
-        row = 0
-        for c in chunks:
-            req = c.request
-            end = c.start + c.num_tokens
-            ids.extend(req.token_ids[c.start:end])
-            positions.extend(range(c.start, end))
-            table = req.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in range(c.start, end))
-            row += c.num_tokens
-            if c.samples:
-                sample_rows.append(row - 1)
-                sample_reqs.append(req)
-        dev = self.device
-        md = AttentionMetadata(
-            query_lens=[c.num_tokens for c in chunks],
-            context_lens=[c.start + c.num_tokens for c in chunks],
-            block_tables=[c.request.block_ids for c in chunks],
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor([0] + _cumsum(c.num_tokens for c in chunks), dtype=torch.int32, device=dev),
-            block_size=bs,
-            is_decode_only=all(c.num_tokens == 1 for c in chunks))
-        self.backend.plan(md)
-        hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=dev),
-                            torch.tensor(positions, dtype=torch.int64, device=dev), self.backend, self.kv_cache)
-        if not sample_rows:
+        t0 = time.perf_counter()
+        step = build_host_step(chunks, self.cfg.block_size)
+        if self.use_cuda_graphs and step.is_decode_only and self.graphs.fits(len(chunks)):
+            logits = self.graphs.run(step)
+            self.last_prepare_s = time.perf_counter() - t0
+            if len(step.sample_rows) < len(chunks):
+                logits = logits[torch.from_numpy(step.sample_rows).to(self.device)]
+        else:
+            logits = self._run_eager(step, t0)
+        sample_reqs = [c.request for c, s in zip(chunks, step.samples) if s]
+        if not sample_reqs:
             return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
-        tokens = sample(logits, [r.sampling for r in sample_reqs], [self._generator(r) for r in sample_reqs])
+        self.last_logits = logits
+        tokens = sample(logits, [r.sampling for r in sample_reqs], [self._generator(r) for r in sample_reqs],
+                        self._fi)
         return {r.request_id: t for r, t in zip(sample_reqs, tokens)}
+
+    def _run_eager(self, step: HostStep, t0: float) -> torch.Tensor | None:
+        t, r = len(step.input_ids), len(step.sample_rows)
+        dev = self._to_device(step)
+        ids, positions, slots = dev[0:t], dev[t:2 * t], dev[2 * t:3 * t]
+        kv_rows, sample_rows = dev[3 * t:5 * t].view(2, t), dev[5 * t:5 * t + r]
+        md = AttentionMetadata(
+            query_lens=step.query_lens, context_lens=step.context_lens, block_tables=step.block_tables,
+            slot_mapping=slots, query_start_loc=dev[5 * t + r:], block_size=self.cfg.block_size,
+            is_decode_only=step.is_decode_only, qo_indptr_host=torch.from_numpy(step.qo_indptr),
+            kv_indptr_host=torch.from_numpy(step.kv_indptr), kv_indices_host=torch.from_numpy(step.kv_indices),
+            kv_last_page_len_host=torch.from_numpy(step.kv_last_page_len), kv_rows=kv_rows)
+        self.backend.plan(md)
+        self.last_prepare_s = time.perf_counter() - t0
+        hidden = self.model(ids, positions, self.backend, self.kv_cache)
+        if r == 0:
+            return None
+        rows = hidden if r == t and r == len(step.query_lens) else hidden[sample_rows]
+        return self.model.compute_logits(rows)
+
+    def _to_device(self, step: HostStep) -> torch.Tensor:
+        """All int64 step inputs in one buffer, one host-to-device copy (pinned on CUDA)."""
+        parts = (step.input_ids, step.positions, step.slots, step.kv_rows.reshape(-1), step.sample_rows,
+                 step.qo_indptr.astype(np.int64))
+        size = sum(len(p) for p in parts)
+        if self._staging_free is not None:
+            self._staging_free.synchronize()      # a step that sampled nothing did not sync
+        if self._staging.numel() < size:
+            self._staging = torch.zeros(max(size, 2 * self._staging.numel()), dtype=torch.int64,
+                                        pin_memory=self._pinned)
+        np.concatenate(parts, out=self._staging.numpy()[:size])
+        dev = self._staging[:size].to(self.device, non_blocking=True)
+        if self._staging_free is not None:
+            self._staging_free.record()
+        return dev
 
     def _generator(self, req: Request) -> torch.Generator | None:
         if req.sampling.greedy or req.sampling.seed is None:
@@ -132,11 +243,3 @@ class ModelRunner:
         if req.generator is None:
             req.generator = torch.Generator(device=self.device).manual_seed(req.sampling.seed)
         return req.generator
-
-
-def _cumsum(values) -> list[int]:
-    out, total = [], 0
-    for v in values:
-        total += v
-        out.append(total)
-    return out

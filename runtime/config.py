@@ -27,6 +27,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"         # auto | torch | flashinfer
     cuda_graphs: bool = True                # decode CUDA graphs (GPU only)
+    cuda_graph_max_batch: int = 256         # largest captured decode batch (sizes 1,2,4,8,16,...)
+    load_format: str = "auto"               # auto (safetensors) | dummy (random weights from config.json)
     seed: int = 0
 
 

@@ -3,7 +3,8 @@
 A step's tokens from all sequences are flattened into one (T, H, D) batch. `AttentionMetadata`
 describes how they split into sequences and where their KV lives; a backend `plan`s once per step
 (outside any CUDA graph) and `forward`s once per layer. The KV cache of one layer is a tensor of
-shape (num_blocks, 2, block_size, num_kv_heads, head_dim) — [:, 0] keys, [:, 1] values.
+shape (num_blocks, 2, block_size, num_kv_heads, head_dim) — [:, 0] keys, [:, 1] values — which is
+FlashInfer's "NHD" paged layout.
 
 Contract of `forward(layer, q, k, v, kv_layer)`: first write k and v (T, Hkv, D) into `kv_layer`
 at `metadata.slot_mapping`, then return causal attention of q (T, H, D) over each sequence's whole
@@ -23,10 +24,19 @@ class AttentionMetadata:
     query_lens: list[int]            # tokens of each sequence in this step
     context_lens: list[int]          # each sequence's length after this step (cached + new)
     block_tables: list[list[int]]    # each sequence's block ids, in order
-    slot_mapping: torch.Tensor       # (T,) int64: block_id * block_size + offset for each new token
-    query_start_loc: torch.Tensor    # (S+1,) int32 cumulative query lens (on device)
+    slot_mapping: torch.Tensor       # (T,) int64 on device: block_id * block_size + offset per new token
+    query_start_loc: torch.Tensor    # (S+1,) int64 on device: cumulative query lens
     block_size: int
     is_decode_only: bool             # every sequence has exactly one query token
+    # The same paged layout in CSR form on the host (int32 CPU tensors), so that a planner reads it
+    # without a device sync: pages of sequence i are kv_indices[kv_indptr[i]:kv_indptr[i+1]].
+    qo_indptr_host: torch.Tensor | None = None        # (S+1,)
+    kv_indptr_host: torch.Tensor | None = None        # (S+1,)
+    kv_indices_host: torch.Tensor | None = None       # (num_pages,)
+    kv_last_page_len_host: torch.Tensor | None = None  # (S,) tokens in each sequence's last page, 1..bs
+    # (2, T) int64 on device: row of each new key / value in the layer cache viewed as
+    # (num_blocks * 2 * block_size, Hkv, D), i.e. (block * 2 + {0, 1}) * block_size + offset.
+    kv_rows: torch.Tensor | None = None
 
 
 class AttentionBackend(ABC):
@@ -51,3 +61,11 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     offsets = slot_mapping - blocks * block_size
     kv_layer[blocks, 0, offsets] = k.to(kv_layer.dtype)
     kv_layer[blocks, 1, offsets] = v.to(kv_layer.dtype)
+
+
+def write_kv_rows(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_rows: torch.Tensor) -> None:
+    """The same scatter as `write_kv` in two index_copy_ kernels, with rows computed once per step
+    (write_kv launches ~8 kernels per layer: div, sub and two advanced-index puts)."""
+    flat = kv_layer.view(-1, kv_layer.shape[-2], kv_layer.shape[-1])   # (N * 2 * bs, Hkv, D)
+    flat.index_copy_(0, kv_rows[0], k.to(kv_layer.dtype))
+    flat.index_copy_(0, kv_rows[1], v.to(kv_layer.dtype))

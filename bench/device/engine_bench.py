@@ -1,0 +1,228 @@
+"""Engine-only benchmark on the GPU with random bf16 weights of real architectures.
+
+  python bench/device/engine_bench.py [--models llama-3.1-8b,llama-3.2-1b] [--out FILE] [--skip-hf]
+
+Prints JSON lines (git sha, device, model, config in each): the device's ceilings measured in this
+run (HBM copy bandwidth, bf16 GEMM rate); per model: batch-1 decode tok/s with CUDA graphs on and off
+against the roofline (bytes a decode step must read ÷ measured bandwidth), the host time a step
+spends before its launch, decode throughput at batch 8..128 with ~1k-token contexts, prefill tok/s of
+4k-token prompts against the GEMM ceiling (2 × matmul params × tokens FLOPs ÷ measured rate), a
+K/V-write micro-benchmark, and HF transformers `generate` on the same architecture as the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import statistics
+import time
+
+import torch
+
+from common import Emitter, cuda_time_ms, measure_ceilings  # noqa: E402  (sets sys.path)
+from engine.engine import Engine  # noqa: E402
+from engine.loader import write_arch_dir  # noqa: E402
+from engine.model_runner import ModelRunner  # noqa: E402
+from engine.request import Request, SamplingParams  # noqa: E402
+from runtime.config import EngineConfig  # noqa: E402
+
+_uid = iter(range(1 << 30))
+
+
+def _req(prompt_len: int, max_tokens: int, gen: torch.Generator, vocab: int) -> Request:
+    prompt = torch.randint(10, vocab - 10, (prompt_len,), generator=gen).tolist()
+    return Request.new(f"r{next(_uid)}", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                ignore_eos=True))
+
+
+def _steps(engine: Engine, n: int) -> tuple[float, list[float]]:
+    """Run n steps; return wall seconds and the runner's host-prepare time of each step."""
+    prep = []
+    t0 = time.perf_counter()
+    for _ in range(n):
+        engine.step()
+        prep.append(engine.runner.last_prepare_s)
+    return time.perf_counter() - t0, prep
+
+
+def model_sizes(runner: ModelRunner) -> dict:
+    m, mc = runner.model, runner.model_config
+    unique = {id(p): p for p in m.parameters()}
+    total = sum(p.numel() for p in unique.values())
+    embed = m.embed_tokens.weight.numel()
+    layer = sum(p.numel() for p in m.layers.parameters())
+    decode_bytes = 2 * (total - (0 if mc.tie_word_embeddings else embed))   # lookup reads one row
+    kv_token_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2
+    return {"params": total, "layer_params": layer, "decode_weight_bytes": decode_bytes,
+            "kv_bytes_per_token": kv_token_bytes}
+
+
+def bench_decode_b1(emit, runner, sizes, ceil, common, steps=128, prompt_len=128) -> None:
+    g = torch.Generator().manual_seed(1)
+    vocab = runner.model_config.vocab_size
+    graph_modes = [True, False] if runner.graphs else [False]
+    for graphs in graph_modes:
+        runner.use_cuda_graphs = graphs
+        eng = Engine(runner.cfg, runner)
+        eng.add_request(_req(prompt_len, steps + 16, g, vocab))
+        _steps(eng, 9)                                          # prefill + warm-up decodes
+        wall, prep = _steps(eng, steps)
+        ctx = prompt_len + 9 + steps / 2
+        read = sizes["decode_weight_bytes"] + ctx * sizes["kv_bytes_per_token"]
+        roof = ceil["hbm_copy_GBps"] * 1e9 / read
+        rec = dict(common, metric="decode_batch1", cuda_graphs=graphs, tok_s=round(steps / wall, 1),
+                   step_ms=round(wall / steps * 1e3, 3), host_prepare_ms=round(statistics.mean(prep) * 1e3, 3),
+                   bytes_per_step=int(read), roofline_tok_s=round(roof, 1),
+                   frac_of_roofline=round(steps / wall / roof, 3))
+        if graphs:
+            gpu_ms = cuda_time_ms(lambda: runner.graphs.graphs[1].replay(), iters=50)
+            rec.update(graph_replay_ms=round(gpu_ms, 3), gpu_only_tok_s=round(1e3 / gpu_ms, 1),
+                       gpu_frac_of_roofline=round(1e3 / gpu_ms / roof, 3))
+        emit(**rec)
+        eng.scheduler.abort(next(iter(eng.scheduler.requests)))
+    runner.use_cuda_graphs = runner.graphs is not None
+
+
+def bench_decode_batches(emit, runner, common, batches=(8, 16, 32, 64, 128), ctx=1000, steps=24) -> None:
+    g = torch.Generator().manual_seed(2)
+    vocab = runner.model_config.vocab_size
+    for b in batches:
+        eng = Engine(runner.cfg, runner)
+        reqs = [_req(ctx, 4 + steps + 8, g, vocab) for _ in range(b)]
+        for r in reqs:
+            eng.add_request(r)
+        while min(r.num_output_tokens for r in reqs) < 4:
+            eng.step()
+        torch.cuda.synchronize()
+        wall, prep = _steps(eng, steps)
+        emit(**common, metric="decode_throughput", batch=b, context_tokens=ctx,
+             cuda_graphs=runner.use_cuda_graphs, tok_s=round(b * steps / wall, 1),
+             step_ms=round(wall / steps * 1e3, 3), host_prepare_ms=round(statistics.mean(prep) * 1e3, 3))
+        for r in reqs:
+            eng.abort_request(r.request_id)
+
+
+def bench_prefill(emit, runner, sizes, ceil, common, prompt_len=4096, n=4) -> None:
+    g = torch.Generator().manual_seed(3)
+    vocab = runner.model_config.vocab_size
+    eng = Engine(dataclasses.replace(runner.cfg, max_num_batched_tokens=prompt_len), runner)
+    eng.add_request(_req(prompt_len, 1, g, vocab))
+    while eng.has_work:                                          # warm-up (and JIT)
+        eng.step()
+    for _ in range(n):
+        eng.add_request(_req(prompt_len, 1, g, vocab))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    steps = 0
+    while eng.has_work:
+        eng.step()
+        steps += 1
+    wall = time.perf_counter() - t0
+    tok_s = n * prompt_len / wall
+    ceiling = ceil["gemm_8192_TFLOPs"] * 1e12 / (2 * sizes["layer_params"])
+    emit(**common, metric="prefill", prompt_tokens=prompt_len, prompts=n, steps=steps,
+         tok_s=round(tok_s, 1), gemm_ceiling_tok_s=round(ceiling, 1), frac_of_ceiling=round(tok_s / ceiling, 3),
+         note="ceiling counts 2*layer_params FLOPs per token (no attention FLOPs, no lm_head: one row)")
+
+
+def bench_kv_write(emit, runner, common) -> None:
+    from engine.attention.base import write_kv, write_kv_rows
+    import flashinfer
+    bs = runner.cfg.block_size
+    layer = runner.kv_cache[0]
+    nb, _, _, hkv, d = layer.shape
+    for t in (1, 128, 4096):
+        pages = torch.randperm(nb - 1, device="cuda")[: (t + bs - 1) // bs].int()
+        pos = torch.arange(t, device="cuda")
+        slots = pages.long()[pos // bs] * bs + pos % bs
+        rows = torch.stack([slots + (slots // bs) * bs, slots + (slots // bs) * bs + bs])
+        k = torch.randn(t, hkv, d, dtype=layer.dtype, device="cuda")
+        v = torch.randn_like(k)
+        indptr = torch.tensor([0, len(pages)], dtype=torch.int32, device="cuda")
+        last = torch.tensor([t - (len(pages) - 1) * bs], dtype=torch.int32, device="cuda")
+        zeros = torch.zeros(t, dtype=torch.int32, device="cuda")
+        res = {
+            "write_kv_us": cuda_time_ms(lambda: write_kv(layer, k, v, slots, bs), 50) * 1e3,
+            "write_kv_rows_us": cuda_time_ms(lambda: write_kv_rows(layer, k, v, rows), 50) * 1e3,
+            "flashinfer_append_us": cuda_time_ms(lambda: flashinfer.append_paged_kv_cache(
+                k, v, zeros, pos.int(), layer, pages, indptr, last, "NHD"), 50) * 1e3}
+        emit(**common, metric="kv_write_one_layer", tokens=t, **{a: round(b, 2) for a, b in res.items()})
+
+
+def bench_hf(emit, model_dir, common, decode_tokens=32, prompt_len=128, prefill_len=4096) -> None:
+    import transformers
+    cfg = transformers.AutoConfig.from_pretrained(model_dir)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(4)
+
+    def gen(n_prompt: int, n_new: int) -> float:
+        ids = torch.randint(10, cfg.vocab_size - 10, (1, n_prompt), generator=g).cuda()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    with torch.inference_mode():
+        gen(prompt_len, 4)
+        t1 = statistics.median(gen(prompt_len, 1) for _ in range(3))
+        tn = gen(prompt_len, decode_tokens)
+        emit(**common, metric="hf_decode_batch1", tok_s=round((decode_tokens - 1) / (tn - t1), 1),
+             prompt_tokens=prompt_len, new_tokens=decode_tokens, attn=cfg._attn_implementation)
+        gen(prefill_len, 1)
+        tp = statistics.median(gen(prefill_len, 1) for _ in range(3))
+        emit(**common, metric="hf_prefill", prompt_tokens=prefill_len, tok_s=round(prefill_len / tp, 1))
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="llama-3.1-8b,llama-3.2-1b")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--only", default="b1,batches,prefill,kv,hf")
+    ap.add_argument("--num-blocks", type=int, default=9600)
+    args = ap.parse_args()
+    emit = Emitter("engine_bench", args.out)
+    ceil = measure_ceilings()
+    emit(metric="ceilings", **ceil)
+    only = set(args.only.split(","))
+    for arch in args.models.split(","):
+        model_dir = write_arch_dir(arch, f"/tmp/splitserve-models/{arch}")
+        cfg = EngineConfig(model=str(model_dir), load_format="dummy", num_blocks=args.num_blocks,
+                           max_model_len=8192, max_num_seqs=256, max_num_batched_tokens=8192,
+                           enable_prefix_caching=False)
+        t0 = time.perf_counter()
+        runner = ModelRunner(cfg)
+        sizes = model_sizes(runner)
+        common = {"model": arch, "weights": "dummy-bf16", "attention": runner.backend.name,
+                  "block_size": cfg.block_size, "num_blocks": cfg.num_blocks}
+        emit(**common, metric="model", load_and_capture_s=round(time.perf_counter() - t0, 2),
+             graph_capture_s=round(runner.graphs.capture_s, 2) if runner.graphs else None,
+             graph_sizes=runner.graphs.sizes if runner.graphs else None, **sizes)
+        steps = [("b1", lambda: bench_decode_b1(emit, runner, sizes, ceil, common)),
+                 ("batches", lambda: bench_decode_batches(emit, runner, common)),
+                 ("prefill", lambda: bench_prefill(emit, runner, sizes, ceil, common)),
+                 ("kv", lambda: bench_kv_write(emit, runner, common))]
+        for name, fn in steps:
+            if name in only:
+                try:
+                    fn()
+                except Exception as e:  # one failed section must not lose the others
+                    emit(**common, metric=name, error=repr(e)[:500])
+        del runner
+        gc.collect()
+        torch.cuda.empty_cache()
+        if "hf" in only and not args.skip_hf:
+            try:
+                bench_hf(emit, str(model_dir), {"model": arch, "weights": "dummy-bf16", "impl": "hf-transformers"})
+            except Exception as e:
+                emit(model=arch, metric="hf", error=repr(e)[:500])
+
+
+if __name__ == "__main__":
+    main()

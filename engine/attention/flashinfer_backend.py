@@ -1,0 +1,80 @@
+"""Paged attention on the GPU with FlashInfer: prefill/mixed steps through
+BatchPrefillWithPagedKVCacheWrapper (causal, each sequence's queries aligned to the end of its
+context), decode-only steps through BatchDecodeWithPagedKVCacheWrapper, and one CUDA-graph decode
+wrapper per captured batch size.
+
+`plan()` runs once per step on host-side CSR arrays (no device sync); `forward()` per layer writes
+the step's K/V with two index_copy_ kernels and runs the planned wrapper. For a CUDA graph,
+`plan_graph(batch_size, metadata)` plans that size's wrapper into its fixed buffers and makes the
+backend read K/V rows from a static device tensor, so `forward()` can be captured and replayed.
+Knows nothing about requests or scheduling. FlashInfer is imported here only (lazily, by
+model_runner.make_backend), so the CPU install never needs it.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("FLASHINFER_USE_CUDA_NORM", "1")   # CUDA norm kernels; no CuTe DSL needed
+
+import flashinfer  # noqa: E402
+import torch  # noqa: E402
+
+from engine.attention.base import AttentionBackend, AttentionMetadata, write_kv_rows  # noqa: E402
+
+_WORKSPACE_BYTES = 256 << 20
+
+
+class FlashInferAttention(AttentionBackend):
+    name = "flashinfer"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.device, self.dtype = device, dtype
+        self.workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self._graph_wrappers: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
+        self._active = self.decode
+        self._kv_rows: torch.Tensor | None = None
+
+    # ---- planning (host side, outside any graph) ----------------------------------------------
+    def plan(self, md: AttentionMetadata) -> None:
+        self._kv_rows = md.kv_rows
+        if md.is_decode_only:
+            self._plan_decode(self.decode, md)
+            self._active = self.decode
+        else:
+            self.prefill.plan(md.qo_indptr_host, md.kv_indptr_host, md.kv_indices_host,
+                              md.kv_last_page_len_host, self.num_heads, self.num_kv_heads,
+                              self.head_dim, md.block_size, causal=True,
+                              q_data_type=self.dtype, kv_data_type=self.dtype)
+            self._active = self.prefill
+
+    def plan_graph(self, batch_size: int, md: AttentionMetadata, kv_rows_static: torch.Tensor,
+                   max_num_pages: int) -> None:
+        """Plan the CUDA-graph decode wrapper of `batch_size` (md padded to it); forward() then
+        reads K/V rows from `kv_rows_static` (2, >= batch_size), whose address the graph keeps."""
+        w = self._graph_wrappers.get(batch_size)
+        if w is None:
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True,
+                paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=torch.int32, device=self.device),
+                paged_kv_indices_buffer=torch.zeros(max_num_pages, dtype=torch.int32, device=self.device),
+                paged_kv_last_page_len_buffer=torch.zeros(batch_size, dtype=torch.int32, device=self.device))
+            self._graph_wrappers[batch_size] = w
+        self._plan_decode(w, md)
+        self._active = w
+        self._kv_rows = kv_rows_static[:, :batch_size]
+
+    def _plan_decode(self, w, md: AttentionMetadata) -> None:
+        w.plan(md.kv_indptr_host, md.kv_indices_host, md.kv_last_page_len_host, self.num_heads,
+               self.num_kv_heads, self.head_dim, md.block_size, pos_encoding_mode="NONE",
+               q_data_type=self.dtype, kv_data_type=self.dtype)
+
+    # ---- per layer (capturable) -----------------------------------------------------------
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_layer: torch.Tensor) -> torch.Tensor:
+        write_kv_rows(kv_layer, k, v, self._kv_rows)
+        return self._active.run(q, kv_layer)

@@ -1,0 +1,105 @@
+"""ModelRunner on the CPU: greedy tokens match HF transformers, step inputs are built right,
+the dummy load format and the architecture presets work."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from engine.engine import Engine
+from engine.loader import ARCHS, write_arch_dir
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner, build_host_step
+from engine.request import Request, SamplingParams
+from engine.scheduler import ScheduledChunk
+from runtime.config import EngineConfig
+from splitserve.tiny_model import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", seed=0)
+
+
+def _generate(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        engine.add_request(Request.new(str(i), p, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                 ignore_eos=True)))
+    while engine.has_work:
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    return [out[str(i)] for i in range(len(prompts))]
+
+
+def test_greedy_matches_hf_transformers(tiny_dir):
+    transformers = pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(5, 4096, (n,), generator=g).tolist() for n in (1, 7, 40, 131)]
+    cfg = EngineConfig(model=str(tiny_dir), device="cpu", num_blocks=128, max_num_batched_tokens=64,
+                       attention_backend="torch")
+    ours = _generate(Engine(cfg), prompts, 24)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    for p, got in zip(prompts, ours):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+        assert got == ref[0, len(p):].tolist()
+
+
+def _chunk(req: Request, start: int, n: int) -> ScheduledChunk:
+    return ScheduledChunk(req, start, n)
+
+
+def test_host_step_matches_per_token_definition():
+    bs = 4
+    rng = np.random.default_rng(0)
+    reqs, chunks = [], []
+    for i, (start, n, total) in enumerate([(0, 9, 9), (5, 3, 12), (10, 1, 11), (0, 1, 2)]):
+        r = Request.new(str(i), rng.integers(0, 100, total).tolist(), SamplingParams())
+        r.block_ids = rng.permutation(50)[: (total + bs - 1) // bs].tolist()
+        reqs.append(r)
+        chunks.append(_chunk(r, start, n))
+    s = build_host_step(chunks, bs)
+    ids, pos, slots = [], [], []
+    for c in chunks:
+        for p in range(c.start, c.start + c.num_tokens):
+            ids.append(c.request.token_ids[p])
+            pos.append(p)
+            slots.append(c.request.block_ids[p // bs] * bs + p % bs)
+    assert s.input_ids.tolist() == ids and s.positions.tolist() == pos and s.slots.tolist() == slots
+    blocks, offs = np.array(slots) // bs, np.array(slots) % bs
+    assert s.kv_rows[0].tolist() == (blocks * 2 * bs + offs).tolist()
+    assert s.kv_rows[1].tolist() == (blocks * 2 * bs + bs + offs).tolist()
+    assert s.qo_indptr.tolist() == [0, 9, 12, 13, 14]
+    assert s.kv_last_page_len.tolist() == [1, 4, 3, 1]
+    for i, c in enumerate(chunks):
+        pages = s.kv_indices[s.kv_indptr[i]:s.kv_indptr[i + 1]].tolist()
+        assert pages == c.request.block_ids[: -(-(c.start + c.num_tokens) // bs)]
+    assert s.samples == [True, False, True, False]
+    assert s.sample_rows.tolist() == [8, 12]
+    assert not s.is_decode_only
+
+
+def test_dummy_format_is_seeded_and_runs(tmp_path):
+    d = write_arch_dir("llama-3.2-1b", tmp_path / "m", hidden_size=128, num_hidden_layers=2,
+                       intermediate_size=256, vocab_size=512, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=32, max_position_embeddings=512)
+    cfg = EngineConfig(model=str(d), device="cpu", load_format="dummy", num_blocks=32, seed=3)
+    a, b = ModelRunner(cfg), ModelRunner(cfg)
+    for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(pa, pb), name
+    prompts = [[1, 2, 3, 4, 5], list(range(40, 77))]
+    assert _generate(Engine(cfg, a), prompts, 8) == _generate(Engine(cfg, b), prompts, 8)
+
+
+def test_arch_presets_have_the_real_dimensions(tmp_path):
+    big = ModelConfig.from_dir(write_arch_dir("llama-3.1-8b", tmp_path / "8b"))
+    assert (big.hidden_size, big.num_layers, big.num_heads, big.num_kv_heads, big.intermediate_size,
+            big.vocab_size, big.head_dim, big.tie_word_embeddings) == (4096, 32, 32, 8, 14336, 128256, 128, False)
+    assert big.rope_scaling["rope_type"] == "llama3"
+    small = ModelConfig.from_dir(write_arch_dir("llama-3.2-1b", tmp_path / "1b"))
+    assert (small.hidden_size, small.num_layers, small.head_dim, small.tie_word_embeddings) == (2048, 16, 64, True)
+    assert set(ARCHS) == {"llama-3.1-8b", "llama-3.2-1b"}
+    assert json.loads((tmp_path / "8b" / "config.json").read_text())["model_type"] == "llama"
