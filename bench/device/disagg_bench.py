@@ -1,0 +1,198 @@
+"""Prefill → decode KV handoff on one GPU, two processes: GB/s and the share of TTFT it costs.
+
+One command on the GPU machine:
+    python bench/device/disagg_bench.py --arch llama-3.1-8b --lengths 512,1024,2048,4096,8192,16384,32768
+
+The prefill process P and the decode process D each run the real engine on a Llama-3.1-8B-
+architecture model with the same random bf16 weights (load_format=dummy). For each prompt
+length: D reserves blocks for the prompt (the engine's remote-prefill path), P computes the prompt
+(one-token request whose blocks stay pinned), pushes the KV of every prompt block into D's
+blocks with NIXL (UCX, VRAM → VRAM WRITE, notification = request id), D sees the notification,
+continues from P's first token and decodes a few tokens. Reported per length (median of --reps):
+prefill_s (P), transfer_s (push start → D saw the notification), GB/s, the share of TTFT spent
+moving KV = transfer / (prefill + transfer + D's first decode step), and whether D's tokens equal
+P decoding the same prompt itself (the bytes moved are the right ones). A device-to-device copy
+of the same bytes is the ceiling. JSON lines on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"
+
+
+def make_engine(model_dir: str, num_blocks: int, budget: int, device: str = "cuda", load_format: str = "dummy"):
+    from engine.engine import Engine
+    from runtime.config import EngineConfig
+    return Engine(EngineConfig(model=model_dir, device=device, load_format=load_format, num_blocks=num_blocks,
+                               max_num_batched_tokens=budget, seed=0))
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_until(engine, rid: str):
+    while True:
+        for o in engine.step():
+            if o.request_id == rid:
+                return o
+
+
+def decode_side(conn, model_dir: str, num_blocks: int, budget: int, decode_tokens: int, device: str,
+                load_format: str) -> None:
+    """D: reserve blocks, receive the push, continue decoding."""
+    from engine.request import Request, SamplingParams
+    from kvstore.transfer import KvTransferAgent
+    engine = make_engine(model_dir, num_blocks, budget, device, load_format)
+    agent = KvTransferAgent("decode", engine.runner.kv_cache)
+    conn.send(agent.metadata())
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        rid, prompt = msg
+        req = Request.new(rid, prompt, SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True))
+        req.remote_prefill = True
+        engine.add_request(req)
+        engine.step()                       # admits it: blocks reserved, no compute
+        (res,) = engine.take_reservations()
+        conn.send(res.block_ids)
+        first_token = conn.recv()           # P's answer (arrives with or after the push)
+        seen = None
+        while seen is None:                 # our polls drive the target side of the transfer
+            for _peer, notif in agent.take_notifications():
+                if notif.decode() == rid:
+                    seen = time.monotonic()
+        out = engine.scheduler.kv_arrived(rid, first_token)
+        tokens = list(out.new_token_ids)
+        sync(device)
+        t0 = time.perf_counter()
+        first_step = None
+        while len(tokens) < decode_tokens:
+            for o in engine.step():
+                tokens.extend(o.new_token_ids)
+            if first_step is None:
+                sync(device)
+                first_step = time.perf_counter() - t0
+        conn.send((seen, first_step, tokens))
+    agent.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="llama-3.1-8b")
+    ap.add_argument("--lengths", default="512,1024,2048,4096,8192,16384,32768")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--budget", type=int, default=8192, help="prefill chunk (max_num_batched_tokens)")
+    ap.add_argument("--decode-tokens", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default=None, help="a real HF directory instead of --arch (e.g. for a CPU smoke run)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = ap.parse_args()
+    dev = args.device
+    from engine.loader import write_arch_dir
+    from engine.request import Request, SamplingParams
+    from kvstore.transfer import KvTransferAgent, TransferState
+
+    lengths = [int(x) for x in args.lengths.split(",")]
+    if args.model:
+        from splitserve.models import resolve_model
+        model_dir, load_format = resolve_model(args.model), "auto"
+    else:
+        model_dir, load_format = str(write_arch_dir(args.arch, Path(tempfile.mkdtemp()) / args.arch)), "dummy"
+    num_blocks = max(lengths) // 16 + 64
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    dproc = ctx.Process(target=decode_side, args=(child, model_dir, num_blocks, args.budget, args.decode_tokens,
+                                                         dev, load_format))
+    dproc.start()
+    engine = make_engine(model_dir, num_blocks, args.budget, dev, load_format)
+    agent = KvTransferAgent("prefill", engine.runner.kv_cache)
+    peer = agent.add_peer(parent.recv())
+    device = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+    vocab = engine.runner.model_config.vocab_size
+    g = torch.Generator().manual_seed(args.seed)
+    sha = git_sha()
+    for length in lengths:
+        rows = []
+        for rep in range(args.reps + 1):                      # the first is a warm-up
+            prompt = torch.randint(10, vocab - 10, (length,), generator=g).tolist()
+            rid = f"r{length}-{rep}"
+            parent.send((rid, prompt))
+            dest = parent.recv()
+            req = Request.new(rid, prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+            req.hold_blocks = True
+            sync(dev)
+            t0 = time.perf_counter()
+            engine.add_request(req)
+            out = run_until(engine, rid)
+            sync(dev)
+            prefill_s = time.perf_counter() - t0
+            n = -(-length // 16)
+            start = time.monotonic()
+            h = agent.push(peer, out.held_block_ids[:n], dest[:n], rid.encode())
+            parent.send(out.new_token_ids[0])
+            while agent.poll(h) == TransferState.PENDING:
+                pass
+            seen, first_step_s, d_tokens = parent.recv()
+            engine.scheduler.release_held(rid)
+            assert h.state == TransferState.DONE
+            # P decodes the same prompt itself: D's continuation must be identical
+            check = Request.new(rid + "-p", prompt, SamplingParams(temperature=0, max_tokens=args.decode_tokens,
+                                                                  ignore_eos=True))
+            engine.add_request(check)
+            p_tokens = []
+            while len(p_tokens) < args.decode_tokens:
+                for o in engine.step():
+                    p_tokens.extend(o.new_token_ids)
+            if rep:
+                rows.append((prefill_s, seen - start, first_step_s, h.num_bytes, p_tokens == d_tokens))
+        nbytes = rows[0][3]
+        src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        sync(dev)
+        t = time.perf_counter()
+        for _ in range(5):
+            dst.copy_(src)
+        sync(dev)
+        memcpy_gbps = nbytes * 5 / (time.perf_counter() - t) / 1e9
+        prefill = statistics.median(r[0] for r in rows)
+        transfer = statistics.median(r[1] for r in rows)
+        first_step = statistics.median(r[2] for r in rows)
+        print(json.dumps({
+            "bench": "disagg_handoff", "git_sha": sha, "device": device, "model": args.model or args.arch + " (random bf16)",
+            "prompt_tokens": length, "kv_bytes": nbytes, "prefill_s": round(prefill, 5),
+            "prefill_tok_s": round(length / prefill), "transfer_s": round(transfer, 6),
+            "transfer_gbps": round(nbytes / transfer / 1e9, 1), "memcpy_gbps": round(memcpy_gbps, 1),
+            "decode_first_step_s": round(first_step, 5),
+            "ttft_s": round(prefill + transfer + first_step, 5),
+            "kv_share_of_ttft": round(transfer / (prefill + transfer + first_step), 4),
+            "tokens_match": all(r[4] for r in rows), "reps": args.reps, "prefill_chunk": args.budget,
+            "transport": "NIXL UCX WRITE, two processes" + (", one GPU (VRAM->VRAM)" if dev == "cuda" else " (DRAM)")}), flush=True)
+    parent.send(None)
+    dproc.join(timeout=60)
+    agent.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
