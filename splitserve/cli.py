@@ -29,6 +29,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"])
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights from config.json (benchmarks without a checkpoint)")
+    p.add_argument("--kv-memory-fraction", type=float, default=0.85,
+                   help="share of free GPU memory a worker takes for its KV pool (split it between "
+                        "workers that share a GPU)")
 
 
 def _add_redis_args(p: argparse.ArgumentParser) -> None:
@@ -60,7 +65,8 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                         num_blocks=a.num_blocks, kv_cpu_bytes=a.kv_cpu_mib << 20, max_model_len=a.max_model_len,
                         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                         enable_prefix_caching=not a.no_prefix_caching, attention_backend=a.attention_backend,
-                        cuda_graphs=not a.no_cuda_graphs)
+                        cuda_graphs=not a.no_cuda_graphs, load_format=a.load_format,
+                        kv_memory_fraction=a.kv_memory_fraction)
 
 
 def redis_config(a: argparse.Namespace) -> RedisConfig:
