@@ -33,9 +33,10 @@ async def serve_frontend(cfg: FrontendConfig) -> None:
     pool = WorkerPool(redis, cfg.redis.namespace, router)
     await pool.start()
     router.start(redis, cfg.redis.namespace)
-    generator = Generator(pool, tokenizer, metrics, model_cfg.max_position_embeddings, cfg.block_size)
+    max_model_len = cfg.max_model_len or model_cfg.max_position_embeddings
+    generator = Generator(pool, tokenizer, metrics, max_model_len, cfg.block_size)
     state = FrontendState(generator=generator, tokenizer=tokenizer, metrics=metrics, model_name=model_name,
-                          max_model_len=model_cfg.max_position_embeddings, api_key=cfg.api_key,
+                          max_model_len=max_model_len, api_key=cfg.api_key,
                           max_body_bytes=cfg.max_body_bytes)
     grpc_server, grpc_port = await start_grpc_server(state, cfg.host, cfg.grpc_port)
     http = uvicorn.Server(uvicorn.Config(create_app(state), host=cfg.host, port=cfg.http_port,

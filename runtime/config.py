@@ -28,6 +28,8 @@ class EngineConfig:
     attention_backend: str = "auto"         # auto | torch | flashinfer
     cuda_graphs: bool = True                # decode CUDA graphs (GPU only)
     seed: int = 0
+    mock: bool = False                      # run no model: engine/mock_runner.py's timing model
+    mock_profile: str | None = None         # JSON timing profile for the mock; None: the H100 8B curve
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,3 +65,4 @@ class FrontendConfig:
     router_approximate: bool = False        # build the prefix index from routing decisions (no events)
     request_timeout_s: float = 600.0
     block_size: int = 16
+    max_model_len: int | None = None        # None: the model's max_position_embeddings

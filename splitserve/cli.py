@@ -29,6 +29,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"])
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--mock", action="store_true", help="run no model: sleep per step by a timing model")
+    p.add_argument("--mock-profile", default=None, help="JSON timing profile for --mock (default: H100 8B curve)")
 
 
 def _add_redis_args(p: argparse.ArgumentParser) -> None:
@@ -46,6 +48,7 @@ def _add_frontend_args(p: argparse.ArgumentParser) -> None:
                    help="require this key (Bearer on HTTP, metadata on gRPC); env SPLITSERVE_API_KEY")
     p.add_argument("--model-name", default=None, help="model id for clients (default: directory name)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    p.add_argument("--router-policy", default="kv", choices=["kv", "round_robin", "random", "least_loaded"])
 
 
 def engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -53,7 +56,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                         num_blocks=a.num_blocks, kv_cpu_bytes=a.kv_cpu_mib << 20, max_model_len=a.max_model_len,
                         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                         enable_prefix_caching=not a.no_prefix_caching, attention_backend=a.attention_backend,
-                        cuda_graphs=not a.no_cuda_graphs)
+                        cuda_graphs=not a.no_cuda_graphs, mock=a.mock, mock_profile=a.mock_profile)
 
 
 def redis_config(a: argparse.Namespace) -> RedisConfig:
@@ -75,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("frontend", help="the client edge (HTTP + gRPC)")
     p.add_argument("--model", default="tiny")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output accepted")
     _add_redis_args(p)
     _add_frontend_args(p)
 
@@ -124,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(serve_frontend(FrontendConfig(
             model=args.model, model_name=args.model_name, redis=redis_config(args), host=args.host,
             http_port=args.http_port, grpc_port=args.grpc_port, api_key=args.api_key,
-            max_body_bytes=args.max_body_bytes, block_size=args.block_size)))
+            max_body_bytes=args.max_body_bytes, block_size=args.block_size,
+            router_policy=args.router_policy, max_model_len=args.max_model_len)))
         return 0
     if cmd in ("decode-worker", "worker"):
         setup_logging(args.worker_id or "worker")

@@ -26,7 +26,7 @@ from splitserve.models import resolve_model
 log = logging.getLogger("splitserve.serve")
 
 _ENGINE_FLAGS = ("device", "dtype", "block_size", "num_blocks", "kv_cpu_mib", "max_model_len", "max_num_seqs",
-                 "max_num_batched_tokens", "attention_backend")
+                 "max_num_batched_tokens", "attention_backend", "mock_profile")
 
 
 def _flags(args: argparse.Namespace, names) -> list[str]:
@@ -42,8 +42,9 @@ class Cluster:
     def __init__(self) -> None:
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
-    def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
-        proc = subprocess.Popen([sys.executable, "-m", "splitserve", *argv], env=env, preexec_fn=die_with_parent)
+    def spawn(self, name: str, argv: list[str], env: dict[str, str], stdout=None) -> None:
+        proc = subprocess.Popen([sys.executable, "-m", "splitserve", *argv], env=env, stdout=stdout,
+                                preexec_fn=die_with_parent)
         self.procs.append((name, proc))
 
     def dead(self) -> list[tuple[str, int]]:
@@ -92,11 +93,13 @@ def serve(args: argparse.Namespace) -> int:
             cluster.spawn(f"worker-{i}", ["decode-worker", *common, *_flags(args, _ENGINE_FLAGS),
                                           "--worker-id", f"worker-{i}", "--host", args.host]
                           + (["--no-prefix-caching"] if args.no_prefix_caching else [])
-                          + (["--no-cuda-graphs"] if args.no_cuda_graphs else []), env)
+                          + (["--no-cuda-graphs"] if args.no_cuda_graphs else [])
+                          + (["--mock"] if args.mock else []), env)
         cluster.spawn("frontend", ["frontend", *common, "--model-name", model_name, "--host", args.host,
                                    "--http-port", str(args.http_port), "--grpc-port", str(args.grpc_port),
                                    "--block-size", str(args.block_size),
-                                   "--max-body-bytes", str(args.max_body_bytes)], env)
+                                   "--max-body-bytes", str(args.max_body_bytes),
+                                   "--router-policy", args.router_policy] + _frontend_max_len(args), env)
         if not _wait_ready(cluster, args, stop):
             return 1
         url = f"http://{args.host}:{args.http_port}"
@@ -118,6 +121,13 @@ def serve(args: argparse.Namespace) -> int:
         cluster.stop()
         if redis is not None:
             redis.close()
+
+
+def _frontend_max_len(args) -> list[str]:
+    if args.max_model_len is None and args.mock:
+        from engine.mock_runner import DEFAULT_MAX_MODEL_LEN
+        return ["--max-model-len", str(DEFAULT_MAX_MODEL_LEN)]
+    return _flags(args, ["max_model_len"])
 
 
 def _wait_ready(cluster: Cluster, args, stop) -> bool:
