@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = p.add_subparsers(dest="bench_command", required=True)
     from splitserve import bench_serve
     bench_serve.add_arguments(bsub.add_parser("serve", help="load-generate against a running server"))
+    from splitserve import bench_replay
+    bench_replay.add_arguments(bsub.add_parser("replay", help="replay a trace on a local mock cluster"))
     return parser
 
 
@@ -110,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "model":
         from splitserve import tiny_model
         return tiny_model.main(args)
+    if cmd == "bench" and args.bench_command == "replay":
+        from splitserve import bench_replay
+        return bench_replay.main(args)
     if cmd == "bench":
         from splitserve import bench_serve
         return bench_serve.main(args)
