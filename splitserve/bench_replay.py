@@ -209,6 +209,7 @@ def run_policy(args: argparse.Namespace, policy: str, specs: list[RequestSpec]) 
     prompt = sum(r.prompt_len for r in ok)
     cached = sum(r.cached_tokens or 0 for r in ok)
     record = {"policy": policy, **summarize_level(run.results, run.duration_s),
+              "host_load_avg_1m": round(os.getloadavg()[0], 2),
               "prefix_hit_rate": round(cached / prompt, 4) if prompt else None,
               "cached_tokens": cached, "max_in_flight": run.max_in_flight,
               **load_fields(statuses)}
