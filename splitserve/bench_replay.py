@@ -67,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--vocab-size", type=int, default=4000, help="prompt ids are drawn below this")
     # shared-prefix workload
-    p.add_argument("--num-requests", type=int, default=400, help="shared-prefix: requests")
+    p.add_argument("--num-requests", type=int, default=400, help="shared-prefix: requests (or --limit)")
     p.add_argument("--rate", type=float, default=16.0, help="shared-prefix: Poisson arrivals per second")
     p.add_argument("--prefix-len", type=int, default=4096, help="shared-prefix: system prompt tokens")
     p.add_argument("--tail-len", type=int, default=512, help="shared-prefix: unique tokens per request")
@@ -84,15 +84,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def shared_prefix_specs(args: argparse.Namespace) -> list[RequestSpec]:
     """Every prompt = one system prompt + a unique tail; exponential gaps at --rate per second."""
     rng = np.random.default_rng([args.seed, 7])
-    arrivals = np.cumsum(rng.exponential(1.0 / args.rate, args.num_requests))
+    n = args.limit or args.num_requests
+    arrivals = np.cumsum(rng.exponential(1.0 / args.rate, n))
     arrivals -= arrivals[0]
     system = random_prompt((args.seed, 1), args.prefix_len, args.vocab_size)
 
     def prompt(i: int) -> np.ndarray:
         return np.concatenate([system, random_prompt((args.seed, 2, i), args.tail_len, args.vocab_size)])
 
-    n = args.prefix_len + args.tail_len
-    return [RequestSpec(n, args.osl, functools.partial(prompt, i), float(t)) for i, t in enumerate(arrivals)]
+    length = args.prefix_len + args.tail_len
+    return [RequestSpec(length, args.osl, functools.partial(prompt, i), float(t)) for i, t in enumerate(arrivals)]
 
 
 def make_specs(args: argparse.Namespace) -> tuple[list[RequestSpec], dict]:
