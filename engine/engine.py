@@ -42,7 +42,7 @@ class EngineStats:
 class Engine:
     def __init__(self, cfg: EngineConfig, runner: ModelRunner | None = None) -> None:
         self.cfg = cfg
-        self.runner = runner or ModelRunner(cfg)
+        self.runner = runner or (_mock_runner(cfg) if cfg.mock else ModelRunner(cfg))
         self.max_model_len = min(self.runner.max_model_len, self.runner.num_blocks * cfg.block_size)
         self.pool = BlockPool(self.runner.num_blocks, enable_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, cfg.block_size, self.max_model_len, cfg.max_num_seqs,
@@ -85,6 +85,11 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+
+def _mock_runner(cfg: EngineConfig):
+    from engine.mock_runner import MockModelRunner
+    return MockModelRunner(cfg)
 
 
 class EngineLoop:

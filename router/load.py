@@ -5,8 +5,8 @@ request routed before a report is assumed to be inside the report, so finishing 
 nothing until the next report says so; a worker that never reports is tracked by the router's
 own accounting alone (route adds, finish subtracts).
 
-Two loads per worker: decode blocks (KV held by running sequences) and prefill blocks (prompt
-blocks queued for prefill). Which one a policy looks at depends on the worker's role.
+Two loads per worker: decode blocks (KV held by running sequences, plus the blocks its queued
+prompt tokens will take) and prefill blocks (prompt blocks queued for prefill). Which one a policy looks at depends on the worker's role.
 """
 
 from __future__ import annotations
@@ -87,7 +87,9 @@ class LoadTracker:
     def report(self, worker_id: str, active_blocks: int, waiting_prefill_tokens: int) -> None:
         w = self._workers[worker_id]
         w.epoch += 1
-        w.reported_decode = float(active_blocks)
+        # Queued prompts hold no blocks yet but will: count them, or a report would erase the
+        # requests routed just before it (they are assumed inside it) while they wait.
+        w.reported_decode = active_blocks + waiting_prefill_tokens / self.block_size
         w.reported_prefill = waiting_prefill_tokens / self.block_size
         w.routed_decode = 0.0
         w.routed_prefill = 0.0

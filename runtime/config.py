@@ -30,6 +30,8 @@ class EngineConfig:
     cuda_graph_max_batch: int = 256         # largest captured decode batch (sizes 1,2,4,8,16,...)
     load_format: str = "auto"               # auto (safetensors) | dummy (random weights from config.json)
     seed: int = 0
+    mock: bool = False                      # run no model: engine/mock_runner.py's timing model
+    mock_profile: str | None = None         # JSON timing profile for the mock; None: the H100 8B curve
 
 
 @dataclass(frozen=True, slots=True)

@@ -218,6 +218,7 @@ class RequestResult:
     chunk_times: list[float] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
     usage_completion_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server says
     error: str | None = None
 
     @property
@@ -347,6 +348,7 @@ class EventTally:
     tokens: int = 0
     done: bool = False
     usage_completion_tokens: int | None = None
+    usage_cached_tokens: int | None = None
     error: str | None = None
 
 
@@ -375,6 +377,7 @@ def tally_events(events: Sequence[bytes]) -> EventTally:
         usage = obj.get("usage")
         if usage:
             tally.usage_completion_tokens = usage.get("completion_tokens")
+            tally.usage_cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     return tally
 
 
@@ -468,13 +471,19 @@ class HttpClient:
                     counts.append(tally.tokens)
                 done = done or tally.done
                 res.usage_completion_tokens = tally.usage_completion_tokens or res.usage_completion_tokens
+                res.cached_tokens = _first_set(tally.usage_cached_tokens, res.cached_tokens)
                 res.error = res.error or tally.error
         tally = tally_events(parser.close())
         res.usage_completion_tokens = tally.usage_completion_tokens or res.usage_completion_tokens
+        res.cached_tokens = _first_set(tally.usage_cached_tokens, res.cached_tokens)
         return done or tally.done
 
     async def aclose(self) -> None:
         await asyncio.gather(*(c.aclose() for c in self._all))
+
+
+def _first_set(a, b):
+    return a if a is not None else b
 
 
 class GrpcClient:

@@ -34,6 +34,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-memory-fraction", type=float, default=0.85,
                    help="share of free GPU memory a worker takes for its KV pool (split it between "
                         "workers that share a GPU)")
+    p.add_argument("--mock", action="store_true", help="run no model: sleep per step by a timing model")
+    p.add_argument("--mock-profile", default=None, help="JSON timing profile for --mock (default: H100 8B curve)")
 
 
 def _add_redis_args(p: argparse.ArgumentParser) -> None:
@@ -66,7 +68,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                         enable_prefix_caching=not a.no_prefix_caching, attention_backend=a.attention_backend,
                         cuda_graphs=not a.no_cuda_graphs, load_format=a.load_format,
-                        kv_memory_fraction=a.kv_memory_fraction)
+                        kv_memory_fraction=a.kv_memory_fraction, mock=a.mock, mock_profile=a.mock_profile)
 
 
 def redis_config(a: argparse.Namespace) -> RedisConfig:
@@ -114,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = p.add_subparsers(dest="bench_command", required=True)
     from splitserve import bench_serve
     bench_serve.add_arguments(bsub.add_parser("serve", help="load-generate against a running server"))
+    from splitserve import bench_replay
+    bench_replay.add_arguments(bsub.add_parser("replay", help="replay a trace on a local mock cluster"))
     return parser
 
 
@@ -123,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "model":
         from splitserve import tiny_model
         return tiny_model.main(args)
+    if cmd == "bench" and args.bench_command == "replay":
+        from splitserve import bench_replay
+        return bench_replay.main(args)
     if cmd == "bench":
         from splitserve import bench_serve
         return bench_serve.main(args)

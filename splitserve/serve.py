@@ -26,9 +26,10 @@ from splitserve.models import resolve_model
 log = logging.getLogger("splitserve.serve")
 
 _FRONTEND_FLAGS = ("block_size", "max_body_bytes", "router_policy", "remote_prefill_min_tokens",
-                   "max_prefill_queue_tokens", "max_model_len")
+                   "max_prefill_queue_tokens")
 _ENGINE_FLAGS = ("device", "dtype", "block_size", "num_blocks", "kv_cpu_mib", "max_model_len", "max_num_seqs",
-                 "max_num_batched_tokens", "attention_backend", "load_format", "kv_memory_fraction")
+                 "max_num_batched_tokens", "attention_backend", "load_format", "kv_memory_fraction",
+                 "mock_profile")
 
 
 def _flags(args: argparse.Namespace, names) -> list[str]:
@@ -44,8 +45,9 @@ class Cluster:
     def __init__(self) -> None:
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
-    def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
-        proc = subprocess.Popen([sys.executable, "-m", "splitserve", *argv], env=env, preexec_fn=die_with_parent)
+    def spawn(self, name: str, argv: list[str], env: dict[str, str], stdout=None) -> None:
+        proc = subprocess.Popen([sys.executable, "-m", "splitserve", *argv], env=env, stdout=stdout,
+                                preexec_fn=die_with_parent)
         self.procs.append((name, proc))
 
     def dead(self) -> list[tuple[str, int]]:
@@ -72,6 +74,9 @@ def serve(args: argparse.Namespace) -> int:
         print(f"splitserve serve: {e.message}", file=sys.stderr)
         return 2
     from kvstore.transfer import nixl_available
+    if args.prefill_workers and args.mock:
+        print("splitserve serve: mock workers hold no KV to move; serving aggregated", file=sys.stderr)
+        args.prefill_workers = 0
     if args.prefill_workers and not nixl_available():
         print("splitserve serve: NIXL is not installed (pip install 'splitserve[nixl]'); serving aggregated",
               file=sys.stderr)
@@ -94,7 +99,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         engine = [*common, *_flags(args, _ENGINE_FLAGS), "--host", args.host, "--metrics-port", "0"] \
             + (["--no-prefix-caching"] if args.no_prefix_caching else []) \
-            + (["--no-cuda-graphs"] if args.no_cuda_graphs else [])
+            + (["--no-cuda-graphs"] if args.no_cuda_graphs else []) \
+            + (["--mock"] if args.mock else [])
         role = "decode" if args.prefill_workers else "aggregated"
         for i in range(args.prefill_workers):
             cluster.spawn(f"prefill-{i}", ["prefill-worker", *engine, "--worker-id", f"prefill-{i}"], env)
@@ -102,7 +108,7 @@ def serve(args: argparse.Namespace) -> int:
             cluster.spawn(f"decode-{i}", ["decode-worker", *engine, "--worker-id", f"{role}-{i}", "--role", role], env)
         cluster.spawn("frontend", ["frontend", *common, "--model-name", model_name, "--host", args.host,
                                    "--http-port", str(args.http_port), "--grpc-port", str(args.grpc_port),
-                                   *_flags(args, _FRONTEND_FLAGS)]
+                                   *_flags(args, _FRONTEND_FLAGS), *_frontend_max_len(args)]
                       + (["--router-approximate"] if args.router_approximate else []), env)
         if not _wait_ready(cluster, args, stop):
             return 1
@@ -127,6 +133,13 @@ def serve(args: argparse.Namespace) -> int:
         cluster.stop()
         if redis is not None:
             redis.close()
+
+
+def _frontend_max_len(args) -> list[str]:
+    if args.max_model_len is None and args.mock:
+        from engine.mock_runner import DEFAULT_MAX_MODEL_LEN
+        return ["--max-model-len", str(DEFAULT_MAX_MODEL_LEN)]
+    return _flags(args, ["max_model_len"])
 
 
 def _wait_ready(cluster: Cluster, args, stop) -> bool:

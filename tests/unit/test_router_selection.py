@@ -66,6 +66,16 @@ def test_finishing_requests_releases_load_and_reports_replace_the_router_estimat
         r.update_worker_load("nope", 1, 0)
 
 
+def test_a_reported_prefill_queue_counts_as_decode_load():
+    # a worker whose requests still wait for prefill holds few blocks, but is not idle
+    r = make_router(n=2)
+    hs = block_hashes(prompt(3), BS)
+    r.update_worker_load("w0", active_blocks=0, waiting_prefill_tokens=64 * BS)
+    r.update_worker_load("w1", active_blocks=10, waiting_prefill_tokens=0)
+    assert r.load("w0") == 64
+    assert r.route("a", hs, 256, WorkerRole.DECODE).worker_id == "w1"
+
+
 def test_a_busy_worker_loses_to_an_idle_one_once_load_outweighs_the_cached_prefix():
     r = make_router(n=2, overlap_weight=1.0)
     hs = block_hashes(prompt(4), BS)             # 16 blocks
