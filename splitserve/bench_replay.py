@@ -134,6 +134,7 @@ def offered_prefill_util(specs: list[RequestSpec], args: argparse.Namespace) -> 
 def serve_argv(args: argparse.Namespace, policy: str, redis_url: str, namespace: str,
                http_port: int, grpc_port: int) -> list[str]:
     argv = ["serve", "--mock", "--model", args.model, "--model-name", MODEL_NAME, "--decode-workers", str(args.workers),
+            "--prefill-workers", "0",
             "--redis-url", redis_url, "--namespace", namespace, "--router-policy", policy,
             "--http-port", str(http_port), "--grpc-port", str(grpc_port),
             "--block-size", str(args.block_size), "--max-model-len", str(args.max_model_len),
@@ -197,7 +198,7 @@ def run_policy(args: argparse.Namespace, policy: str, specs: list[RequestSpec]) 
         cluster.spawn("serve", serve_argv(args, policy, redis.url, namespace, http_port, grpc_port),
                       env, stdout=sys.stderr)
         try:
-            ready = SimpleNamespace(host="127.0.0.1", http_port=http_port, decode_workers=args.workers,
+            ready = SimpleNamespace(host="127.0.0.1", http_port=http_port, decode_workers=args.workers, prefill_workers=0,
                                     startup_timeout_s=args.startup_timeout_s)
             if not _wait_ready(cluster, ready, {"sig": None}):
                 raise RuntimeError(f"the {policy} cluster did not start")
