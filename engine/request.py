@@ -40,7 +40,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # below ~1e-5 a temperature only overflows the scaled logits; it means greedy (as in vLLM)
+        return self.temperature < 1e-5 or self.top_k == 1
 
 
 @dataclass(slots=True)

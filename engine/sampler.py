@@ -39,12 +39,13 @@ def _sample_flashinfer(logits: torch.Tensor, params: list[SamplingParams], rows:
     temps = torch.tensor([p.temperature for p in params], device=dev)
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], dtype=torch.int32, device=dev)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-    scaled = logits[idx] / temps[:, None]
+    rows_ = logits[idx]
+    scaled = (rows_ - rows_.max(dim=-1, keepdim=True).values) / temps[:, None]   # no inf - inf
     return fi.sampling.top_k_top_p_sampling_from_logits(scaled, top_k, top_p).tolist()
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    scaled = logits / p.temperature
+    scaled = (logits - logits.max()) / p.temperature      # shift first: a small T cannot make inf - inf
     if p.top_k > 0 and p.top_k < scaled.numel():
         kth = torch.topk(scaled, p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
