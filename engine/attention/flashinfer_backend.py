@@ -34,7 +34,8 @@ class FlashInferAttention(AttentionBackend):
         self.device, self.dtype = device, dtype
         self.workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
+        # backend="fa2": the CUDA-core decode kernel; also skips plan()'s per-call backend probing
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         self._graph_wrappers: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
         self._active = self.decode
         self._kv_rows: torch.Tensor | None = None
@@ -59,7 +60,7 @@ class FlashInferAttention(AttentionBackend):
         w = self._graph_wrappers.get(batch_size)
         if w is None:
             w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True,
+                self.workspace, "NHD", use_cuda_graph=True, backend="fa2",
                 paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=torch.int32, device=self.device),
                 paged_kv_indices_buffer=torch.zeros(max_num_pages, dtype=torch.int32, device=self.device),
                 paged_kv_last_page_len_buffer=torch.zeros(batch_size, dtype=torch.int32, device=self.device))
