@@ -61,9 +61,11 @@ def model_sizes(runner: ModelRunner) -> dict:
 def bench_decode_b1(emit, runner, sizes, ceil, common, steps=128, prompt_len=128) -> None:
     g = torch.Generator().manual_seed(1)
     vocab = runner.model_config.vocab_size
-    graph_modes = [True, False] if runner.graphs else [False]
-    for graphs in graph_modes:
+    modes = [(True, True), (True, False), (False, False)] if runner.graphs else [(False, False)]
+    for graphs, reuse in modes:
         runner.use_cuda_graphs = graphs
+        if hasattr(runner.backend, "reuse_decode_plans"):
+            runner.backend.reuse_decode_plans = reuse
         eng = Engine(runner.cfg, runner)
         eng.add_request(_req(prompt_len, steps + 16, g, vocab))
         _steps(eng, 9)                                          # prefill + warm-up decodes
@@ -71,17 +73,20 @@ def bench_decode_b1(emit, runner, sizes, ceil, common, steps=128, prompt_len=128
         ctx = prompt_len + 9 + steps / 2
         read = sizes["decode_weight_bytes"] + ctx * sizes["kv_bytes_per_token"]
         roof = ceil["hbm_copy_GBps"] * 1e9 / read
-        rec = dict(common, metric="decode_batch1", cuda_graphs=graphs, tok_s=round(steps / wall, 1),
+        rec = dict(common, metric="decode_batch1", cuda_graphs=graphs, reuse_decode_plans=reuse,
+                   tok_s=round(steps / wall, 1),
                    step_ms=round(wall / steps * 1e3, 3), host_prepare_ms=round(statistics.mean(prep) * 1e3, 3),
                    bytes_per_step=int(read), roofline_tok_s=round(roof, 1),
                    frac_of_roofline=round(steps / wall / roof, 3))
-        if graphs:
+        if graphs and reuse:
             gpu_ms = cuda_time_ms(lambda: runner.graphs.graphs[1].replay(), iters=50)
             rec.update(graph_replay_ms=round(gpu_ms, 3), gpu_only_tok_s=round(1e3 / gpu_ms, 1),
                        gpu_frac_of_roofline=round(1e3 / gpu_ms / roof, 3))
         emit(**rec)
         eng.scheduler.abort(next(iter(eng.scheduler.requests)))
     runner.use_cuda_graphs = runner.graphs is not None
+    if hasattr(runner.backend, "reuse_decode_plans"):
+        runner.backend.reuse_decode_plans = True
 
 
 def bench_decode_batches(emit, runner, common, batches=(8, 16, 32, 64, 128), ctx=1000, steps=24) -> None:

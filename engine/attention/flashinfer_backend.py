@@ -40,6 +40,7 @@ class FlashInferAttention(AttentionBackend):
         self._graph_wrappers: dict[int, _GraphDecode] = {}
         self._active = self.decode
         self._kv_rows: torch.Tensor | None = None
+        self.reuse_decode_plans = True       # see plan_graph; off: plan() on every step
 
     # ---- planning (host side, outside any graph) ----------------------------------------------
     def plan(self, md: AttentionMetadata) -> None:
@@ -68,7 +69,7 @@ class FlashInferAttention(AttentionBackend):
             g = _GraphDecode(self.workspace, batch_size, max_num_pages, self.device)
             self._graph_wrappers[batch_size] = g
         indptr = md.kv_indptr_host.numpy()
-        if g.planned_indptr is not None and np.array_equal(g.planned_indptr, indptr):
+        if self.reuse_decode_plans and g.planned_indptr is not None and np.array_equal(g.planned_indptr, indptr):
             n = len(md.kv_indices_host)
             g.indices[:n].copy_(md.kv_indices_host, non_blocking=True)
             g.last_page_len.copy_(md.kv_last_page_len_host, non_blocking=True)
