@@ -145,4 +145,15 @@ class CausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(R, E) → (R, V) float32. On CUDA the bf16/fp16 matmul writes float32 directly: rounding
+        logits of ~50 to bf16 (steps of 0.25) would create exact ties and flip greedy choices."""
+        w = self.lm_head.weight
+        if hidden.is_cuda and w.dtype != torch.float32 and _MM_OUT_DTYPE[0]:
+            try:
+                return torch.mm(hidden, w.t(), out_dtype=torch.float32)
+            except (RuntimeError, TypeError):
+                _MM_OUT_DTYPE[0] = False
         return self.lm_head(hidden).float()
+
+
+_MM_OUT_DTYPE = [True]   # torch.mm(..., out_dtype=) available here (checked on first use)

@@ -61,9 +61,11 @@ def model_sizes(runner: ModelRunner) -> dict:
 def bench_decode_b1(emit, runner, sizes, ceil, common, steps=128, prompt_len=128) -> None:
     g = torch.Generator().manual_seed(1)
     vocab = runner.model_config.vocab_size
-    graph_modes = [True, False] if runner.graphs else [False]
-    for graphs in graph_modes:
+    modes = [(True, True), (True, False), (False, False)] if runner.graphs else [(False, False)]
+    for graphs, reuse in modes:
         runner.use_cuda_graphs = graphs
+        if hasattr(runner.backend, "reuse_decode_plans"):
+            runner.backend.reuse_decode_plans = reuse
         eng = Engine(runner.cfg, runner)
         eng.add_request(_req(prompt_len, steps + 16, g, vocab))
         _steps(eng, 9)                                          # prefill + warm-up decodes
@@ -71,17 +73,20 @@ def bench_decode_b1(emit, runner, sizes, ceil, common, steps=128, prompt_len=128
         ctx = prompt_len + 9 + steps / 2
         read = sizes["decode_weight_bytes"] + ctx * sizes["kv_bytes_per_token"]
         roof = ceil["hbm_copy_GBps"] * 1e9 / read
-        rec = dict(common, metric="decode_batch1", cuda_graphs=graphs, tok_s=round(steps / wall, 1),
+        rec = dict(common, metric="decode_batch1", cuda_graphs=graphs, reuse_decode_plans=reuse,
+                   tok_s=round(steps / wall, 1),
                    step_ms=round(wall / steps * 1e3, 3), host_prepare_ms=round(statistics.mean(prep) * 1e3, 3),
                    bytes_per_step=int(read), roofline_tok_s=round(roof, 1),
                    frac_of_roofline=round(steps / wall / roof, 3))
-        if graphs:
+        if graphs and reuse:
             gpu_ms = cuda_time_ms(lambda: runner.graphs.graphs[1].replay(), iters=50)
             rec.update(graph_replay_ms=round(gpu_ms, 3), gpu_only_tok_s=round(1e3 / gpu_ms, 1),
                        gpu_frac_of_roofline=round(1e3 / gpu_ms / roof, 3))
         emit(**rec)
         eng.scheduler.abort(next(iter(eng.scheduler.requests)))
     runner.use_cuda_graphs = runner.graphs is not None
+    if hasattr(runner.backend, "reuse_decode_plans"):
+        runner.backend.reuse_decode_plans = True
 
 
 def bench_decode_batches(emit, runner, common, batches=(8, 16, 32, 64, 128), ctx=1000, steps=24) -> None:
@@ -150,6 +155,63 @@ def bench_kv_write(emit, runner, common) -> None:
         emit(**common, metric="kv_write_one_layer", tokens=t, **{a: round(b, 2) for a, b in res.items()})
 
 
+def bench_profile(emit, runner, common, steps=200) -> None:
+    """Where a batch-1 decode step's time goes: host functions (cProfile over graph steps), kernels of
+    one eager step (torch profiler), and batch-1 GEMM bandwidth per weight matrix by BLAS library."""
+    import cProfile
+    import pstats
+    g = torch.Generator().manual_seed(5)
+    vocab = runner.model_config.vocab_size
+    eng = Engine(runner.cfg, runner)
+    eng.add_request(_req(128, steps + 64, g, vocab))
+    _steps(eng, 9)
+    prof = cProfile.Profile()
+    prof.enable()
+    _steps(eng, steps)
+    prof.disable()
+    st = pstats.Stats(prof)
+    rows = sorted(((v[2] / steps * 1e6, v[3] / steps * 1e6, f"{k[0].split('/')[-1]}:{k[2]}")
+                   for k, v in st.stats.items()), reverse=True)[:15]
+    emit(**common, metric="host_profile_decode_b1", per_step_us=[[n, round(t, 1), round(c, 1)] for t, c, n in rows],
+         columns="function, self us/step, cumulative us/step")
+    runner.use_cuda_graphs = False
+    from torch.profiler import ProfilerActivity, profile
+    _steps(eng, 3)
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        _steps(eng, 5)
+    runner.use_cuda_graphs = runner.graphs is not None
+    kernels: dict[str, list[float]] = {}
+    for e in p.events():
+        if e.device_type.name == "CUDA":
+            kernels.setdefault(e.name[:80], []).append(getattr(e, "device_time", None) or e.cuda_time)
+    total = sum(sum(v) for v in kernels.values()) / 5
+    top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:14]
+    emit(**common, metric="kernel_profile_decode_b1_eager", kernel_us_per_step=round(total, 1),
+         kernels_per_step=sum(len(v) for v in kernels.values()) / 5,
+         top=[[k, round(sum(v) / 5, 1), len(v) / 5] for k, v in top], columns="kernel, us/step, launches/step")
+    eng.abort_request(next(iter(eng.scheduler.requests)))
+    mc, dev = runner.model_config, "cuda"
+    shapes = {"qkv": ((mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim, mc.hidden_size),
+              "o": (mc.hidden_size, mc.num_heads * mc.head_dim), "gate_up": (2 * mc.intermediate_size, mc.hidden_size),
+              "down": (mc.hidden_size, mc.intermediate_size), "lm_head": (mc.vocab_size, mc.hidden_size)}
+    res = {}
+    default_lib = torch.backends.cuda.preferred_blas_library()
+    for lib in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(lib)
+        for name, (n, k) in shapes.items():
+            ws = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) for _ in range(4)]   # rotate: no L2 hits
+            x = torch.randn(1, k, dtype=torch.bfloat16, device=dev)
+            it = iter(range(1 << 30))
+            ms = cuda_time_ms(lambda: torch.nn.functional.linear(x, ws[next(it) % 4]), 40)
+            res[f"{lib}:{name}_GBps"] = round(n * k * 2 / ms / 1e6, 1)
+            if name == "lm_head" and lib == "cublas":
+                ms2 = cuda_time_ms(lambda: torch.mm(x, ws[next(it) % 4].t(), out_dtype=torch.float32), 40)
+                res["lm_head_mm_out_fp32_GBps"] = round(n * k * 2 / ms2 / 1e6, 1)
+            del ws
+    torch.backends.cuda.preferred_blas_library(default_lib)
+    emit(**common, metric="gemm_batch1_bandwidth", **res)
+
+
 def bench_hf(emit, model_dir, common, decode_tokens=32, prompt_len=128, prefill_len=4096) -> None:
     import transformers
     cfg = transformers.AutoConfig.from_pretrained(model_dir)
@@ -184,7 +246,7 @@ def main() -> None:
     ap.add_argument("--models", default="llama-3.1-8b,llama-3.2-1b")
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--only", default="b1,batches,prefill,kv,hf")
+    ap.add_argument("--only", default="b1,batches,prefill,kv,profile,hf")
     ap.add_argument("--num-blocks", type=int, default=9600)
     args = ap.parse_args()
     emit = Emitter("engine_bench", args.out)
@@ -207,7 +269,8 @@ def main() -> None:
         steps = [("b1", lambda: bench_decode_b1(emit, runner, sizes, ceil, common)),
                  ("batches", lambda: bench_decode_batches(emit, runner, common)),
                  ("prefill", lambda: bench_prefill(emit, runner, sizes, ceil, common)),
-                 ("kv", lambda: bench_kv_write(emit, runner, common))]
+                 ("kv", lambda: bench_kv_write(emit, runner, common)),
+                 ("profile", lambda: bench_profile(emit, runner, common))]
         for name, fn in steps:
             if name in only:
                 try:
