@@ -49,6 +49,17 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def checksum(kv: torch.Tensor, blocks: list[int]) -> int:
+    """Exact fingerprint of the KV bytes of `blocks` (all layers), comparable across processes."""
+    idx = torch.tensor(blocks, device=kv.device)
+    total = 0
+    for layer in range(kv.shape[0]):          # one layer at a time: bounded memory at 32k tokens
+        x = kv[layer].index_select(0, idx).contiguous().view(torch.int16).to(torch.int64).flatten()
+        w = (torch.arange(1, x.numel() + 1, device=kv.device, dtype=torch.int64) * (layer + 1)) % 65521
+        total += int((x * w).sum().item())
+    return total
+
+
 def run_until(engine, rid: str):
     while True:
         for o in engine.step():
@@ -81,6 +92,7 @@ def decode_side(conn, model_dir: str, num_blocks: int, budget: int, decode_token
             for _peer, notif in agent.take_notifications():
                 if notif.decode() == rid:
                     seen = time.monotonic()
+        d_sum = checksum(engine.runner.kv_cache, res.block_ids)    # before decoding writes into the last block
         out = engine.scheduler.kv_arrived(rid, first_token)
         tokens = list(out.new_token_ids)
         sync(device)
@@ -92,7 +104,7 @@ def decode_side(conn, model_dir: str, num_blocks: int, budget: int, decode_token
             if first_step is None:
                 sync(device)
                 first_step = time.perf_counter() - t0
-        conn.send((seen, first_step, tokens))
+        conn.send((seen, first_step, tokens, d_sum))
     agent.close()
 
 
@@ -152,7 +164,8 @@ def main() -> int:
             parent.send(out.new_token_ids[0])
             while agent.poll(h) == TransferState.PENDING:
                 pass
-            seen, first_step_s, d_tokens = parent.recv()
+            seen, first_step_s, d_tokens, d_sum = parent.recv()
+            kv_match = d_sum == checksum(engine.runner.kv_cache, out.held_block_ids[:n])
             engine.scheduler.release_held(rid)
             assert h.state == TransferState.DONE
             # P decodes the same prompt itself: D's continuation must be identical
@@ -164,7 +177,7 @@ def main() -> int:
                 for o in engine.step():
                     p_tokens.extend(o.new_token_ids)
             if rep:
-                rows.append((prefill_s, seen - start, first_step_s, h.num_bytes, p_tokens == d_tokens))
+                rows.append((prefill_s, seen - start, first_step_s, h.num_bytes, p_tokens == d_tokens, kv_match))
         nbytes = rows[0][3]
         src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
         dst = torch.empty_like(src)
@@ -186,7 +199,7 @@ def main() -> int:
             "decode_first_step_s": round(first_step, 5),
             "ttft_s": round(prefill + transfer + first_step, 5),
             "kv_share_of_ttft": round(transfer / (prefill + transfer + first_step), 4),
-            "tokens_match": all(r[4] for r in rows), "reps": args.reps, "prefill_chunk": args.budget,
+            "kv_bytes_match": all(r[5] for r in rows), "tokens_match": all(r[4] for r in rows), "reps": args.reps, "prefill_chunk": args.budget,
             "transport": "NIXL UCX WRITE, two processes" + (", one GPU (VRAM->VRAM)" if dev == "cuda" else " (DRAM)")}), flush=True)
     parent.send(None)
     dproc.join(timeout=60)
