@@ -85,6 +85,16 @@ def test_malformed_json_is_a_400(http, raw):
     assert r.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_temperature_is_a_400(http, model_name, value):
+    # Python's JSON parser accepts these literals; a NaN temperature used to reach the sampler,
+    # fail the whole engine step and with it every other request running on that worker
+    raw = '{"model": "%s", "prompt": "x", "max_tokens": 2, "temperature": %s}' % (model_name, value)
+    r = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert "temperature" in r.json()["error"]["message"]
+
+
 def test_unknown_model_is_a_404(http):
     for path, body in (("/v1/completions", completion("no-such-model")), ("/v1/chat/completions", chat("gpt-4"))):
         r = http.post(path, json=body)
@@ -140,6 +150,9 @@ BAD_GRPC = [
     ("max_tokens 0", dict(text="x", sampling=pb.SamplingParams(max_tokens=0))),
     ("max_tokens negative", dict(text="x", sampling=pb.SamplingParams(max_tokens=-1))),
     ("negative temperature", dict(text="x", sampling=pb.SamplingParams(temperature=-1))),
+    ("NaN temperature", dict(text="x", sampling=pb.SamplingParams(temperature=float("nan")))),
+    ("infinite temperature", dict(text="x", sampling=pb.SamplingParams(temperature=float("inf")))),
+    ("NaN top_p", dict(text="x", sampling=pb.SamplingParams(top_p=float("nan")))),
     ("top_p 0", dict(text="x", sampling=pb.SamplingParams(top_p=0))),
     ("top_p above 1", dict(text="x", sampling=pb.SamplingParams(top_p=1.01))),
     ("negative top_k", dict(text="x", sampling=pb.SamplingParams(top_k=-7))),
