@@ -140,15 +140,23 @@ def redis_server():
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory, redis_server) -> Cluster:
-    """The shared cluster of the API tests: tiny llama on the CPU, small step budget (so that
-    prompts of a few hundred tokens are prefilled in chunks), Redis owned by the test."""
+def _session_cluster(tmp_path_factory, redis_server) -> Cluster:
     c = start_cluster(tmp_path_factory.mktemp("cluster"), "--model", "tiny", "--max-num-batched-tokens", "64",
                       redis_url=redis_server.url)
     yield c
     assert c.stop() == 0, c.log()[-3000:]
 
 
+@pytest.fixture
+def cluster(_session_cluster) -> Cluster:
+    """The shared cluster of the API tests: tiny llama on the CPU, small step budget (so that
+    prompts of a few hundred tokens are prefilled in chunks), Redis owned by the test. Checked
+    alive before each test, so that a cluster that died shows its log instead of 'connection refused'."""
+    c = _session_cluster
+    assert c.proc.poll() is None, f"the shared cluster exited with {c.proc.returncode}:\n{c.log()[-3000:]}"
+    return c
+
+
 @pytest.fixture(scope="session")
-def model_name(cluster) -> str:
-    return httpx.get(f"{cluster.url}/v1/models").json()["data"][0]["id"]
+def model_name(_session_cluster) -> str:
+    return httpx.get(f"{_session_cluster.url}/v1/models").json()["data"][0]["id"]

@@ -17,8 +17,8 @@ VOCAB = 4096
 
 
 @pytest.fixture(scope="module")
-def http(cluster):
-    with httpx.Client(base_url=cluster.url, timeout=60) as c:
+def http(_session_cluster):
+    with httpx.Client(base_url=_session_cluster.url, timeout=60) as c:
         yield c
 
 
@@ -126,8 +126,8 @@ def test_a_bad_streaming_request_fails_before_the_stream_starts(http, model_name
 
 
 @pytest.fixture(scope="module")
-def grpc_stub(cluster):
-    with grpc.insecure_channel(cluster.grpc_target) as ch:
+def grpc_stub(_session_cluster):
+    with grpc.insecure_channel(_session_cluster.grpc_target) as ch:
         yield pb_grpc.GenerationStub(ch)
 
 

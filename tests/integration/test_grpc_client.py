@@ -34,9 +34,9 @@ def stubs_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def seen(cluster, stubs_dir, tmp_path_factory) -> dict:
+def seen(_session_cluster, stubs_dir, tmp_path_factory) -> dict:
     script = Path(__file__).with_name("grpc_external_client.py")
-    r = subprocess.run([sys.executable, "-I", str(script), str(stubs_dir), cluster.grpc_target],
+    r = subprocess.run([sys.executable, "-I", str(script), str(stubs_dir), _session_cluster.grpc_target],
                        cwd=tmp_path_factory.mktemp("client"), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout)

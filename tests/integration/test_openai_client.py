@@ -15,8 +15,8 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 
 
 @pytest.fixture(scope="module")
-def client(cluster):
-    with openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+def client(_session_cluster):
+    with openai.OpenAI(base_url=f"{_session_cluster.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
         yield c
 
 

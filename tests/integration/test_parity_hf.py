@@ -42,7 +42,7 @@ def make_prompts(seed: int) -> tuple[list[list[int]], list[list[int]]]:
 @pytest.fixture(scope="module", params=["tiny", "tiny-qwen2"])
 def parity_cluster(request, tmp_path_factory):
     if request.param == "tiny":
-        yield request.getfixturevalue("cluster"), cache_dir() / "models" / "tiny-llama-seed0"
+        yield request.getfixturevalue("_session_cluster"), cache_dir() / "models" / "tiny-llama-seed0"
         return
     redis = request.getfixturevalue("redis_server")
     c = start_cluster(tmp_path_factory.mktemp("qwen2"), "--model", "tiny-qwen2", "--max-num-batched-tokens", "64",
