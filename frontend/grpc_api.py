@@ -8,6 +8,7 @@ metadata `authorization: Bearer <key>`.
 from __future__ import annotations
 
 import hmac
+import math
 import uuid
 
 import grpc
@@ -60,8 +61,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         max_tokens = st.generator.check_prompt(prompt, s.max_tokens if s.HasField("max_tokens") else None, None)
         t = s.temperature if s.HasField("temperature") else 1.0
         top_p = s.top_p if s.HasField("top_p") else 1.0
-        if t < 0:
-            raise InvalidRequest("temperature must be >= 0")
+        if not math.isfinite(t) or t < 0:
+            raise InvalidRequest("temperature must be a finite number >= 0")
         if not 0 < top_p <= 1:
             raise InvalidRequest("top_p must be in (0, 1]")
         if s.HasField("top_k") and s.top_k < 0:

@@ -5,6 +5,7 @@ Fields we do not implement are rejected with a clear 400 rather than silently ig
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -52,8 +53,8 @@ class _Common(BaseModel):
 
     def to_sampling(self, max_tokens: int, vocab_size: int) -> SamplingParams:
         t = 1.0 if self.temperature is None else self.temperature
-        if t < 0:
-            raise InvalidRequest("temperature must be >= 0", "temperature")
+        if not math.isfinite(t) or t < 0:     # JSON parsers here accept NaN and Infinity
+            raise InvalidRequest("temperature must be a number >= 0", "temperature")
         if t > 100:
             raise InvalidRequest("temperature must be <= 100", "temperature")
         top_p = 1.0 if self.top_p is None else self.top_p

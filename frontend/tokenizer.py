@@ -91,28 +91,46 @@ class IncrementalDetokenizer:
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._text = ""          # all text decoded so far
         self._emitted = 0        # chars of _text already returned
+        self._ids: list[int] = []
         self.stopped = False
 
     def add(self, token_ids: list[int]) -> str:
         """Feed new tokens; return the text that can be released now. Sets `stopped` on a stop string."""
         if self.stopped:
             return ""
+        self._ids.extend(token_ids)
         for t in token_ids:
             piece = self._stream.step(self._tok, t)
             if piece:
                 self._text += piece
-        if self._stop:
-            search_from = max(self._emitted - self._hold, 0)
-            cut = min((i for s in self._stop if (i := self._text.find(s, search_from)) >= 0), default=-1)
-            if cut >= 0:
-                self.stopped = True
-                self._text = self._text[:cut]
-                return self._release(len(self._text))
+        if self._cut_at_stop():
+            return self._release(len(self._text))
         return self._release(len(self._text) - self._hold)
 
     def flush(self) -> str:
-        """At the end of the stream: release what was held back."""
+        """At the end of the stream: release what was held back.
+
+        The decode stream holds back the bytes of an unfinished UTF-8 character forever; a stream
+        that ends inside one (max_tokens reached mid-character) releases them as the replacement
+        character, exactly as a one-shot decode of the same tokens does.
+        """
+        if not self.stopped and self._ids:
+            full = self._tok.decode(self._ids, skip_special_tokens=True)
+            if len(full) > len(self._text) and full.startswith(self._text):
+                self._text = full
+                self._cut_at_stop()
         return self._release(len(self._text))
+
+    def _cut_at_stop(self) -> bool:
+        if not self._stop:
+            return False
+        search_from = max(self._emitted - self._hold, 0)
+        cut = min((i for s in self._stop if (i := self._text.find(s, search_from)) >= 0), default=-1)
+        if cut < 0:
+            return False
+        self.stopped = True
+        self._text = self._text[:cut]
+        return True
 
     def _release(self, upto: int) -> str:
         if upto <= self._emitted:

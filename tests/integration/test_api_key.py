@@ -1,0 +1,122 @@
+"""With an API key, /v1/* and the gRPC API need it; /health does not; the key never leaks into
+the logs or into the command lines of the processes `splitserve serve` starts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from proto.splitserve.v1 import generation_pb2 as pb
+from proto.splitserve.v1 import generation_pb2_grpc as pb_grpc
+
+from .conftest import start_cluster
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-test-9f3a7c1e55d04b2b"
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (from /proc: no psutil needed)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+@pytest.fixture(scope="module", params=["flag", "env"])
+def keyed(request, tmp_path_factory):
+    env = dict(os.environ)
+    args = ["--model", "tiny"]
+    if request.param == "flag":
+        args += ["--api-key", KEY]
+    else:
+        env["SPLITSERVE_API_KEY"] = KEY
+    c = start_cluster(tmp_path_factory.mktemp("keyed"), *args, env=env)
+    yield c
+    assert c.stop() == 0
+
+
+def completion(c, headers=None) -> httpx.Response:
+    return httpx.post(f"{c.url}/v1/completions", headers=headers or {}, timeout=30,
+                      json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+
+
+def test_http_needs_the_key(keyed):
+    for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                    {"Authorization": f"Basic {KEY}"}, {"Authorization": f"Bearer {KEY}x"}):
+        r = completion(keyed, headers)
+        assert r.status_code == 401, (headers, r.text)
+        assert r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{keyed.url}/v1/models", timeout=10).status_code == 401
+    r = httpx.post(f"{keyed.url}/v1/chat/completions", timeout=10,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 401
+    ok = {"Authorization": f"Bearer {KEY}"}
+    r = completion(keyed, ok)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert httpx.get(f"{keyed.url}/v1/models", headers=ok, timeout=10).status_code == 200
+
+
+def test_openai_client_with_the_key(keyed):
+    openai = pytest.importorskip("openai")
+    with openai.OpenAI(base_url=f"{keyed.url}/v1", api_key=KEY, max_retries=0) as c:
+        assert c.completions.create(model="tiny", prompt="x", max_tokens=1).usage.completion_tokens == 1
+    with openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="nope", max_retries=0) as c:
+        with pytest.raises(openai.AuthenticationError):
+            c.completions.create(model="tiny", prompt="x", max_tokens=1)
+
+
+def test_health_and_metrics_stay_open(keyed):
+    assert httpx.get(f"{keyed.url}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{keyed.url}/metrics", timeout=10).status_code == 200
+
+
+def test_grpc_needs_the_key(keyed):
+    req = pb.GenerateRequest(model="tiny", text="hi", sampling=pb.SamplingParams(max_tokens=2))
+    with grpc.insecure_channel(keyed.grpc_target) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        for md in (None, [("authorization", "Bearer wrong")], [("authorization", KEY)]):
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(req, metadata=md, timeout=30))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, md
+            with pytest.raises(grpc.RpcError) as e:
+                stub.ListModels(pb.ListModelsRequest(), metadata=md, timeout=30)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, md
+        md = [("authorization", f"Bearer {KEY}")]
+        out = list(stub.Generate(req, metadata=md, timeout=30))
+        assert out[-1].usage.completion_tokens == 2
+        assert stub.ListModels(pb.ListModelsRequest(), metadata=md, timeout=30).models[0].id == "tiny"
+        # the health check is open, as orchestrators probe it without credentials
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert r.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_the_key_is_in_no_log_and_no_child_command_line(keyed):
+    # provoke some logging first: failed and successful requests
+    completion(keyed, {"Authorization": "Bearer wrong"})
+    completion(keyed, {"Authorization": f"Bearer {KEY}"})
+    kids = descendants(keyed.proc.pid)
+    assert len(kids) >= 3                        # redis-server, a worker, the frontend
+    for pid in kids:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        assert KEY not in argv, argv
+    assert KEY not in keyed.log()

@@ -1,0 +1,182 @@
+"""Bad input gets a clear 4xx (HTTP) or INVALID_ARGUMENT / NOT_FOUND (gRPC) and harms nothing:
+after every one of them the same cluster still serves a normal request."""
+
+from __future__ import annotations
+
+import grpc
+import httpx
+import pytest
+
+from proto.splitserve.v1 import generation_pb2 as pb
+from proto.splitserve.v1 import generation_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
+
+CONTEXT = 2048
+VOCAB = 4096
+
+
+@pytest.fixture(scope="module")
+def http(_session_cluster):
+    with httpx.Client(base_url=_session_cluster.url, timeout=60) as c:
+        yield c
+
+
+def completion(model: str, **kw) -> dict:
+    return {"model": model, "prompt": "hello", "max_tokens": 2, **kw}
+
+
+def chat(model: str, **kw) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kw}
+
+
+# An empty *text* prompt is not here: it is valid for models whose tokenizer adds BOS (OpenAI and
+# vLLM accept it too). (name, path, body builder, a word the error must mention) — each must answer 400 with an OpenAI-style error naming the problem
+BAD_BODIES = [
+    ("no model", "/v1/completions", lambda m: {"prompt": "x"}, "model"),
+    ("no prompt", "/v1/completions", lambda m: {"model": m}, "prompt"),
+    ("no messages", "/v1/chat/completions", lambda m: {"model": m}, "messages"),
+    ("empty messages", "/v1/chat/completions", lambda m: chat(m, messages=[]), "messages"),
+    ("unknown role", "/v1/chat/completions", lambda m: chat(m, messages=[{"role": "wizard", "content": "x"}]),
+     "role"),
+    ("empty token list", "/v1/completions", lambda m: completion(m, prompt=[]), "prompt"),
+    ("prompt longer than the context", "/v1/completions", lambda m: completion(m, prompt=[5] * (CONTEXT + 10)),
+     "context"),
+    ("prompt plus max_tokens beyond the context", "/v1/completions",
+     lambda m: completion(m, prompt=[5] * 2000, max_tokens=100), "context"),
+    ("max_tokens beyond the context", "/v1/completions", lambda m: completion(m, max_tokens=CONTEXT + 1),
+     "context"),
+    ("max_tokens 0", "/v1/completions", lambda m: completion(m, max_tokens=0), "max_tokens"),
+    ("max_tokens negative", "/v1/completions", lambda m: completion(m, max_tokens=-5), "max_tokens"),
+    ("chat max_completion_tokens 0", "/v1/chat/completions", lambda m: chat(m, max_completion_tokens=0),
+     "max_tokens"),
+    ("negative temperature", "/v1/completions", lambda m: completion(m, temperature=-0.5), "temperature"),
+    ("top_p 0", "/v1/completions", lambda m: completion(m, top_p=0), "top_p"),
+    ("top_p above 1", "/v1/completions", lambda m: completion(m, top_p=1.5), "top_p"),
+    ("chat top_p negative", "/v1/chat/completions", lambda m: chat(m, top_p=-0.1), "top_p"),
+    ("negative token id", "/v1/completions", lambda m: completion(m, prompt=[1, -3, 5]), "token"),
+    ("token id beyond the vocabulary", "/v1/completions", lambda m: completion(m, prompt=[1, VOCAB]), "token"),
+    ("token id far beyond int32", "/v1/completions", lambda m: completion(m, prompt=[1, 2 ** 40]), "token"),
+    ("bad token id in a batch", "/v1/completions", lambda m: completion(m, prompt=[[1, 2], [3, VOCAB + 7]]),
+     "token"),
+    ("wrong prompt type", "/v1/completions", lambda m: completion(m, prompt={"text": "x"}), "prompt"),
+    ("wrong max_tokens type", "/v1/completions", lambda m: completion(m, max_tokens="many"), "max_tokens"),
+    ("stop token id beyond the vocabulary", "/v1/completions", lambda m: completion(m, stop_token_ids=[VOCAB]),
+     "stop_token_ids"),
+    ("n > 1", "/v1/completions", lambda m: completion(m, n=3), "n"),
+    ("negative seed", "/v1/completions", lambda m: completion(m, seed=-1), "seed"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,mentions", BAD_BODIES, ids=[b[0] for b in BAD_BODIES])
+def test_bad_body_is_a_400_naming_the_problem(http, model_name, name, path, body, mentions):
+    r = http.post(path, json=body(model_name))
+    assert r.status_code == 400, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert mentions in (err["message"] + " " + str(err["param"])).lower(), err
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"[1, 2, 3]", b"\xff\xfe garbage", b'"just a string"'],
+                         ids=["malformed", "empty", "array", "not utf-8", "string"])
+def test_malformed_json_is_a_400(http, raw):
+    r = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_temperature_is_a_400(http, model_name, value):
+    # Python's JSON parser accepts these literals; a NaN temperature used to reach the sampler,
+    # fail the whole engine step and with it every other request running on that worker
+    raw = '{"model": "%s", "prompt": "x", "max_tokens": 2, "temperature": %s}' % (model_name, value)
+    r = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert "temperature" in r.json()["error"]["message"]
+
+
+def test_unknown_model_is_a_404(http):
+    for path, body in (("/v1/completions", completion("no-such-model")), ("/v1/chat/completions", chat("gpt-4"))):
+        r = http.post(path, json=body)
+        assert r.status_code == 404, r.text
+        assert r.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_body_over_the_limit_is_a_413(http, model_name):
+    big = {"model": model_name, "prompt": "x" * (5 << 20), "max_tokens": 1}    # default limit: 4 MiB
+    r = http.post("/v1/completions", json=big)
+    assert r.status_code == 413, r.text[:500]
+    assert "body" in r.json()["error"]["message"]
+
+
+def test_a_chunked_body_over_the_limit_is_a_413(http, model_name):
+    def chunks():                    # no Content-Length: the limit must hold while reading
+        yield b'{"model": "' + model_name.encode() + b'", "prompt": "'
+        for _ in range(5):
+            yield b"x" * (1 << 20)
+        yield b'", "max_tokens": 1}'
+    r = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text[:500]
+
+
+def test_a_bad_streaming_request_fails_before_the_stream_starts(http, model_name):
+    r = http.post("/v1/completions", json=completion(model_name, stream=True, temperature=-1))
+    assert r.status_code == 400
+    assert r.headers["content-type"].startswith("application/json")
+
+
+@pytest.fixture(scope="module")
+def grpc_stub(_session_cluster):
+    with grpc.insecure_channel(_session_cluster.grpc_target) as ch:
+        yield pb_grpc.GenerationStub(ch)
+
+
+def grpc_code(stub, **kw) -> grpc.StatusCode:
+    try:
+        list(stub.Generate(pb.GenerateRequest(**kw), timeout=30))
+    except grpc.RpcError as e:
+        assert e.details()
+        return e.code()
+    return grpc.StatusCode.OK
+
+
+BAD_GRPC = [
+    ("no prompt", dict()),
+    ("empty token ids", dict(token_ids=pb.TokenIds(ids=[]))),
+    ("empty chat", dict(chat=pb.ChatMessages())),
+    ("unknown chat role", dict(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="x")]))),
+    ("prompt longer than the context", dict(token_ids=pb.TokenIds(ids=[5] * (CONTEXT + 1)))),
+    ("max_tokens beyond the context", dict(text="x", sampling=pb.SamplingParams(max_tokens=CONTEXT + 1))),
+    ("max_tokens 0", dict(text="x", sampling=pb.SamplingParams(max_tokens=0))),
+    ("max_tokens negative", dict(text="x", sampling=pb.SamplingParams(max_tokens=-1))),
+    ("negative temperature", dict(text="x", sampling=pb.SamplingParams(temperature=-1))),
+    ("NaN temperature", dict(text="x", sampling=pb.SamplingParams(temperature=float("nan")))),
+    ("infinite temperature", dict(text="x", sampling=pb.SamplingParams(temperature=float("inf")))),
+    ("NaN top_p", dict(text="x", sampling=pb.SamplingParams(top_p=float("nan")))),
+    ("top_p 0", dict(text="x", sampling=pb.SamplingParams(top_p=0))),
+    ("top_p above 1", dict(text="x", sampling=pb.SamplingParams(top_p=1.01))),
+    ("negative top_k", dict(text="x", sampling=pb.SamplingParams(top_k=-7))),
+    ("negative token id", dict(token_ids=pb.TokenIds(ids=[1, -1]))),
+    ("token id beyond the vocabulary", dict(token_ids=pb.TokenIds(ids=[1, VOCAB]))),
+    ("stop token id beyond the vocabulary", dict(text="x", sampling=pb.SamplingParams(stop_token_ids=[VOCAB]))),
+]
+
+
+@pytest.mark.parametrize("name,kw", BAD_GRPC, ids=[b[0] for b in BAD_GRPC])
+def test_bad_grpc_request_is_invalid_argument(grpc_stub, model_name, name, kw):
+    assert grpc_code(grpc_stub, model=model_name, **kw) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_unknown_model_over_grpc_is_not_found(grpc_stub):
+    assert grpc_code(grpc_stub, model="no-such-model", text="x") == grpc.StatusCode.NOT_FOUND
+
+
+def test_the_cluster_still_serves_after_all_of_that(http, grpc_stub, model_name, cluster):
+    r = http.post("/v1/completions", json=completion(model_name, max_tokens=8, ignore_eos=True))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    r = http.post("/v1/chat/completions", json=chat(model_name, max_tokens=4, ignore_eos=True))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert grpc_code(grpc_stub, model=model_name, text="ok", sampling=pb.SamplingParams(max_tokens=3)) == \
+        grpc.StatusCode.OK
+    assert cluster.proc.poll() is None
+    cluster.wait_idle()
