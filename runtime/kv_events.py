@@ -124,8 +124,13 @@ class KvEventConsumer:
 
     async def run(self) -> None:
         """Consume until cancelled."""
+        me = asyncio.current_task()
         try:
             while True:
+                # redis-py can swallow a CancelledError that lands inside a blocking XREAD; the
+                # task still counts the request, so honour it here instead of looping forever
+                if me is not None and me.cancelling():
+                    raise asyncio.CancelledError
                 await self.poll_once()
         finally:
             for task in self._resyncs.values():

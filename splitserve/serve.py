@@ -111,7 +111,7 @@ def serve(args: argparse.Namespace) -> int:
                                    *_flags(args, _FRONTEND_FLAGS), *_frontend_max_len(args)]
                       + (["--router-approximate"] if args.router_approximate else []), env)
         if not _wait_ready(cluster, args, stop):
-            return 1
+            return 0 if stop["sig"] is not None else 1    # stopped on request while starting: not a failure
         url = f"http://{args.host}:{args.http_port}"
         pools = (f"{args.prefill_workers} prefill + {args.decode_workers} decode worker(s)" if args.prefill_workers
                  else f"{args.decode_workers} aggregated worker(s)")

@@ -120,6 +120,8 @@ def start_cluster(tmp_dir: Path, *args: str, redis_url: str | None = None, env: 
     def healthy():
         if proc.poll() is not None:
             raise AssertionError(f"splitserve serve exited with {proc.returncode}:\n{cluster.log()[-3000:]}")
+        if "Splitserve is ready" not in cluster.log():   # every pool member healthy, per the launcher
+            return False
         try:
             r = httpx.get(f"{cluster.url}/health", timeout=2)
             return r.status_code == 200 and r.json()["workers"] >= min_workers

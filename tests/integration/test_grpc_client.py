@@ -24,11 +24,12 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def stubs_dir(tmp_path_factory) -> Path:
-    protoc = pytest.importorskip("grpc_tools.protoc")
+    pytest.importorskip("grpc_tools")
     out = tmp_path_factory.mktemp("stubs")
-    rc = protoc.main(["protoc", f"-I{ROOT / 'proto/splitserve/v1'}", f"--python_out={out}",
-                      f"--grpc_python_out={out}", "generation.proto"])
-    assert rc == 0
+    # protoc in its own interpreter: loading grpc_tools' bundled protobuf next to nixl's (imported
+    # by earlier tests in this process) segfaults
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT / 'proto/splitserve/v1'}",
+                    f"--python_out={out}", f"--grpc_python_out={out}", "generation.proto"], check=True)
     assert sorted(p.name for p in out.iterdir()) == ["generation_pb2.py", "generation_pb2_grpc.py"]
     return out
 

