@@ -18,9 +18,16 @@ def test_allocates_from_the_head_and_frees_to_the_tail_last_block_first():
     assert pool.num_free == 3
     pool.free(a)                      # tail gets 2, 1, 0 (a prefix's tail is evicted first)
     assert pool.allocate(3) == [3, 4, 5]
-    assert pool.allocate(3) == [2, 1, 0]
-    assert pool.num_free == 0
+    assert pool.allocate(1) == [2]    # LRU: the freed prefix's last block goes first
+    assert pool.num_free == 2
     pool.check_invariants()
+
+
+def test_a_reused_run_comes_back_ascending_so_transfers_merge_it():
+    pool = BlockPool(8)
+    a = pool.allocate(8)
+    pool.free(a)                      # queue: 7, 6, ..., 0
+    assert pool.allocate(4) == [4, 5, 6, 7]    # the same LRU set, handed out in ascending order
 
 
 def test_allocate_beyond_the_free_count_takes_nothing():
