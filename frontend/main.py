@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from pathlib import Path
 
@@ -46,6 +47,10 @@ async def serve_frontend(cfg: FrontendConfig) -> None:
                                          log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
     http.install_signal_handlers = lambda: None   # we own SIGINT/SIGTERM
     http_task = asyncio.create_task(http.serve())
+    # Start-up objects (tokenizer, protobufs, router) never die: move them out of the collector's
+    # sight so a full collection cannot land inside a routing decision (~4 ms measured, router bench).
+    gc.collect()
+    gc.freeze()
     stop = asyncio.Event()
     install_stop_handlers(stop)
     log.info("frontend: model %r, HTTP on %s:%d, gRPC on %s:%d", model_name, cfg.host, cfg.http_port,
