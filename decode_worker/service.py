@@ -54,7 +54,8 @@ class WorkerService(StatusService):
                 continue
             by_session[session].append(worker_pb2.RequestDelta(
                 request_id=o.request_id, token_ids=o.new_token_ids, finish_reason=FINISH_TO_PB[o.finish_reason],
-                num_cached_tokens=max(o.num_cached_tokens, 0), error=o.error))
+                num_cached_tokens=max(o.num_cached_tokens, 0), error=o.error,
+                internal_error=o.internal_error))
             if o.finish_reason is not None:
                 session.active.discard(o.request_id)
         for session, deltas in by_session.items():

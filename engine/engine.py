@@ -198,5 +198,6 @@ class EngineLoop:
         failed = list(sched.requests.values())
         for req in failed:
             sched.abort(req.request_id)
-        return [RequestOutput(r.request_id, [], FinishReason.ERROR, 0, r.tag, error="engine step failed")
+        return [RequestOutput(r.request_id, [], FinishReason.ERROR, 0, r.tag, error="engine step failed",
+                              internal_error=True)
                 for r in failed]

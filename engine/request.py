@@ -95,6 +95,7 @@ class RequestOutput:
     num_cached_tokens: int
     tag: object = None
     error: str = ""
+    internal_error: bool = False          # the engine failed, not the request
     held_block_ids: list[int] | None = None   # hold_blocks requests: their blocks, still pinned
 
 

@@ -21,7 +21,7 @@ from frontend.workers import WORKER_LOST, WorkerPool
 from kvstore.hashing import block_hashes
 from proto.splitserve.v1 import generation_pb2, worker_pb2
 from runtime.convert import FINISH_FROM_PB, sampling_to_pb
-from runtime.errors import InvalidRequest, Unavailable
+from runtime.errors import InvalidRequest, SplitserveError, Unavailable
 from runtime.metrics import FrontendMetrics
 
 log = logging.getLogger(__name__)
@@ -138,6 +138,8 @@ class Generator:
                     if delta is WORKER_LOST:
                         break
                     if delta.finish_reason == generation_pb2.FINISH_REASON_ERROR:
+                        if delta.internal_error:
+                            raise SplitserveError(f"the worker failed: {delta.error}")
                         raise InvalidRequest(delta.error or "the worker rejected the request")
                     now = time.perf_counter()
                     if not output and delta.token_ids:

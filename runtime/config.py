@@ -62,7 +62,6 @@ class FrontendConfig:
     grpc_port: int = 50051
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
-    max_tokens_default: int = 256
     router_policy: str = "kv"              # kv | round_robin | random | least_loaded
     router_approximate: bool = False        # build the prefix index from routing decisions (no events)
     request_timeout_s: float = 600.0

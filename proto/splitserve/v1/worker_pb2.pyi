@@ -64,18 +64,20 @@ class SessionRequest(_message.Message):
     def __init__(self, submit: _Optional[_Union[WorkerSubmit, _Mapping]] = ..., cancel: _Optional[_Union[WorkerCancel, _Mapping]] = ...) -> None: ...
 
 class RequestDelta(_message.Message):
-    __slots__ = ("request_id", "token_ids", "finish_reason", "num_cached_tokens", "error")
+    __slots__ = ("request_id", "token_ids", "finish_reason", "num_cached_tokens", "error", "internal_error")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    INTERNAL_ERROR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _generation_pb2.FinishReason
     num_cached_tokens: int
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    internal_error: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., internal_error: _Optional[bool] = ...) -> None: ...
 
 class StepOutput(_message.Message):
     __slots__ = ("deltas",)

@@ -1,0 +1,50 @@
+"""The engine thread: a failing step ends its requests as a server error, frees their blocks, and
+the loop keeps serving."""
+
+from __future__ import annotations
+
+import threading
+
+from engine.engine import Engine, EngineLoop
+from engine.request import FinishReason, Request, SamplingParams
+from runtime.config import EngineConfig
+from splitserve.models import resolve_model
+
+
+def test_a_failing_step_is_an_internal_error_and_the_loop_keeps_serving():
+    engine = Engine(EngineConfig(model=resolve_model("tiny"), num_blocks=64))
+    real_execute = engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(chunks):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated device fault")
+        return real_execute(chunks)
+
+    engine.runner.execute = flaky
+    outputs, done = [], threading.Event()
+
+    def on_outputs(outs):
+        outputs.extend(outs)
+        if any(o.request_id == "b" and o.finish_reason is not None for o in outs):
+            done.set()
+
+    loop = EngineLoop(engine, on_outputs)
+    loop.start()
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        loop.submit(Request.new("a", [5, 6, 7, 8], greedy))
+        for _ in range(100):
+            if any(o.request_id == "a" for o in outputs):
+                break
+            done.wait(0.05)
+        first = [o for o in outputs if o.request_id == "a"]
+        assert first and first[-1].finish_reason == FinishReason.ERROR and first[-1].internal_error
+        loop.submit(Request.new("b", [5, 6, 7, 8], greedy))
+        assert done.wait(30)
+        b = [t for o in outputs if o.request_id == "b" for t in o.new_token_ids]
+        assert len(b) == 4
+        assert loop.call(lambda e: e.pool.num_free).result(5) == 64
+    finally:
+        loop.stop()
