@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from splitserve.models import resolve_model  # noqa: E402
-from tests.integration.cluster import ServeCluster  # noqa: E402
+from tests.integration.cluster import own_cluster  # noqa: E402
 
 
 def git_sha() -> str:
@@ -63,7 +63,7 @@ def main() -> int:
     common = {"bench": "cpu_serving", "git_sha": git_sha(), "device": f"cpu ({os.cpu_count()} cores, "
               f"{platform.machine()})", "model": args.model, "isl": args.isl, "osl": args.osl,
               "torch_threads": torch.get_num_threads()}
-    with ServeCluster("--model", args.model, "--prefill-workers", "0", "--decode-workers", "1") as c:
+    with own_cluster("--model", args.model, "--prefill-workers", "0", "--decode-workers", "1") as c:
         proc = subprocess.run(
             [sys.executable, "-m", "splitserve", "bench", "serve", "--url", c.url, "--isl", str(args.isl),
              "--osl", str(args.osl), "--concurrency", args.concurrency, "--seed", str(args.seed),

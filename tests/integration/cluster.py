@@ -1,7 +1,10 @@
-"""Test helper: a real `splitserve serve` cluster in a subprocess, with its own Redis.
+"""Test helper: real `splitserve serve` clusters in subprocesses, on free ports.
 
-The Redis is started here (runtime.redis_embedded) and passed as --redis-url so that tests can
-look the workers up, query their status over gRPC and find their pids to kill them.
+`start_cluster` runs `python -m splitserve serve` (its output captured to a file), waits for the
+launcher's ready banner and /health, and `Cluster.stop` ends it with SIGTERM. With an explicit
+--redis-url (an EmbeddedRedis the caller owns) tests can find the workers in Redis, ask them for
+their status over gRPC and find their pids, as an operator would. `own_cluster` does all of that
+with a Redis of its own. Used by the integration tests and by bench/cpu_serving_bench.py.
 """
 
 from __future__ import annotations
@@ -11,7 +14,11 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import httpx
@@ -21,59 +28,82 @@ from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from runtime.discovery import WorkerInfo, list_workers
 from runtime.redis_embedded import EmbeddedRedis, free_port
 
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 180.0
 
-class ServeCluster:
-    def __init__(self, *args: str, env: dict | None = None, timeout_s: float = 180.0) -> None:
-        self.redis = EmbeddedRedis()
-        self.http_port, self.grpc_port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.http_port}"
-        cmd = [sys.executable, "-m", "splitserve", "serve", "--http-port", str(self.http_port),
-               "--grpc-port", str(self.grpc_port), "--redis-url", self.redis.url, "--lease-ttl-s", "2", *args]
-        self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
-        self.output: list[str] = []
-        deadline = time.monotonic() + timeout_s
-        for line in self.proc.stdout:
-            self.output.append(line)
-            if "Splitserve is ready" in line:
-                break
-            if time.monotonic() > deadline:
-                break
-        if self.proc.poll() is not None or not any("is ready" in l for l in self.output):
-            self.stop()
-            raise RuntimeError("cluster did not start:\n" + "".join(self.output[-40:]))
-        # keep draining output so the pipe never fills
-        import threading
-        threading.Thread(target=self._drain, daemon=True).start()
 
-    def _drain(self) -> None:
-        for line in self.proc.stdout:
-            self.output.append(line)
+def until(cond, timeout_s: float = 10.0, interval_s: float = 0.05, what: str = "condition"):
+    """Poll `cond()` until it returns something truthy; return it. Fails after the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout_s} s (last: {value!r})")
+        time.sleep(interval_s)
 
-    def workers(self) -> list[WorkerInfo]:
-        async def go():
-            r = aioredis.Redis.from_url(self.redis.url)
+
+@dataclass
+class Cluster:
+    proc: subprocess.Popen
+    http_port: int
+    grpc_port: int
+    log_path: Path
+    redis_url: str | None = None
+    namespace: str = "splitserve"
+    argv: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
             try:
-                return await list_workers(r, "splitserve")
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"splitserve serve ignored SIGTERM for {timeout_s} s\n{self.log()[-3000:]}")
+        return self.proc.returncode
+
+    # ---- the workers, as found in Redis -------------------------------------------------
+    def workers(self) -> list[WorkerInfo]:
+        assert self.redis_url, "this cluster was started without an explicit --redis-url"
+
+        async def go():
+            client = aioredis.Redis.from_url(self.redis_url)
+            try:
+                return await list_workers(client, self.namespace)
             finally:
-                await r.aclose()
+                await client.aclose()
         return asyncio.run(go())
 
-    def status(self, worker: WorkerInfo) -> worker_pb2.WorkerStatus:
-        with grpc.insecure_channel(worker.address) as ch:
-            return worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.WorkerStatusRequest(), timeout=5)
+    def worker_status(self) -> list[worker_pb2.WorkerStatus]:
+        out = []
+        for w in self.workers():
+            with grpc.insecure_channel(w.address) as ch:
+                out.append(worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.WorkerStatusRequest(), timeout=5))
+        return out
 
-    def wait_idle(self, timeout_s: float = 30.0) -> list[worker_pb2.WorkerStatus]:
-        """Every live worker has all blocks free and nothing running or waiting."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            statuses = [self.status(w) for w in self.workers()]
-            if all(s.num_free_blocks == s.num_total_blocks and s.num_running == 0 and s.num_waiting == 0
-                   for s in statuses):
-                return statuses
-            if time.monotonic() > deadline:
-                raise AssertionError(f"workers not idle: {statuses}")
-            time.sleep(0.2)
+    def wait_idle(self, timeout_s: float = 20.0) -> list[worker_pb2.WorkerStatus]:
+        """Every worker has no request left and every KV block free again."""
+        def idle():
+            st = self.worker_status()
+            ok = st and all(s.num_free_blocks == s.num_total_blocks and s.num_running == 0
+                            and s.num_waiting == 0 for s in st)
+            return st if ok else None
+        return until(idle, timeout_s, 0.1, "all workers idle with every block free")
+
 
     def child_pids(self, match: str) -> list[int]:
         """Pids of the launcher's children whose command line contains `match`."""
@@ -92,22 +122,47 @@ class ServeCluster:
                 out.append(int(pid))
         return out
 
-    def health(self) -> dict:
-        return httpx.get(f"{self.url}/health", timeout=5).json()
 
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.redis.close()
-        return self.proc.returncode
+def start_cluster(tmp_dir: Path, *args: str, redis_url: str | None = None, env: dict | None = None,
+                  min_workers: int = 1) -> Cluster:
+    http_port, grpc_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "splitserve", "serve", "--http-port", str(http_port),
+            "--grpc-port", str(grpc_port), "--device", "cpu", *args]
+    if redis_url:
+        argv += ["--redis-url", redis_url]
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    log_path = tmp_dir / f"serve-{http_port}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ if env is None else env))
+    cluster = Cluster(proc, http_port, grpc_port, log_path, redis_url, argv=argv)
 
-    def __enter__(self) -> "ServeCluster":
-        return self
+    def healthy():
+        if proc.poll() is not None:
+            raise AssertionError(f"splitserve serve exited with {proc.returncode}:\n{cluster.log()[-3000:]}")
+        if "Splitserve is ready" not in cluster.log():   # every pool member healthy, per the launcher
+            return False
+        try:
+            r = httpx.get(f"{cluster.url}/health", timeout=2)
+            return r.status_code == 200 and r.json()["workers"] >= min_workers
+        except httpx.HTTPError:
+            return False
+    try:
+        until(healthy, START_TIMEOUT_S, 0.1, "a healthy cluster")
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+
+@contextmanager
+def own_cluster(*args: str, tmp_dir: Path | None = None):
+    """A cluster with its own Redis, stopped (and checked to exit cleanly) on leaving."""
+    with EmbeddedRedis() as redis:
+        c = start_cluster(Path(tmp_dir or tempfile.mkdtemp(prefix="splitserve-test-")), *args,
+                          redis_url=redis.url)
+        try:
+            yield c
+        finally:
+            code = c.stop()
+            assert code == 0, f"splitserve serve exited with {code}:\n{c.log()[-3000:]}"

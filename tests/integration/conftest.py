@@ -1,138 +1,16 @@
-"""Shared fixtures for the multi-process tests: a real `splitserve serve` cluster on free ports.
+"""Shared fixtures for the multi-process tests (the cluster helper itself is tests/integration/cluster.py).
 
-`start_cluster` runs `python -m splitserve serve` as a subprocess (its output captured to a file),
-waits for /health to report a worker, and `Cluster.stop` ends it with SIGTERM. The session-wide
-`cluster` also owns the Redis server (an EmbeddedRedis passed as --redis-url), so tests can find
-the workers in Redis and ask them for their status over gRPC, as an operator would.
+The session-wide `cluster` owns its Redis server (an EmbeddedRedis passed as --redis-url), so tests
+can find the workers in Redis and ask them for their status over gRPC, as an operator would.
 """
 
 from __future__ import annotations
 
-import asyncio
-import os
-import signal
-import subprocess
-import sys
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
-
-import grpc
 import httpx
 import pytest
-import redis.asyncio as aioredis
 
-from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
-from runtime.discovery import WorkerInfo, list_workers
-from runtime.redis_embedded import EmbeddedRedis, free_port
-
-ROOT = Path(__file__).resolve().parents[2]
-START_TIMEOUT_S = 180.0
-
-
-def until(cond, timeout_s: float = 10.0, interval_s: float = 0.05, what: str = "condition"):
-    """Poll `cond()` until it returns something truthy; return it. Fails after the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout_s} s (last: {value!r})")
-        time.sleep(interval_s)
-
-
-@dataclass
-class Cluster:
-    proc: subprocess.Popen
-    http_port: int
-    grpc_port: int
-    log_path: Path
-    redis_url: str | None = None
-    namespace: str = "splitserve"
-    argv: list[str] = field(default_factory=list)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    @property
-    def grpc_target(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self, timeout_s: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise AssertionError(f"splitserve serve ignored SIGTERM for {timeout_s} s\n{self.log()[-3000:]}")
-        return self.proc.returncode
-
-    # ---- the workers, as found in Redis -------------------------------------------------
-    def workers(self) -> list[WorkerInfo]:
-        assert self.redis_url, "this cluster was started without an explicit --redis-url"
-
-        async def go():
-            client = aioredis.Redis.from_url(self.redis_url)
-            try:
-                return await list_workers(client, self.namespace)
-            finally:
-                await client.aclose()
-        return asyncio.run(go())
-
-    def worker_status(self) -> list[worker_pb2.WorkerStatus]:
-        out = []
-        for w in self.workers():
-            with grpc.insecure_channel(w.address) as ch:
-                out.append(worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.WorkerStatusRequest(), timeout=5))
-        return out
-
-    def wait_idle(self, timeout_s: float = 20.0) -> list[worker_pb2.WorkerStatus]:
-        """Every worker has no request left and every KV block free again."""
-        def idle():
-            st = self.worker_status()
-            ok = st and all(s.num_free_blocks == s.num_total_blocks and s.num_running == 0
-                            and s.num_waiting == 0 for s in st)
-            return st if ok else None
-        return until(idle, timeout_s, 0.1, "all workers idle with every block free")
-
-
-def start_cluster(tmp_dir: Path, *args: str, redis_url: str | None = None, env: dict | None = None,
-                  min_workers: int = 1) -> Cluster:
-    http_port, grpc_port = free_port(), free_port()
-    argv = [sys.executable, "-m", "splitserve", "serve", "--http-port", str(http_port),
-            "--grpc-port", str(grpc_port), "--device", "cpu", *args]
-    if redis_url:
-        argv += ["--redis-url", redis_url]
-    tmp_dir.mkdir(parents=True, exist_ok=True)
-    log_path = tmp_dir / f"serve-{http_port}.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(os.environ if env is None else env))
-    cluster = Cluster(proc, http_port, grpc_port, log_path, redis_url, argv=argv)
-
-    def healthy():
-        if proc.poll() is not None:
-            raise AssertionError(f"splitserve serve exited with {proc.returncode}:\n{cluster.log()[-3000:]}")
-        if "Splitserve is ready" not in cluster.log():   # every pool member healthy, per the launcher
-            return False
-        try:
-            r = httpx.get(f"{cluster.url}/health", timeout=2)
-            return r.status_code == 200 and r.json()["workers"] >= min_workers
-        except httpx.HTTPError:
-            return False
-    try:
-        until(healthy, START_TIMEOUT_S, 0.1, "a healthy cluster")
-    except BaseException:
-        cluster.stop()
-        raise
-    return cluster
+from tests.integration.cluster import ROOT, Cluster, start_cluster, until  # noqa: F401 (re-exported)
+from runtime.redis_embedded import EmbeddedRedis
 
 
 @pytest.fixture(scope="session")

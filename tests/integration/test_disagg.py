@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("nixl")
 
-from tests.integration.cluster import ServeCluster  # noqa: E402
+from tests.integration.cluster import own_cluster  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -63,14 +63,14 @@ def metric(url: str, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
-    with ServeCluster("--prefill-workers", "0", "--max-num-batched-tokens", "64") as c:
+    with own_cluster("--prefill-workers", "0", "--max-num-batched-tokens", "64") as c:
         return asyncio.run(complete_all(c.url, parity_prompts(), 32))
 
 
 @pytest.mark.parametrize("prefill,decode", [(1, 1), (2, 2)])
 def test_disaggregated_matches_aggregated(reference, prefill, decode):
-    with ServeCluster("--prefill-workers", str(prefill), "--decode-workers", str(decode),
-                      "--remote-prefill-min-tokens", "1", "--max-num-batched-tokens", "64") as c:
+    with own_cluster("--prefill-workers", str(prefill), "--decode-workers", str(decode),
+                     "--remote-prefill-min-tokens", "1", "--max-num-batched-tokens", "64") as c:
         got = asyncio.run(complete_all(c.url, parity_prompts(), 32))
         assert got == reference
         assert metric(c.url, "splitserve_prefill_remote_total") >= 8
@@ -86,21 +86,20 @@ def fault_prompts(n: int = 50, seed: int = 1) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def fault_reference() -> list[list[int]]:
-    with ServeCluster("--prefill-workers", "0") as c:
+    with own_cluster("--prefill-workers", "0") as c:
         return asyncio.run(complete_all(c.url, fault_prompts(), 24))
 
 
 @pytest.mark.parametrize("victim", ["prefill-worker", "decode-worker"])
 def test_kill_worker_under_load(fault_reference, victim):
-    with ServeCluster("--prefill-workers", "2", "--decode-workers", "2", "--remote-prefill-min-tokens", "1",
-                      "--max-num-batched-tokens", "256") as c:
+    with own_cluster("--prefill-workers", "2", "--decode-workers", "2", "--remote-prefill-min-tokens", "1",
+                     "--max-num-batched-tokens", "256", "--lease-ttl-s", "2") as c:
         name = "prefill-0" if victim == "prefill-worker" else "decode-0"
         (pid,) = c.child_pids(f"--worker-id {name} ")
         (info,) = [w for w in c.workers() if w.worker_id.startswith(name + "-")]
 
         def busy() -> bool:
-            s = c.status(info)
-            return s.num_running > 0
+            return any(s.worker_id == info.worker_id and s.num_running > 0 for s in c.worker_status())
 
         async def kill_soon():
             # kill it while it is working on requests, not before or after
