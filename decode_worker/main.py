@@ -29,11 +29,12 @@ async def serve_worker(cfg: WorkerConfig) -> None:
     agent = None
     if cfg.role == "decode" and nixl_available():
         agent = KvTransferAgent(worker_id, engine.runner.kv_cache)
-    loop = EngineLoop(engine, service.on_outputs, on_events=host.events_sink)
-    remote = None
+    remote: RemotePrefillClient | None = None
+    # reservations only arise for Submits naming a prefill worker, which needs `remote` to exist
+    loop = EngineLoop(engine, service.on_outputs, on_events=host.events_sink,
+                      on_reservations=lambda rs: remote.on_reservations(rs))
     if agent is not None:
         remote = RemotePrefillClient(worker_id, agent, loop, cfg.engine.block_size, host.metrics)
-        loop._on_reservations = remote.on_reservations
     elif cfg.role == "decode":
         log.warning("NIXL is not installed: this decode worker prefills every request locally")
     service.attach(loop, remote)
