@@ -118,7 +118,7 @@ class Generator:
         finished = False
         try:
             for attempt in range(MAX_MIGRATIONS + 1):
-                if not self.pool.workers and not await self.pool.wait_for_workers(self.wait_for_workers_s):
+                if not self.pool.num_alive() and not await self.pool.wait_for_workers(self.wait_for_workers_s):
                     raise Unavailable("no workers are available")
                 try:
                     choice = self.pool.choose(rid, hashes, len(inp.prompt_token_ids), exclude)
