@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
@@ -23,6 +24,8 @@ from engine.scheduler import Scheduler
 from runtime.config import EngineConfig
 
 log = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +109,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.stats = engine.stats()
+        self._stats_at = 0.0
 
     def start(self) -> None:
         self._thread.start()
@@ -191,7 +195,11 @@ class EngineLoop:
             events = eng.take_events()
             if events and self._on_events:
                 self._on_events(events)
-            self.stats = eng.stats()
+            # stats walk every queued request; readers poll them at most every 0.5 s, so refresh at
+            # most every STATS_INTERVAL_S while busy (always once the engine goes idle)
+            now = time.monotonic()
+            if not eng.has_work or now - self._stats_at >= STATS_INTERVAL_S:
+                self.stats, self._stats_at = eng.stats(), now
 
     def _fail_all(self) -> list[RequestOutput]:
         sched = self.engine.scheduler
