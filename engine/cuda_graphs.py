@@ -31,10 +31,10 @@ class DecodeGraphs:
         self.sizes = [b for b in BATCH_SIZES if b <= max_batch]
         self.max_batch = self.sizes[-1]
         self.max_num_pages = kv_cache.shape[1] + self.max_batch
-        # rows: token ids, positions, key rows, value rows
-        self.host = torch.zeros(4, self.max_batch, dtype=torch.int64, pin_memory=True)
+        # rows: token ids, positions, key rows, value rows; then pending ids' rows and sources
+        self.host = torch.zeros(6, self.max_batch, dtype=torch.int64, pin_memory=True)
         self.host_np = self.host.numpy()
-        self.static = torch.zeros(4, self.max_batch, dtype=torch.int64, device=device)
+        self.static = torch.zeros(6, self.max_batch, dtype=torch.int64, device=device)
         self.copied = torch.cuda.Event()            # the staging rows may be overwritten
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -53,7 +53,7 @@ class DecodeGraphs:
         empty = _empty_step()
         for b in reversed(self.sizes):            # largest first: smaller graphs reuse its pool
             self._prepare(empty, b)
-            self.static.copy_(self.host)
+            self.static[:4].copy_(self.host[:4])
             self._forward(b)                      # warm-up: lazy inits stay out of the graph
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
@@ -65,15 +65,22 @@ class DecodeGraphs:
         self.capture_s = time.perf_counter() - t0
         log.info("captured %d decode graphs (batch %s) in %.1f s", len(self.sizes), self.sizes, self.capture_s)
 
-    def run(self, step) -> torch.Tensor:
+    def run(self, step, pending: tuple | None = None) -> torch.Tensor:
         """Replay the graph for `step` (a decode-only HostStep); returns logits (S, V) float32,
-        a view of the graph's output that the next replay overwrites."""
+        a view of the graph's output that the next replay overwrites. `pending`: (rows, ids, index)
+        — input rows whose token is ids[index], a device tensor of the previous step's samples."""
         s = len(step.query_lens)
         b = self.padded_size(s)
         self.copied.synchronize()
         self._prepare(step, b)
-        self.static.copy_(self.host, non_blocking=True)   # one H2D copy for ids, positions, rows
+        p = len(pending[0]) if pending else 0
+        if p:                                      # rows 4, 5 of the staging buffer: where and what
+            self.host_np[4, :p], self.host_np[5, :p] = pending[0], pending[2]
+        rows = 6 if p else 4
+        self.static[:rows].copy_(self.host[:rows], non_blocking=True)   # one H2D copy
         self.copied.record()
+        if p:
+            self.static[0].index_copy_(0, self.static[4, :p], pending[1].index_select(0, self.static[5, :p]))
         self.graphs[b].replay()
         return self.logits[b][:s]
 
@@ -110,4 +117,4 @@ def _empty_step():
     return HostStep(input_ids=z64, positions=z64, slots=z64, kv_rows=np.zeros((2, 0), np.int64),
                     sample_rows=z64, qo_indptr=np.zeros(1, np.int32), kv_indptr=np.zeros(1, np.int32),
                     kv_indices=z32, kv_last_page_len=z32, query_lens=[], context_lens=[],
-                    block_tables=[], samples=[])
+                    block_tables=[], samples=[], pending_rows=z64, pending_seqs=z64)

@@ -1,9 +1,14 @@
 """The engine step: schedule → execute → update, and the thread that runs it.
 
-`Engine` is synchronous and single-threaded. `EngineLoop` runs it on its own thread, fed by a
-queue of commands, so that gRPC, Redis and detokenization never wait on the model and the model
-never waits on them. Outputs leave through a callback called on the engine thread; the caller
-hops them onto its event loop.
+`Engine` is single-threaded. `EngineLoop` runs it on its own thread, fed by a queue of commands,
+so that gRPC, Redis and detokenization never wait on the model and the model never waits on them.
+Outputs leave through a callback called on the engine thread; the caller hops them onto its event
+loop.
+
+With async scheduling (the default on CUDA) a call to `step()` schedules and launches step N+1
+before it waits for step N's sampled tokens, so the host work of a step — scheduling, building
+inputs, planning attention, and everything the loop does between steps — runs while the device
+computes the previous one. Step N+1 reads step N's tokens from the device (see scheduler.py).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from kvstore.block_pool import BlockPool
 from kvstore.events import KvEvent
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, KvReservation, Request, RequestOutput
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledChunk, Scheduler
 from runtime.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -50,6 +55,11 @@ class Engine:
         self.pool = BlockPool(self.runner.num_blocks, enable_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, cfg.block_size, self.max_model_len, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, self.runner.model_config.eos_token_ids)
+        overlap = cfg.async_scheduling
+        if overlap is None:
+            overlap = self.runner.device.type == "cuda"
+        self.async_scheduling = bool(overlap) and hasattr(self.runner, "launch")
+        self._in_flight: tuple[list[ScheduledChunk], object] | None = None   # launched, not yet updated
 
     def add_request(self, request: Request) -> RequestOutput | None:
         """Queue a request; returns an immediate error output if it can never run here."""
@@ -64,11 +74,25 @@ class Engine:
         return self.scheduler.abort(request_id) is not None
 
     def step(self) -> list[RequestOutput]:
-        chunks = self.scheduler.schedule()
-        if not chunks:
-            return []
-        sampled = self.runner.execute(chunks)
-        return self.scheduler.update(chunks, sampled)
+        sched = self.scheduler
+        chunks = sched.schedule()
+        if not self.async_scheduling:
+            if not chunks:
+                return []
+            sampled = self.runner.execute(chunks)
+            sched.commit(chunks)
+            return sched.update(chunks, sampled)
+        prev, self._in_flight = self._in_flight, None
+        try:
+            if chunks:
+                launched = self.runner.launch(chunks, prev[1] if prev else None)
+                sched.commit(chunks)
+                self._in_flight = (chunks, launched)
+            return sched.update(prev[0], prev[1].result()) if prev else []
+        except BaseException:
+            self._in_flight = None
+            sched.release_deferred()
+            raise
 
     def take_events(self) -> list[KvEvent]:
         return self.pool.take_events()
@@ -87,7 +111,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._in_flight is not None
 
 
 def _mock_runner(cfg: EngineConfig):
@@ -206,6 +230,7 @@ class EngineLoop:
         failed = list(sched.requests.values())
         for req in failed:
             sched.abort(req.request_id)
+        sched.release_deferred()          # no step is in flight any more (Engine.step dropped it)
         return [RequestOutput(r.request_id, [], FinishReason.ERROR, 0, r.tag, error="engine step failed",
                               internal_error=True)
                 for r in failed]

@@ -8,6 +8,11 @@ preemption.
 A step's inputs are built on the host with numpy from per-sequence values (no per-token Python
 loop except copying the chunk's token ids) and reach the device in one copy from a pinned buffer.
 Decode-only steps that fit a captured batch size replay a CUDA graph; other steps run eagerly.
+
+`launch(chunks, prev)` queues a step and its sampling on the device and returns a `LaunchedStep`
+whose `result()` waits for the sampled ids; nothing in between waits for the device. Tokens still
+pending on the host (request.PENDING_TOKEN, sampled by `prev`) are gathered from `prev`'s device
+tensor of sampled ids. `execute(chunks)` is launch + result.
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention.torch_backend import TorchAttention
 from engine.loader import load_model
 from engine.model_config import ModelConfig
-from engine.request import Request
-from engine.sampler import sample
+from engine.request import PENDING_TOKEN, Request
+from engine.sampler import sample_on_device
 from engine.scheduler import ScheduledChunk
 from runtime.config import EngineConfig
 
@@ -52,7 +57,8 @@ def make_backend(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device,
         choice = "flashinfer" if device.type == "cuda" and _flashinfer_available() else "torch"
     if choice == "flashinfer":
         from engine.attention.flashinfer_backend import FlashInferAttention
-        return FlashInferAttention(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, device, dtype)
+        return FlashInferAttention(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, device, dtype,
+                                   decode_tensor_cores=cfg.decode_tensor_cores)
     return TorchAttention(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim)
 
 
@@ -81,6 +87,8 @@ class HostStep:
     context_lens: list[int]
     block_tables: list[list[int]]
     samples: list[bool]            # per sequence: its chunk yields a token
+    pending_rows: np.ndarray       # (P,) rows of input_ids that are PENDING_TOKEN (read from the device)
+    pending_seqs: np.ndarray       # (P,) the sequence of each
 
     @property
     def is_decode_only(self) -> bool:
@@ -117,12 +125,15 @@ def build_host_step(chunks: list[ScheduledChunk], block_size: int) -> HostStep:
     pages = kv_indices[kv_indptr[seq] + positions // bs]
     k_rows = pages * (2 * bs) + offsets
     samples = [c.samples for c in chunks]
+    input_ids = np.array(ids, np.int64)
+    pending_rows = np.flatnonzero(input_ids == PENDING_TOKEN)
     return HostStep(
-        input_ids=np.array(ids, np.int64), positions=positions, slots=pages * bs + offsets,
+        input_ids=input_ids, positions=positions, slots=pages * bs + offsets,
         kv_rows=np.stack([k_rows, k_rows + bs]), sample_rows=(qo_indptr[1:] - 1)[np.array(samples, bool)],
         qo_indptr=qo_indptr.astype(np.int32), kv_indptr=kv_indptr.astype(np.int32),
         kv_indices=kv_indices.astype(np.int32), kv_last_page_len=(ctx - (num_pages - 1) * bs).astype(np.int32),
-        query_lens=lens.tolist(), context_lens=ctx.tolist(), block_tables=tables, samples=samples)
+        query_lens=lens.tolist(), context_lens=ctx.tolist(), block_tables=tables, samples=samples,
+        pending_rows=pending_rows, pending_seqs=seq[pending_rows])
 
 
 class ModelRunner:
@@ -182,38 +193,60 @@ class ModelRunner:
             budget = self.cfg.kv_cpu_bytes
         return max(budget // per_block - 1, 1)
 
-    @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> dict[str, int]:
         """Run one step; return the sampled token of every chunk that samples."""
+        return self.launch(chunks).result()
+
+    @torch.inference_mode()
+    def launch(self, chunks: list[ScheduledChunk], prev: "LaunchedStep | None" = None) -> "LaunchedStep":
+        """Queue one step and its sampling on the device; read the ids with .result()."""
         t0 = time.perf_counter()
         step = build_host_step(chunks, self.cfg.block_size)
+        pending = self._pending_sources(step, chunks, prev)
         if self.use_cuda_graphs and step.is_decode_only and self.graphs.fits(len(chunks)):
-            logits = self.graphs.run(step)
+            logits = self.graphs.run(step, pending)
             self.last_prepare_s = time.perf_counter() - t0
             if len(step.sample_rows) < len(chunks):
-                logits = logits[torch.from_numpy(step.sample_rows).to(self.device)]
+                logits = logits[torch.from_numpy(step.sample_rows).pin_memory().to(self.device, non_blocking=True)]
         else:
-            logits = self._run_eager(step, t0)
+            logits = self._run_eager(step, t0, pending)
         sample_reqs = [c.request for c, s in zip(chunks, step.samples) if s]
         if not sample_reqs:
-            return {}
+            return LaunchedStep({}, None)
         self.last_logits = logits
-        tokens = sample(logits, [r.sampling for r in sample_reqs], [self._generator(r) for r in sample_reqs],
-                        self._fi)
-        return {r.request_id: t for r, t in zip(sample_reqs, tokens)}
+        tokens = sample_on_device(logits, [r.sampling for r in sample_reqs],
+                                  [self._generator(r) for r in sample_reqs], self._fi)
+        return LaunchedStep({r.request_id: i for i, r in enumerate(sample_reqs)}, tokens)
 
-    def _run_eager(self, step: HostStep, t0: float) -> torch.Tensor | None:
+    @staticmethod
+    def _pending_sources(step: HostStep, chunks, prev: "LaunchedStep | None") -> tuple | None:
+        """(rows, prev's sampled ids, their indices there) for the step's pending input tokens."""
+        if not len(step.pending_rows):
+            return None
+        if prev is None or prev.tokens is None:
+            raise RuntimeError("a pending token without the step that samples it")
+        src = np.array([prev.rows[chunks[i].request.request_id] for i in step.pending_seqs.tolist()], np.int64)
+        return step.pending_rows, prev.tokens, src
+
+    def _run_eager(self, step: HostStep, t0: float, pending: tuple | None) -> torch.Tensor | None:
         t, r = len(step.input_ids), len(step.sample_rows)
-        dev = self._to_device(step)
+        p = len(pending[0]) if pending else 0
+        extra = (pending[0], pending[2]) if pending else ()
+        dev = self._to_device(step, extra)
         ids, positions, slots = dev[0:t], dev[t:2 * t], dev[2 * t:3 * t]
         kv_rows, sample_rows = dev[3 * t:5 * t].view(2, t), dev[5 * t:5 * t + r]
+        qo = 5 * t + r + len(step.qo_indptr)
+        if pending:
+            ids.index_copy_(0, dev[qo:qo + p], pending[1].index_select(0, dev[qo + p:qo + 2 * p]))
         md = AttentionMetadata(
             query_lens=step.query_lens, context_lens=step.context_lens, block_tables=step.block_tables,
-            slot_mapping=slots, query_start_loc=dev[5 * t + r:], block_size=self.cfg.block_size,
+            slot_mapping=slots, query_start_loc=dev[5 * t + r:qo], block_size=self.cfg.block_size,
             is_decode_only=step.is_decode_only, qo_indptr_host=torch.from_numpy(step.qo_indptr),
             kv_indptr_host=torch.from_numpy(step.kv_indptr), kv_indices_host=torch.from_numpy(step.kv_indices),
             kv_last_page_len_host=torch.from_numpy(step.kv_last_page_len), kv_rows=kv_rows)
         self.backend.plan(md)
+        if self._staging_free is not None:
+            self._staging_free.record()           # after plan: its pinned uploads are queued too
         self.last_prepare_s = time.perf_counter() - t0
         hidden = self.model(ids, positions, self.backend, self.kv_cache)
         if r == 0:
@@ -221,10 +254,10 @@ class ModelRunner:
         rows = hidden if r == t and r == len(step.query_lens) else hidden[sample_rows]
         return self.model.compute_logits(rows)
 
-    def _to_device(self, step: HostStep) -> torch.Tensor:
+    def _to_device(self, step: HostStep, extra: tuple = ()) -> torch.Tensor:
         """All int64 step inputs in one buffer, one host-to-device copy (pinned on CUDA)."""
         parts = (step.input_ids, step.positions, step.slots, step.kv_rows.reshape(-1), step.sample_rows,
-                 step.qo_indptr.astype(np.int64))
+                 step.qo_indptr.astype(np.int64), *extra)
         size = sum(len(p) for p in parts)
         if self._staging_free is not None:
             self._staging_free.synchronize()      # a step that sampled nothing did not sync
@@ -232,10 +265,7 @@ class ModelRunner:
             self._staging = torch.zeros(max(size, 2 * self._staging.numel()), dtype=torch.int64,
                                         pin_memory=self._pinned)
         np.concatenate(parts, out=self._staging.numpy()[:size])
-        dev = self._staging[:size].to(self.device, non_blocking=True)
-        if self._staging_free is not None:
-            self._staging_free.record()
-        return dev
+        return self._staging[:size].to(self.device, non_blocking=True)
 
     def _generator(self, req: Request) -> torch.Generator | None:
         if req.sampling.greedy or req.sampling.seed is None:
@@ -243,3 +273,26 @@ class ModelRunner:
         if req.generator is None:
             req.generator = torch.Generator(device=self.device).manual_seed(req.sampling.seed)
         return req.generator
+
+
+class LaunchedStep:
+    """A step queued on the device: `rows` maps each sampling request to its row of `tokens`."""
+
+    __slots__ = ("rows", "tokens", "_host", "_ready")
+
+    def __init__(self, rows: dict[str, int], tokens: torch.Tensor | None) -> None:
+        self.rows, self.tokens = rows, tokens
+        self._host, self._ready = tokens, None
+        if tokens is not None and tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def result(self) -> dict[str, int]:
+        """Wait for the step; the sampled id of each sampling request."""
+        if self._host is None:
+            return {}
+        if self._ready is not None:
+            self._ready.synchronize()
+        return dict(zip(self.rows, self._host.tolist()))

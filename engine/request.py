@@ -10,6 +10,11 @@ import torch
 
 RequestId = NewType("RequestId", str)
 
+# Stands in token_ids for a token sampled by a step that was launched but not yet read back
+# (async scheduling: the next step is scheduled while this one runs). The model reads the real id
+# from the device; the scheduler writes it here when the step's results arrive.
+PENDING_TOKEN = -1
+
 
 class RequestStatus(IntEnum):
     """Finished states sort last, so `status >= FINISHED_STOPPED` means done."""
@@ -65,6 +70,7 @@ class Request:
     tag: object = None                  # who submitted it (the worker's session); opaque here
     remote_prefill: bool = False        # decode side: KV arrives from a prefill worker
     hold_blocks: bool = False           # prefill side: keep the blocks after finishing, until released
+    num_pending: int = 0                # trailing PENDING_TOKENs in token_ids (0..2)
 
     @staticmethod
     def new(request_id: str, prompt: list[int], sampling: SamplingParams,
@@ -76,6 +82,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        return len(self.token_ids) - self.num_pending
 
     @property
     def num_output_tokens(self) -> int:

@@ -16,35 +16,47 @@ from engine.request import SamplingParams
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None], flashinfer=None) -> list[int]:
     """logits: (S, V) float32 → one token id per row. `flashinfer`: the module, to use its kernels."""
-    greedy = logits.argmax(dim=-1)
+    return sample_on_device(logits, params, generators, flashinfer).tolist()
+
+
+def sample_on_device(logits: torch.Tensor, params: list[SamplingParams],
+                     generators: list[torch.Generator | None], flashinfer=None) -> torch.Tensor:
+    """Like `sample`, but returns the ids as an int64 tensor on the logits' device without waiting
+    for the device (the per-row parameters travel through pinned memory)."""
+    out = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
-        return greedy.tolist()
-    out = greedy.tolist()
+        return out
     batched = [i for i, p in enumerate(params) if not p.greedy and generators[i] is None]
+    done: set[int] = set()
     if flashinfer is not None and batched:
-        for i, t in zip(batched, _sample_flashinfer(logits, [params[i] for i in batched], batched, flashinfer)):
-            out[i] = t
+        out[_to(batched, torch.int64, logits.device)] = _sample_flashinfer(
+            logits, [params[i] for i in batched], batched, flashinfer)
         done = set(batched)
-    else:
-        done = set()
     for i, p in enumerate(params):
         if not p.greedy and i not in done:
             out[i] = _sample_row(logits[i], p, generators[i])
     return out
 
 
-def _sample_flashinfer(logits: torch.Tensor, params: list[SamplingParams], rows: list[int], fi) -> list[int]:
+def _to(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on `device` without a device sync (a pageable copy would wait for it)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+def _sample_flashinfer(logits: torch.Tensor, params: list[SamplingParams], rows: list[int], fi) -> torch.Tensor:
     dev, vocab = logits.device, logits.shape[-1]
-    idx = torch.tensor(rows, device=dev)
-    temps = torch.tensor([p.temperature for p in params], device=dev)
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], dtype=torch.int32, device=dev)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-    rows_ = logits[idx]
+    temps = _to([p.temperature for p in params], torch.float32, dev)
+    top_k = _to([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.int32, dev)
+    top_p = _to([p.top_p for p in params], torch.float32, dev)
+    rows_ = logits[_to(rows, torch.int64, dev)]
     scaled = (rows_ - rows_.max(dim=-1, keepdim=True).values) / temps[:, None]   # no inf - inf
-    return fi.sampling.top_k_top_p_sampling_from_logits(scaled, top_k, top_p).tolist()
+    return fi.sampling.top_k_top_p_sampling_from_logits(scaled, top_k, top_p).to(torch.int64)
 
 
-def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:
     scaled = (logits - logits.max()) / p.temperature      # shift first: a small T cannot make inf - inf
     if p.top_k > 0 and p.top_k < scaled.numel():
         kth = torch.topk(scaled, p.top_k).values[-1]
@@ -56,4 +68,4 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | 
         drop = cum - sorted_probs >= p.top_p          # keep the smallest prefix reaching top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+    return torch.multinomial(probs, 1, generator=gen)[0]

@@ -5,6 +5,15 @@ prompt continues with the next chunk), then waiting requests are admitted in arr
 starting after its longest cached prefix. When the pool runs dry, the most recently admitted
 running request is preempted: its blocks are freed (its computed blocks stay cached, so re-admission
 usually hits them) and it returns to the head of the queue. Plain Python; no torch.
+
+A step goes schedule → (launch) → `commit` → `update`. `commit` runs as soon as the step is on the
+device: it advances each request past the step's tokens and appends a PENDING_TOKEN where the step
+samples. With async scheduling the engine schedules and launches the next step before calling
+`update` on this one, so a request can be scheduled on its pending token (the model reads the id
+from the device). `update` writes the sampled ids in and applies the stop rules. A request that
+surely ends by length on its pending token is not scheduled again; one that stops on EOS or a
+stop token costs one discarded step, and its blocks are freed only after that step has finished
+(`update` of the next step), since the device may still be writing them.
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ from dataclasses import dataclass
 
 from kvstore.block_pool import BlockPool, NoFreeBlocks
 from kvstore.hashing import hash_block
-from engine.request import FinishReason, KvReservation, Request, RequestOutput, RequestStatus
+from engine.request import PENDING_TOKEN, FinishReason, KvReservation, Request, RequestOutput, RequestStatus
 
 
 @dataclass(slots=True)
@@ -22,11 +31,12 @@ class ScheduledChunk:
     request: Request
     start: int              # first token position computed in this step
     num_tokens: int
+    samples: bool = False   # the chunk reaches the end of the tokens, so its last position yields one
+    sample_index: int = -1  # set by commit: where the sampled token goes in request.token_ids
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the end of the known tokens, so its last position yields a token."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    @staticmethod
+    def of(req: Request, start: int, num_tokens: int) -> "ScheduledChunk":
+        return ScheduledChunk(req, start, num_tokens, start + num_tokens == req.num_tokens)
 
 
 _FINISH_STATUS = {FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
@@ -53,6 +63,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0          # prompt tokens admitted (first admission only)
         self.num_prefix_hit_tokens = 0      # of which served from the prefix cache
+        self._deferred_free: list[list[int]] = []   # blocks of requests finished mid-flight
 
     # ---- intake -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -79,6 +90,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_pending and self._ends_by_length(req, req.num_tokens - 1):
+                i += 1                   # its pending token is its last: nothing more to compute
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self._reserve(req, req.num_computed_tokens + n):
                 victim = self.running[-1]
@@ -87,7 +101,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+                chunks.append(ScheduledChunk.of(req, req.num_computed_tokens, n))
                 budget -= n
                 i += 1
                 continue
@@ -99,6 +113,8 @@ class Scheduler:
     def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.num_pending:          # preempted mid-flight: admit once its token is back
+                break
             self._update_hashes(req)
             hit = self.pool.lookup(req.block_hashes)
             # always compute at least the last token, so there are logits to sample from
@@ -125,7 +141,7 @@ class Scheduler:
                 continue
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+            chunks.append(ScheduledChunk.of(req, req.num_computed_tokens, n))
             budget -= n
         return budget
 
@@ -177,46 +193,78 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ---- after the model ran -------------------------------------------------------------
+    def commit(self, chunks: list[ScheduledChunk]) -> None:
+        """The step is launched: its tokens count as computed; each sampled token is pending."""
+        for chunk in chunks:
+            req = chunk.request
+            req.num_computed_tokens += chunk.num_tokens
+            if chunk.samples:
+                req.token_ids.append(PENDING_TOKEN)
+                req.num_pending += 1
+                chunk.sample_index = len(req.token_ids) - 1
+            self._register_full_blocks(req)
+
     def update(self, chunks: list[ScheduledChunk], sampled: dict[str, int]) -> list[RequestOutput]:
+        """The committed step finished on the device: write its sampled tokens in, apply stops."""
+        self.release_deferred()                 # the step that might have written them is done
         outputs = []
         for chunk in chunks:
             req = chunk.request
             if req.finished:      # aborted while the step ran
                 continue
-            req.num_computed_tokens += chunk.num_tokens
-            self._register_full_blocks(req)
             token = sampled.get(req.request_id)
-            if token is not None:
-                outputs.append(self._append_token(req, token))
+            if token is None:
+                continue
+            req.token_ids[chunk.sample_index] = token
+            req.num_pending -= 1
+            self._register_full_blocks(req)
+            outputs.append(self._emit(req, chunk.sample_index))
         return outputs
+
+    def release_deferred(self) -> None:
+        """Free the blocks of requests that finished while a launched step could still write them
+        (called once that step is done, or abandoned)."""
+        for blocks in self._deferred_free:
+            self.pool.free(blocks)
+        self._deferred_free = []
 
     def _append_token(self, req: Request, token: int) -> RequestOutput:
         req.token_ids.append(token)
-        reason = self._stop_reason(req, token)
-        first = req.num_output_tokens == req.num_initial_output_tokens + 1
+        return self._emit(req, len(req.token_ids) - 1)
+
+    def _emit(self, req: Request, index: int) -> RequestOutput:
+        """The token at `index` is known: report it, and finish the request if it stops there."""
+        token = req.token_ids[index]
+        reason = self._stop_reason(req, index)
+        first = index + 1 - req.num_prompt_tokens == req.num_initial_output_tokens + 1
         out = RequestOutput(req.request_id, [token], reason, req.num_cached_tokens if first else -1, req.tag)
         if reason is not None:
+            del req.token_ids[index + 1:]        # a later step's pending token, now discarded
             if req.hold_blocks:
                 out.held_block_ids = list(req.block_ids)
             self._finish(req, reason)
         return out
 
-    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
-        p = req.sampling
+    def _stop_reason(self, req: Request, index: int) -> FinishReason | None:
+        p, token = req.sampling, req.token_ids[index]
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             return FinishReason.STOP
-        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        if self._ends_by_length(req, index):
             return FinishReason.LENGTH
         return None
 
+    def _ends_by_length(self, req: Request, index: int) -> bool:
+        """Whether the request stops by length once it has the token at `index`."""
+        return index + 1 - req.num_prompt_tokens >= req.sampling.max_tokens or index + 1 >= self.max_model_len
+
     def _update_hashes(self, req: Request) -> None:
         bs = self.block_size
-        for i in range(len(req.block_hashes), req.num_tokens // bs):
+        for i in range(len(req.block_hashes), req.num_known_tokens // bs):
             parent = req.block_hashes[i - 1] if i else 0
             req.block_hashes.append(hash_block(parent, req.token_ids[i * bs:(i + 1) * bs]))
 
     def _register_full_blocks(self, req: Request) -> None:
-        full = req.num_computed_tokens // self.block_size
+        full = min(req.num_computed_tokens, req.num_known_tokens) // self.block_size
         if full <= req.num_registered_blocks:
             return
         self._update_hashes(req)
@@ -238,7 +286,10 @@ class Scheduler:
                 pass
         if req.hold_blocks and reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.held[req.request_id] = req.block_ids
+        elif req.num_pending:        # in a launched step that may still write them
+            self._deferred_free.append(req.block_ids)
         else:
             self.pool.free(req.block_ids)
+        req.num_pending = 0
         req.block_ids = []
         self.requests.pop(req.request_id, None)

@@ -65,7 +65,8 @@ def lockstep(runners: dict[str, ModelRunner], prompts, tokens: int, oracle: str 
     every other engine's sampled token is replaced by the oracle's (teacher forcing), so all see the
     same contexts; without, each runs free and a pair stops being compared once its tokens differ.
     Pairs (a, b) for a before b in `runners`' order; b is the reference of the relative error."""
-    cfg = dataclasses.replace(next(iter(runners.values())).cfg, max_num_batched_tokens=1024)
+    cfg = dataclasses.replace(next(iter(runners.values())).cfg, max_num_batched_tokens=1024,
+                              async_scheduling=False)     # teacher forcing edits tokens between steps
     names = list(runners)
     engines = {n: Engine(cfg, r) for n, r in runners.items()}
     for i, p in enumerate(prompts):

@@ -61,12 +61,15 @@ def model_sizes(runner: ModelRunner) -> dict:
 def bench_decode_b1(emit, runner, sizes, ceil, common, steps=128, prompt_len=128) -> None:
     g = torch.Generator().manual_seed(1)
     vocab = runner.model_config.vocab_size
-    modes = [(True, True), (True, False), (False, False)] if runner.graphs else [(False, False)]
-    for graphs, reuse in modes:
+    can_reuse = getattr(runner.backend, "reuse_decode_plans", False)
+    modes = [(True, can_reuse, True), (True, can_reuse, False), (True, False, True), (False, False, True)] \
+        if runner.graphs else [(False, False, True)]
+    modes = list(dict.fromkeys(modes))
+    for graphs, reuse, overlap in modes:
         runner.use_cuda_graphs = graphs
         if hasattr(runner.backend, "reuse_decode_plans"):
             runner.backend.reuse_decode_plans = reuse
-        eng = Engine(runner.cfg, runner)
+        eng = Engine(dataclasses.replace(runner.cfg, async_scheduling=overlap), runner)
         eng.add_request(_req(prompt_len, steps + 16, g, vocab))
         _steps(eng, 9)                                          # prefill + warm-up decodes
         wall, prep = _steps(eng, steps)
@@ -74,11 +77,12 @@ def bench_decode_b1(emit, runner, sizes, ceil, common, steps=128, prompt_len=128
         read = sizes["decode_weight_bytes"] + ctx * sizes["kv_bytes_per_token"]
         roof = ceil["hbm_copy_GBps"] * 1e9 / read
         rec = dict(common, metric="decode_batch1", cuda_graphs=graphs, reuse_decode_plans=reuse,
+                   async_scheduling=overlap,
                    tok_s=round(steps / wall, 1),
                    step_ms=round(wall / steps * 1e3, 3), host_prepare_ms=round(statistics.mean(prep) * 1e3, 3),
                    bytes_per_step=int(read), roofline_tok_s=round(roof, 1),
                    frac_of_roofline=round(steps / wall / roof, 3))
-        if graphs and reuse:
+        if graphs and reuse == can_reuse and overlap:
             gpu_ms = cuda_time_ms(lambda: runner.graphs.graphs[1].replay(), iters=50)
             rec.update(graph_replay_ms=round(gpu_ms, 3), gpu_only_tok_s=round(1e3 / gpu_ms, 1),
                        gpu_frac_of_roofline=round(1e3 / gpu_ms / roof, 3))
@@ -86,22 +90,23 @@ def bench_decode_b1(emit, runner, sizes, ceil, common, steps=128, prompt_len=128
         eng.scheduler.abort(next(iter(eng.scheduler.requests)))
     runner.use_cuda_graphs = runner.graphs is not None
     if hasattr(runner.backend, "reuse_decode_plans"):
-        runner.backend.reuse_decode_plans = True
+        runner.backend.reuse_decode_plans = can_reuse
 
 
 def bench_decode_batches(emit, runner, common, batches=(8, 16, 32, 64, 128), ctx=1000, steps=24) -> None:
     g = torch.Generator().manual_seed(2)
     vocab = runner.model_config.vocab_size
-    for b in batches:
-        eng = Engine(runner.cfg, runner)
-        reqs = [_req(ctx, 4 + steps + 8, g, vocab) for _ in range(b)]
+    # each batch sync and async at ~1k context; batch 128 also at 1,536, the mean context of 1k/1k serving
+    for b, overlap, c in [(b, o, ctx) for b in batches for o in (True, False)] + [(128, True, 1536)]:
+        eng = Engine(dataclasses.replace(runner.cfg, async_scheduling=overlap), runner)
+        reqs = [_req(c, 4 + steps + 8, g, vocab) for _ in range(b)]
         for r in reqs:
             eng.add_request(r)
         while min(r.num_output_tokens for r in reqs) < 4:
             eng.step()
         torch.cuda.synchronize()
         wall, prep = _steps(eng, steps)
-        emit(**common, metric="decode_throughput", batch=b, context_tokens=ctx,
+        emit(**common, metric="decode_throughput", batch=b, context_tokens=c, async_scheduling=overlap,
              cuda_graphs=runner.use_cuda_graphs, tok_s=round(b * steps / wall, 1),
              step_ms=round(wall / steps * 1e3, 3), host_prepare_ms=round(statistics.mean(prep) * 1e3, 3))
         for r in reqs:
@@ -248,6 +253,7 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--only", default="b1,batches,prefill,kv,profile,hf")
     ap.add_argument("--num-blocks", type=int, default=9600)
+    ap.add_argument("--decode-tensor-cores", action="store_true", help="FlashInfer decode on tensor cores")
     args = ap.parse_args()
     emit = Emitter("engine_bench", args.out)
     ceil = measure_ceilings()
@@ -257,11 +263,12 @@ def main() -> None:
         model_dir = write_arch_dir(arch, f"/tmp/splitserve-models/{arch}")
         cfg = EngineConfig(model=str(model_dir), load_format="dummy", num_blocks=args.num_blocks,
                            max_model_len=8192, max_num_seqs=256, max_num_batched_tokens=8192,
-                           enable_prefix_caching=False)
+                           enable_prefix_caching=False, decode_tensor_cores=args.decode_tensor_cores)
         t0 = time.perf_counter()
         runner = ModelRunner(cfg)
         sizes = model_sizes(runner)
         common = {"model": arch, "weights": "dummy-bf16", "attention": runner.backend.name,
+                  "decode_tensor_cores": args.decode_tensor_cores,
                   "block_size": cfg.block_size, "num_blocks": cfg.num_blocks}
         emit(**common, metric="model", load_and_capture_s=round(time.perf_counter() - t0, 2),
              graph_capture_s=round(runner.graphs.capture_s, 2) if runner.graphs else None,

@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
 # One command on the GPU machine, from the repository root there:
-#   bench/device/run.sh [correctness] [pytest] [savecache] [bench] ...
-# Installs the FlashInfer wheels from $WHL (default ../.whl), restores the JIT cache from
-# $FI_CACHE (default ../.fi_cache/fi_cache.tgz) if present, and writes JSON lines and logs to $OUT.
-# Each stage has its own timeout so a slow one never loses the others' results.
+#   bench/device/run.sh [pytest] [bench] [benchtc] [correctness] [serve] ...
+# Installs the wheels from $WHL_DIRS (default: .whl .whl_web, carried beside the tree) into .site once,
+# keeps FlashInfer's JIT cache in .fiws (both survive between calls while the machine stays warm), and
+# writes JSON lines and logs to $OUT. Each stage has its own timeout so a slow one never loses the
+# others' results; the whole call ends before $TOTAL_S (default 570 s).
 set -o pipefail
-export PYTHONUNBUFFERED=1
-WHL=${WHL:-../.whl}
-FI_CACHE=${FI_CACHE:-../.fi_cache/fi_cache.tgz}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/splitserve-out}
 mkdir -p "$OUT"
 DEADLINE=$(( $(date +%s) + ${TOTAL_S:-570} ))   # every stage ends before this
 left() { local l=$(( DEADLINE - $(date +%s) - ${1:-0} )); [ "$l" -lt "$2" ] && echo "$l" || echo "$2"; }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHL"/*.whl || exit 1
-# Sources older than any cached object, so ninja finds a restored JIT cache up to date.
-find /tmp/site/flashinfer -exec touch -h -d '2020-01-01' {} +
-export PYTHONPATH=/tmp/site:$PWD FLASHINFER_WORKSPACE_BASE=/tmp/fiws MAX_JOBS=${MAX_JOBS:-16}
-mkdir -p /tmp/fiws
-[ -f "$FI_CACHE" ] && tar xzf "$FI_CACHE" -C /tmp/fiws && echo "restored JIT cache $(du -sh /tmp/fiws | cut -f1)"
+if [ ! -f .site/.done ]; then
+  whls=(); for d in ${WHL_DIRS:-.whl .whl_web}; do whls+=("$d"/*.whl); done
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site "${whls[@]}" \
+    && touch .site/.done || exit 1
+fi
+export PYTHONPATH=$PWD/.site:$PWD FLASHINFER_WORKSPACE_BASE=$PWD/.fiws MAX_JOBS=${MAX_JOBS:-16}
+export SPLITSERVE_CACHE=$PWD/.sscache
+mkdir -p .fiws
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv; python3 -c \
   "import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__)"; } \
   > "$OUT/env.txt" 2>&1
@@ -25,19 +26,17 @@ cat "$OUT/env.txt"
 for stage in "$@"; do
   echo "=== $stage $(date -u +%T)"
   case "$stage" in
-    correctness)  # the two models in parallel: their JIT compiles overlap
-      t=$(left 150 "${T_CORR:-360}")
-      for m in small-hd128:${HD128_DTYPES:-bfloat16,float16} llama-3.2-1b:${B1_DTYPES:-bfloat16}; do
-        timeout "$t" python3 bench/device/correctness.py --models "${m%%:*}" --dtypes "${m#*:}" \
-          --out "$OUT/correctness.jsonl" > "$OUT/correctness-${m%%:*}.log" 2>&1 &
-      done
-      wait; grep -h -v Warning "$OUT"/correctness-*.log | tail -40 ;;
-    pytest) timeout "$(left 0 "${T_PYTEST:-150}")" python3 -m pytest tests/gpu -q -x -p no:cacheprovider -o asyncio_mode=strict \
+    pytest) timeout "$(left 0 "${T_PYTEST:-240}")" python3 -m pytest tests/gpu -q -p no:cacheprovider -o asyncio_mode=strict \
               2>&1 | tail -30 | tee "$OUT/pytest_gpu.log" ;;
-    savecache)  # whole objects: a partial rebuild links against them
-      tar czf "$OUT/fi_cache.tgz" -C /tmp/fiws .cache && ls -la "$OUT/fi_cache.tgz" ;;
     bench) timeout "$(left 0 "${T_BENCH:-330}")" python3 bench/device/engine_bench.py --out "$OUT/engine_bench.jsonl" ${BENCH_ARGS:-} \
              2>&1 | tee "$OUT/engine_bench.log" | grep -v Warning ;;
+    benchtc) timeout "$(left 0 "${T_BENCH:-330}")" python3 bench/device/engine_bench.py --out "$OUT/engine_bench.jsonl" \
+               --decode-tensor-cores ${BENCHTC_ARGS:---models llama-3.1-8b --only b1,batches --skip-hf} \
+               2>&1 | tee "$OUT/engine_bench_tc.log" | grep -v Warning ;;
+    correctness) timeout "$(left 0 "${T_CORR:-360}")" python3 bench/device/correctness.py --out "$OUT/correctness.jsonl" \
+                   ${CORR_ARGS:-} 2>&1 | tee "$OUT/correctness.log" | grep -v Warning | tail -40 ;;
+    serve) timeout "$(left 0 "${T_SERVE:-560}")" python3 bench/device/serve_e2e.py --out "$OUT" \
+             ${SERVE_ARGS:---arch llama-3.1-8b --scenario 1k1k --concurrency 4,16,64,128} 2>&1 | tail -40 | tee "$OUT/serve.log" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -30,17 +30,22 @@ class FlashInferAttention(AttentionBackend):
     name = "flashinfer"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
-                 dtype: torch.dtype = torch.bfloat16) -> None:
+                 dtype: torch.dtype = torch.bfloat16, decode_tensor_cores: bool = False) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.device, self.dtype = device, dtype
         self.workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        # backend="fa2": the CUDA-core decode kernel; also skips plan()'s per-call backend probing
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
+        # Decode kernel: CUDA cores (backend="fa2", which also skips plan()'s per-call backend
+        # probing) or, with decode_tensor_cores, FlashInfer's prefill kernel on tensor cores, which
+        # computes a GQA group's query heads together.
+        self.decode_kwargs = dict(use_tensor_cores=True) if decode_tensor_cores else dict(backend="fa2")
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", **self.decode_kwargs)
         self._graph_wrappers: dict[int, _GraphDecode] = {}
         self._active = self.decode
         self._kv_rows: torch.Tensor | None = None
-        self.reuse_decode_plans = True       # see plan_graph; off: plan() on every step
+        # see plan_graph; off: plan() on every step. The tensor-core kernel's plan splits the KV by
+        # tokens, not pages, so it is never reused.
+        self.reuse_decode_plans = not decode_tensor_cores
 
     # ---- planning (host side, outside any graph) ----------------------------------------------
     def plan(self, md: AttentionMetadata) -> None:
@@ -66,7 +71,7 @@ class FlashInferAttention(AttentionBackend):
         and plan() — ~0.2 ms of Python and a host-side split computation — is skipped."""
         g = self._graph_wrappers.get(batch_size)
         if g is None:
-            g = _GraphDecode(self.workspace, batch_size, max_num_pages, self.device)
+            g = _GraphDecode(self.workspace, batch_size, max_num_pages, self.device, self.decode_kwargs)
             self._graph_wrappers[batch_size] = g
         indptr = md.kv_indptr_host.numpy()
         if self.reuse_decode_plans and g.planned_indptr is not None and np.array_equal(g.planned_indptr, indptr):
@@ -94,11 +99,13 @@ class FlashInferAttention(AttentionBackend):
 class _GraphDecode:
     """One CUDA-graph decode wrapper with the fixed device buffers it reads at replay."""
 
-    def __init__(self, workspace: torch.Tensor, batch_size: int, max_num_pages: int, device) -> None:
+    def __init__(self, workspace: torch.Tensor, batch_size: int, max_num_pages: int, device,
+                 decode_kwargs: dict) -> None:
         self.indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=device)
         self.indices = torch.zeros(max_num_pages, dtype=torch.int32, device=device)
         self.last_page_len = torch.zeros(batch_size, dtype=torch.int32, device=device)
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "NHD", use_cuda_graph=True, backend="fa2", paged_kv_indptr_buffer=self.indptr,
-            paged_kv_indices_buffer=self.indices, paged_kv_last_page_len_buffer=self.last_page_len)
+            workspace, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=self.indptr,
+            paged_kv_indices_buffer=self.indices, paged_kv_last_page_len_buffer=self.last_page_len,
+            **decode_kwargs)
         self.planned_indptr: np.ndarray | None = None

@@ -21,8 +21,10 @@ def redis_server():
 
 @pytest.fixture(scope="session")
 def _session_cluster(tmp_path_factory, redis_server) -> Cluster:
+    # async scheduling as on a GPU (the CPU default is off; the qwen2 parity and disaggregation
+    # clusters keep that default), so the API tests run the overlapped engine loop
     c = start_cluster(tmp_path_factory.mktemp("cluster"), "--model", "tiny", "--max-num-batched-tokens", "64",
-                      redis_url=redis_server.url)
+                      "--async-scheduling", "on", redis_url=redis_server.url)
     yield c
     assert c.stop() == 0, c.log()[-3000:]
 

@@ -3,7 +3,7 @@
 20 token-id prompts of 1-300 tokens go over HTTP concurrently (so they share engine steps), with a
 step budget of 64 tokens (so long prompts are prefilled in chunks); a second wave reuses long
 prefixes of the first (so prefix-cache hits happen). HF runs the same model directory in float32
-with EOS disabled.
+with EOS disabled. The llama cluster runs with async scheduling, the qwen2 one without.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ the dummy load format and the architecture presets work."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -13,7 +14,7 @@ from engine.engine import Engine
 from engine.loader import ARCHS, write_arch_dir
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner, build_host_step
-from engine.request import Request, SamplingParams
+from engine.request import FinishReason, Request, SamplingParams
 from engine.scheduler import ScheduledChunk
 from runtime.config import EngineConfig
 from splitserve.tiny_model import write_tiny_model
@@ -49,7 +50,7 @@ def test_greedy_matches_hf_transformers(tiny_dir):
 
 
 def _chunk(req: Request, start: int, n: int) -> ScheduledChunk:
-    return ScheduledChunk(req, start, n)
+    return ScheduledChunk.of(req, start, n)
 
 
 def test_host_step_matches_per_token_definition():
@@ -103,3 +104,47 @@ def test_arch_presets_have_the_real_dimensions(tmp_path):
     assert (small.hidden_size, small.num_layers, small.head_dim, small.tie_word_embeddings) == (2048, 16, 64, True)
     assert set(ARCHS) == {"llama-3.1-8b", "llama-3.2-1b"}
     assert json.loads((tmp_path / "8b" / "config.json").read_text())["model_type"] == "llama"
+
+
+def _run_all(engine: Engine, reqs: list[Request]) -> dict[str, tuple[list[int], object]]:
+    out: dict[str, tuple[list[int], object]] = {}
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_work:
+        for o in engine.step():
+            toks, _ = out.get(o.request_id, ([], None))
+            out[o.request_id] = (toks + o.new_token_ids, o.finish_reason)
+    return out
+
+
+def test_async_scheduling_gives_the_same_tokens_as_sync(tiny_dir):
+    """The real model on the CPU, step N+1 launched before step N's tokens are read: greedy and
+    seeded sampling, stop tokens (a discarded step each), shared prefixes, chunked prefill and
+    preemption (a KV pool too small for all) all give what the synchronous engine gives."""
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(5, 4096, (40,), generator=g).tolist()
+    prompts = [shared + torch.randint(5, 4096, (n,), generator=g).tolist() for n in (0, 3, 17, 60)]
+    prompts += [torch.randint(5, 4096, (n,), generator=g).tolist() for n in (1, 5, 90)]
+    base = EngineConfig(model=str(tiny_dir), device="cpu", num_blocks=12, max_num_batched_tokens=64,
+                        attention_backend="torch", async_scheduling=False)
+    probe = _run_all(Engine(base), [Request.new(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=12))
+                                    for i, p in enumerate(prompts)])
+
+    def requests() -> list[Request]:
+        reqs = []
+        for i, p in enumerate(prompts):
+            stop = frozenset({probe[f"p{i}"][0][5]}) if i % 3 == 0 else frozenset()
+            sp = SamplingParams(temperature=0.8 if i % 2 else 0.0, seed=i if i % 2 else None,
+                                max_tokens=20 + i, stop_token_ids=stop)
+            reqs.append(Request.new(str(i), p, sp))
+        return reqs
+
+    sync_engine = Engine(base)
+    async_engine = Engine(dataclasses.replace(base, async_scheduling=True))
+    assert not sync_engine.async_scheduling and async_engine.async_scheduling
+    sync, overlapped = _run_all(sync_engine, requests()), _run_all(async_engine, requests())
+    assert overlapped == sync
+    assert sum(reason == FinishReason.STOP for _, reason in sync.values()) >= 2
+    assert sync_engine.scheduler.num_preemptions > 0 and async_engine.scheduler.num_preemptions > 0
+    for eng in (sync_engine, async_engine):
+        assert eng.pool.num_free == eng.pool.num_blocks
