@@ -18,6 +18,8 @@ import time
 import numpy as np
 import torch
 
+from engine.attention.base import AttentionMetadata
+
 log = logging.getLogger(__name__)
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -35,6 +37,8 @@ class DecodeGraphs:
         self.host = torch.zeros(6, self.max_batch, dtype=torch.int64, pin_memory=True)
         self.host_np = self.host.numpy()
         self.static = torch.zeros(6, self.max_batch, dtype=torch.int64, device=device)
+        # rows: kv_indptr, kv_indices, kv_last_page_len of the padded batch
+        self.meta = torch.zeros(3, self.max_num_pages + 1, dtype=torch.int32, pin_memory=True)
         self.copied = torch.cuda.Event()            # the staging rows may be overwritten
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -95,20 +99,20 @@ class DecodeGraphs:
         scratch_row = self.scratch_block * 2 * bs
         h[0, :s], h[1, :s], h[2, :s], h[3, :s] = step.input_ids, step.positions, step.kv_rows[0], step.kv_rows[1]
         h[0, s:b], h[1, s:b], h[2, s:b], h[3, s:b] = 0, 0, scratch_row, scratch_row + bs
-        pad = b - s
-        kv_indptr = np.concatenate([step.kv_indptr, step.kv_indptr[-1] + np.arange(1, pad + 1, dtype=np.int32)])
-        kv_indices = np.concatenate([step.kv_indices, np.full(pad, self.scratch_block, np.int32)])
-        last = np.concatenate([step.kv_last_page_len, np.ones(pad, np.int32)])
-        md = _graph_metadata(bs, kv_indptr, kv_indices, last)
+        # the page table in pinned memory: the planner's uploads from it must not wait for the GPU
+        # (a pageable source would), and `copied` guards it like the rows above
+        pad, n = b - s, len(step.kv_indices)
+        indptr, indices, last = self.meta[0, :b + 1], self.meta[1, :n + pad], self.meta[2, :b]
+        indptr_np, indices_np, last_np = indptr.numpy(), indices.numpy(), last.numpy()
+        indptr_np[:s + 1] = step.kv_indptr
+        indptr_np[s + 1:] = step.kv_indptr[-1] + np.arange(1, pad + 1, dtype=np.int32)
+        indices_np[:n], indices_np[n:] = step.kv_indices, self.scratch_block
+        last_np[:s], last_np[s:] = step.kv_last_page_len, 1
+        md = AttentionMetadata(
+            query_lens=[], context_lens=[], block_tables=[], slot_mapping=None, query_start_loc=None,
+            block_size=bs, is_decode_only=True, kv_indptr_host=indptr, kv_indices_host=indices,
+            kv_last_page_len_host=last)
         self.backend.plan_graph(b, md, self.static[2:4], self.max_num_pages)
-
-
-def _graph_metadata(block_size, kv_indptr, kv_indices, last_page_len):
-    from engine.attention.base import AttentionMetadata
-    return AttentionMetadata(
-        query_lens=[], context_lens=[], block_tables=[], slot_mapping=None, query_start_loc=None,
-        block_size=block_size, is_decode_only=True, kv_indptr_host=torch.from_numpy(kv_indptr),
-        kv_indices_host=torch.from_numpy(kv_indices), kv_last_page_len_host=torch.from_numpy(last_page_len))
 
 
 def _empty_step():

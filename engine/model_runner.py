@@ -241,9 +241,9 @@ class ModelRunner:
         md = AttentionMetadata(
             query_lens=step.query_lens, context_lens=step.context_lens, block_tables=step.block_tables,
             slot_mapping=slots, query_start_loc=dev[5 * t + r:qo], block_size=self.cfg.block_size,
-            is_decode_only=step.is_decode_only, qo_indptr_host=torch.from_numpy(step.qo_indptr),
-            kv_indptr_host=torch.from_numpy(step.kv_indptr), kv_indices_host=torch.from_numpy(step.kv_indices),
-            kv_last_page_len_host=torch.from_numpy(step.kv_last_page_len), kv_rows=kv_rows)
+            is_decode_only=step.is_decode_only, qo_indptr_host=self._host(step.qo_indptr),
+            kv_indptr_host=self._host(step.kv_indptr), kv_indices_host=self._host(step.kv_indices),
+            kv_last_page_len_host=self._host(step.kv_last_page_len), kv_rows=kv_rows)
         self.backend.plan(md)
         if self._staging_free is not None:
             self._staging_free.record()           # after plan: its pinned uploads are queued too
@@ -253,6 +253,12 @@ class ModelRunner:
             return None
         rows = hidden if r == t and r == len(step.query_lens) else hidden[sample_rows]
         return self.model.compute_logits(rows)
+
+    def _host(self, a: np.ndarray) -> torch.Tensor:
+        """A host array for the attention planner: pinned on CUDA, so that its uploads never wait
+        for the GPU (with async scheduling the GPU is busy with the previous step)."""
+        t = torch.from_numpy(a)
+        return t.pin_memory() if self._pinned else t
 
     def _to_device(self, step: HostStep, extra: tuple = ()) -> torch.Tensor:
         """All int64 step inputs in one buffer, one host-to-device copy (pinned on CUDA)."""
