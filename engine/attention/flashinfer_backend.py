@@ -43,6 +43,7 @@ class FlashInferAttention(AttentionBackend):
         self._graph_wrappers: dict[int, _GraphDecode] = {}
         self._active = self.decode
         self._kv_rows: torch.Tensor | None = None
+        self._indices_stage: torch.Tensor | None = None   # device copy of a graph plan's page ids
         # see plan_graph; off: plan() on every step. The tensor-core kernel's plan splits the KV by
         # tokens, not pages, so it is never reused.
         self.reuse_decode_plans = not decode_tensor_cores
@@ -79,13 +80,21 @@ class FlashInferAttention(AttentionBackend):
             g.indices[:n].copy_(md.kv_indices_host, non_blocking=True)
             g.last_page_len.copy_(md.kv_last_page_len_host, non_blocking=True)
         else:
-            self._plan_decode(g.wrapper, md)
+            # FlashInfer uploads host page ids with a blocking copy (it waits for the GPU, which
+            # async scheduling keeps busy); handed a device tensor it copies on the device instead
+            n = len(md.kv_indices_host)
+            if self._indices_stage is None or len(self._indices_stage) < n:
+                self._indices_stage = torch.empty(max_num_pages, dtype=torch.int32, device=self.device)
+            stage = self._indices_stage[:n]
+            stage.copy_(md.kv_indices_host, non_blocking=True)
+            self._plan_decode(g.wrapper, md, stage)
             g.planned_indptr = indptr.copy()
         self._active = g.wrapper
         self._kv_rows = kv_rows_static[:, :batch_size]
 
-    def _plan_decode(self, w, md: AttentionMetadata) -> None:
-        w.plan(md.kv_indptr_host, md.kv_indices_host, md.kv_last_page_len_host, self.num_heads,
+    def _plan_decode(self, w, md: AttentionMetadata, indices: torch.Tensor | None = None) -> None:
+        w.plan(md.kv_indptr_host, md.kv_indices_host if indices is None else indices, md.kv_last_page_len_host,
+               self.num_heads,
                self.num_kv_heads, self.head_dim, md.block_size, pos_encoding_mode="NONE",
                q_data_type=self.dtype, kv_data_type=self.dtype)
 
