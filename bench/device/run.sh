@@ -25,9 +25,11 @@ cat "$OUT/env.txt"
 for stage in "$@"; do
   echo "=== $stage $(date -u +%T)"
   case "$stage" in
-    correctness)  # the two models in parallel: their JIT compiles overlap
+    correctness)  # the models in parallel: their JIT compiles overlap (FlashInfer locks a shared build),
+      # and trained-hd128 trains (train_small.py, --max-seconds 90) while the others compile
       t=$(left 150 "${T_CORR:-360}")
-      for m in small-hd128:${HD128_DTYPES:-bfloat16,float16} llama-3.2-1b:${B1_DTYPES:-bfloat16}; do
+      for m in trained-hd128:${TRAINED_DTYPES:-bfloat16,float16} small-hd128:${HD128_DTYPES:-bfloat16,float16} \
+               llama-3.2-1b:${B1_DTYPES:-bfloat16}; do
         timeout "$t" python3 bench/device/correctness.py --models "${m%%:*}" --dtypes "${m#*:}" \
           --out "$OUT/correctness.jsonl" > "$OUT/correctness-${m%%:*}.log" 2>&1 &
       done

@@ -7,11 +7,13 @@ almost every step, so no bf16 implementation reproduces their greedy tokens).
 The model is HF `LlamaForCausalLM` in correctness.py's "small-hd128" shape (head_dim 128, 4 query
 heads per KV head, untied lm_head) with the tiny model's 4096-token tokenizer (splitserve/tiny_model.py).
 Corpus: every *.py and *.md file under CORPUS_DIRS, sorted by path; every 20th file is held out as
-the prompt source (`heldout_ids`). Training is seeded: AdamW on float32 weights under bf16 autocast
-on the GPU, random 512-token windows, linear warm-up then cosine decay. `--max-seconds` times the
-first steps and cuts the step count to fit (the cosine then ends at the cut), with a hard stop as
-well. Saves bf16 safetensors, the tokenizer and train_info.json; a directory holding a model of the
-same `Recipe` is reused. Knows nothing about our engine beyond checking that it reads the config.
+the prompt source (`heldout_ids`); ~250k tokens, so 1,200 steps of 32k tokens see each ~150 times
+(memorised: peaked, which is the point). Training is seeded (initialisation and data order; GPU
+kernels are not bitwise deterministic): AdamW on float32 weights under bf16 autocast on the GPU,
+random 512-token windows, linear warm-up then cosine decay. `--max-seconds` times the first steps
+and cuts the step count to fit (the cosine then ends at the cut), with a hard stop as well. Saves
+bf16 safetensors, the tokenizer and train_info.json; a directory holding a model of the same
+`Recipe` is reused. Knows nothing about our engine beyond checking that it reads the config.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from splitserve.tiny_model import BOS_ID, EOS_ID, PAD_ID, build_tokenizer, token
 CORPUS_DIRS = ("bench", "decode_worker", "docs", "engine", "frontend", "kvstore", "planner",
                "prefill_worker", "router", "runtime", "splitserve", "tests")
 HELDOUT_EVERY = 20                      # files 0, 20, 40, ... of the sorted list are held out
+MAX_SECONDS = 90.0                      # default time budget of the training loop
 
 # correctness.py's small-hd128: the 8B's attention shape (head_dim 128, GQA 4) at 1/4 of its width
 HD128 = dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
@@ -211,7 +214,7 @@ def main() -> None:
     ap, default = argparse.ArgumentParser(description=__doc__.splitlines()[0]), Recipe()
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=default.steps)
-    ap.add_argument("--max-seconds", type=float, default=90.0, help="time budget of the training loop")
+    ap.add_argument("--max-seconds", type=float, default=MAX_SECONDS, help="time budget of the training loop")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="hd128")
     ap.add_argument("--batch-size", type=int, default=default.batch_size)
