@@ -57,7 +57,7 @@ def test_engine_matches_hf_on_heldout_text(trained_dir):
     them long before it changes an argmax."""
     transformers = pytest.importorskip("transformers")
     ids = train_small.heldout_ids(trained_dir)
-    prompts = [ids[:1], ids[100:140], ids[2000:2300]]
+    prompts = [ids[:1], ids[100:140], ids[-300:]]
     cfg = EngineConfig(model=str(trained_dir), device="cpu", dtype="float32", num_blocks=128,
                        max_num_batched_tokens=64, attention_backend="torch")
     engine = Engine(cfg)
