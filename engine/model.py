@@ -8,12 +8,16 @@ parameter names are mapped in engine/loader.py.
 Two kernel sets compute the same function: plain torch (CPU, and the GPU reference), and FlashInfer's
 fused kernels (`use_flashinfer_kernels`): add+RMSNorm in one kernel, RoPE in place on the q|k
 projection output, SiLU·mul in one kernel. At batch 1 a decode step is ~10 kernels per layer
-instead of ~30, which matters because each kernel costs ~2-3 µs even inside a CUDA graph.
+instead of ~30, which matters because each kernel costs ~2-3 µs even inside a CUDA graph. Where
+Triton runs and the backend lets the model write K/V itself, RoPE and the K/V cache write are one
+more fused kernel (engine/kernels/rope_kv.py; SPLITSERVE_FUSED_ROPE_KV=0 turns it off).
 The residual stream is carried beside the sublayer output (`x, residual`) so the add fuses into the
 next norm, as in HF's arithmetic (residual add in the model dtype, norm in float32).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -58,12 +62,20 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.fi = None
+        self.rope_kv = None                  # engine.kernels.rope_kv.rope_and_write_kv when it is on
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 backend: AttentionBackend, kv_layer: torch.Tensor,
                 cos_sin_cache: torch.Tensor | None = None) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)                                                # (T, q + 2kv)
+        kv_rows = backend.step_kv_rows() if self.rope_kv else None
+        if kv_rows is not None:              # one kernel: RoPE on q and k, k and v into the cache
+            self.rope_kv(qkv, positions, cos_sin_cache, kv_layer, kv_rows, self.num_heads,
+                         self.num_kv_heads, self.head_dim)
+            q = qkv[:, :self.q_size].view(T, self.num_heads, self.head_dim)
+            o = backend.attend(self.layer, q, kv_layer)                       # (T, H, D)
+            return self.o_proj(o.reshape(T, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.fi:
             self.fi.rope.apply_rope_with_cos_sin_cache_inplace(
@@ -131,10 +143,14 @@ class CausalLM(nn.Module):
         self.cos_sin_cache = torch.cat((self.rope.cos, self.rope.sin), dim=-1).contiguous()
 
     def use_flashinfer_kernels(self, flashinfer_module) -> None:
-        """Switch norms, RoPE and SiLU·mul to FlashInfer's fused kernels (None: back to torch)."""
+        """Switch norms, RoPE and SiLU·mul to FlashInfer's fused kernels (None: back to torch), and
+        RoPE + K/V write to the Triton kernel where it runs."""
+        rope_kv = _fused_rope_kv(self.cfg.head_dim) if flashinfer_module else None
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention, MLP)):
                 m.fi = flashinfer_module
+            if isinstance(m, Attention):
+                m.rope_kv = rope_kv
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
                 kv_cache: torch.Tensor) -> torch.Tensor:
@@ -157,3 +173,12 @@ class CausalLM(nn.Module):
 
 
 _MM_OUT_DTYPE = [True]   # torch.mm(..., out_dtype=) available here (checked on first use)
+
+
+def _fused_rope_kv(head_dim: int):
+    """The fused RoPE + K/V-write kernel, or None where Triton or CUDA is missing, the head dim is
+    not one it handles, or SPLITSERVE_FUSED_ROPE_KV=0 (to compare against the unfused kernels)."""
+    if os.environ.get("SPLITSERVE_FUSED_ROPE_KV", "1") == "0":
+        return None
+    from engine.kernels import rope_kv
+    return rope_kv.rope_and_write_kv if rope_kv.available() and rope_kv.supports(head_dim) else None

@@ -7,7 +7,9 @@ run (HBM copy bandwidth, bf16 GEMM rate); per model: batch-1 decode tok/s with C
 against the roofline (bytes a decode step must read ÷ measured bandwidth), the host time a step
 spends before its launch, decode throughput at batch 8..128 with ~1k-token contexts, prefill tok/s of
 4k-token prompts against the GEMM ceiling (2 × matmul params × tokens FLOPs ÷ measured rate), a
-K/V-write micro-benchmark, and HF transformers `generate` on the same architecture as the baseline.
+K/V-write micro-benchmark (with RoPE + K/V write: FlashInfer + index_copy_ against the fused Triton
+kernel, eager and inside a CUDA graph), and HF transformers `generate` on the same architecture as
+the baseline. SPLITSERVE_FUSED_ROPE_KV=0 runs the model without the fused kernel (field fused_rope_kv).
 """
 
 from __future__ import annotations
@@ -136,12 +138,25 @@ def bench_prefill(emit, runner, sizes, ceil, common, prompt_len=4096, n=4) -> No
          note="ceiling counts 2*layer_params FLOPs per token (no attention FLOPs, no lm_head: one row)")
 
 
+def _graph_us(fn, calls: int = 32) -> float:
+    """Device µs of one fn() when `calls` of them replay from one CUDA graph (graph launch costs)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return cuda_time_ms(g.replay, 20) * 1e3 / calls
+
+
 def bench_kv_write(emit, runner, common) -> None:
     from engine.attention.base import write_kv, write_kv_rows
+    from engine.kernels import rope_kv
     import flashinfer
     bs = runner.cfg.block_size
     layer = runner.kv_cache[0]
     nb, _, _, hkv, d = layer.shape
+    h, cs = runner.model_config.num_heads, runner.model.cos_sin_cache
     for t in (1, 128, 4096):
         pages = torch.randperm(nb - 1, device="cuda")[: (t + bs - 1) // bs].int()
         pos = torch.arange(t, device="cuda")
@@ -157,6 +172,24 @@ def bench_kv_write(emit, runner, common) -> None:
             "write_kv_rows_us": cuda_time_ms(lambda: write_kv_rows(layer, k, v, rows), 50) * 1e3,
             "flashinfer_append_us": cuda_time_ms(lambda: flashinfer.append_paged_kv_cache(
                 k, v, zeros, pos.int(), layer, pages, indptr, last, "NHD"), 50) * 1e3}
+        # RoPE + K/V write, as Attention.forward does it: FlashInfer's RoPE then write_kv_rows (3
+        # kernels), against the fused Triton kernel (1); eager, and per call in a graph of 32 calls
+        qkv = torch.randn(t, (h + 2 * hkv) * d, dtype=layer.dtype, device="cuda")
+        q, kk, vv = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+        rope_pos = torch.randint(0, cs.shape[0], (t,), device="cuda")
+
+        def unfused():
+            flashinfer.rope.apply_rope_with_cos_sin_cache_inplace(rope_pos, q, kk, d, cs, is_neox=True)
+            write_kv_rows(layer, kk.view(t, hkv, d), vv.view(t, hkv, d), rows)
+
+        res["rope_write_kv_rows_us"] = cuda_time_ms(unfused, 50) * 1e3
+        res["graph32_rope_write_kv_rows_us"] = _graph_us(unfused)
+        if rope_kv.available() and rope_kv.supports(d):
+            def fused():
+                rope_kv.rope_and_write_kv(qkv, rope_pos, cs, layer, rows, h, hkv, d)
+
+            res["fused_rope_kv_us"] = cuda_time_ms(fused, 50) * 1e3
+            res["graph32_fused_rope_kv_us"] = _graph_us(fused)
         emit(**common, metric="kv_write_one_layer", tokens=t, **{a: round(b, 2) for a, b in res.items()})
 
 
@@ -269,6 +302,7 @@ def main() -> None:
         sizes = model_sizes(runner)
         common = {"model": arch, "weights": "dummy-bf16", "attention": runner.backend.name,
                   "decode_tensor_cores": args.decode_tensor_cores,
+                  "fused_rope_kv": runner.model.layers[0].self_attn.rope_kv is not None,
                   "block_size": cfg.block_size, "num_blocks": cfg.num_blocks}
         emit(**common, metric="model", load_and_capture_s=round(time.perf_counter() - t0, 2),
              graph_capture_s=round(runner.graphs.capture_s, 2) if runner.graphs else None,

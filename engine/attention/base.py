@@ -9,6 +9,11 @@ FlashInfer's "NHD" paged layout.
 Contract of `forward(layer, q, k, v, kv_layer)`: first write k and v (T, Hkv, D) into `kv_layer`
 at `metadata.slot_mapping`, then return causal attention of q (T, H, D) over each sequence's whole
 context (cached prefix + this step's tokens), shape (T, H, D). The torch backend is the oracle.
+
+A backend may also let the caller write K/V itself (so that the write fuses with RoPE): then
+`step_kv_rows()` returns where this step's keys and values go, and after writing them there the
+caller calls `attend(layer, q, kv_layer)` — the second half of `forward` — instead of `forward`.
+Backends that do not (the default) return None, and the caller uses `forward`.
 """
 
 from __future__ import annotations
@@ -52,6 +57,16 @@ class AttentionBackend(ABC):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_layer: torch.Tensor) -> torch.Tensor:
         """Store k, v in the cache, then attend. See the module docstring for shapes."""
+
+    def step_kv_rows(self) -> torch.Tensor | None:
+        """(2, T) int64 on device: the row of each new key ([0]) and value ([1]) in the layer cache
+        viewed as (num_blocks * 2 * block_size, Hkv, D), if the caller may write them and then call
+        `attend`; None (this default): call `forward`. Valid from `plan` until the next `plan`."""
+        return None
+
+    def attend(self, layer: int, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
+        """Attention alone, the step's K/V already written at `step_kv_rows()`: (T, H, D)."""
+        raise NotImplementedError(f"{self.name} writes K/V itself: call forward()")
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,

@@ -4,7 +4,8 @@ context), decode-only steps through BatchDecodeWithPagedKVCacheWrapper, and one 
 wrapper per captured batch size.
 
 `plan()` runs once per step on host-side CSR arrays (no device sync); `forward()` per layer writes
-the step's K/V with two index_copy_ kernels and runs the planned wrapper. For a CUDA graph,
+the step's K/V with two index_copy_ kernels and runs the planned wrapper (`attend()`: the wrapper
+alone, for a model that wrote K/V at `step_kv_rows()` itself). For a CUDA graph,
 `plan_graph(batch_size, metadata)` plans that size's wrapper into its fixed buffers and makes the
 backend read K/V rows from a static device tensor, so `forward()` can be captured and replayed.
 Knows nothing about requests or scheduling. FlashInfer is imported here only (lazily, by
@@ -102,6 +103,12 @@ class FlashInferAttention(AttentionBackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_layer: torch.Tensor) -> torch.Tensor:
         write_kv_rows(kv_layer, k, v, self._kv_rows)
+        return self.attend(layer, q, kv_layer)
+
+    def step_kv_rows(self) -> torch.Tensor | None:
+        return self._kv_rows
+
+    def attend(self, layer: int, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
         return self._active.run(q, kv_layer)
 
 
