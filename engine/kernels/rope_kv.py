@@ -67,54 +67,57 @@ def rope_and_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache:
 
 
 if triton is not None:
+    try:
 
-    # One program per token. At decode (T = 1..B) a token's q, k and v are a few KB: one program
-    # issues all its loads at once, so the kernel's time is launch + one dependent chain (position →
-    # cos/sin → store; row ids → store); splitting heads over more programs would not shorten it.
-    # At prefill (T in the thousands) one program per token gives thousands of programs to fill the
-    # GPU, each moving whole contiguous head rows. Heads are a tile dimension (padded to a power of
-    # two and masked), so one cos/sin row serves every head. In eager steps positions and kv_rows are
-    # slices of one int64 buffer at offsets that follow T; they are read one scalar at a time, so
-    # neither their alignment nor kv_rows' row stride is specialised on (no recompiles per T).
-    @triton.jit(do_not_specialize=["rows_stride0"], do_not_specialize_on_alignment=["pos_ptr", "rows_ptr"])
-    def _rope_kv_kernel(qkv_ptr, pos_ptr, cs_ptr, cache_ptr, rows_ptr,
-                        qkv_stride, pos_stride, cs_stride, cache_stride, rows_stride0, rows_stride1,
-                        H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                        BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        j = tl.arange(0, HALF)[None, :]                        # (1, D/2) column in a half
-        pos = tl.load(pos_ptr + t * pos_stride)
-        cos = tl.load(cs_ptr + pos * cs_stride + j)            # (1, D/2) float32
-        sin = tl.load(cs_ptr + pos * cs_stride + HALF + j)
-        row = qkv_ptr + t * qkv_stride
+        # One program per token. At decode (T = 1..B) a token's q, k and v are a few KB: one program
+        # issues all its loads at once, so the kernel's time is launch + one dependent chain (position →
+        # cos/sin → store; row ids → store); splitting heads over more programs would not shorten it.
+        # At prefill (T in the thousands) one program per token gives thousands of programs to fill the
+        # GPU, each moving whole contiguous head rows. Heads are a tile dimension (padded to a power of
+        # two and masked), so one cos/sin row serves every head. In eager steps positions and kv_rows are
+        # slices of one int64 buffer at offsets that follow T; they are read one scalar at a time, so
+        # neither their alignment nor kv_rows' row stride is specialised on (no recompiles per T).
+        @triton.jit(do_not_specialize=["rows_stride0"], do_not_specialize_on_alignment=["pos_ptr", "rows_ptr"])
+        def _rope_kv_kernel(qkv_ptr, pos_ptr, cs_ptr, cache_ptr, rows_ptr,
+                            qkv_stride, pos_stride, cs_stride, cache_stride, rows_stride0, rows_stride1,
+                            H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                            BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr):
+            t = tl.program_id(0).to(tl.int64)
+            j = tl.arange(0, HALF)[None, :]                        # (1, D/2) column in a half
+            pos = tl.load(pos_ptr + t * pos_stride)
+            cos = tl.load(cs_ptr + pos * cs_stride + j)            # (1, D/2) float32
+            sin = tl.load(cs_ptr + pos * cs_stride + HALF + j)
+            row = qkv_ptr + t * qkv_stride
 
-        # q: (H, D) at the start of the token's row, rotated in place
-        hq = tl.arange(0, BLOCK_H)[:, None]                    # (BLOCK_H, 1)
-        mq = (hq < H) & (j < HALF)                             # (BLOCK_H, D/2)
-        q1_ptrs = row + hq * D + j
-        q1 = tl.load(q1_ptrs, mask=mq, other=0.0).to(tl.float32)
-        q2 = tl.load(q1_ptrs + HALF, mask=mq, other=0.0).to(tl.float32)
-        tl.store(q1_ptrs, (q1 * cos - q2 * sin).to(qkv_ptr.dtype.element_ty), mask=mq)
-        tl.store(q1_ptrs + HALF, (q2 * cos + q1 * sin).to(qkv_ptr.dtype.element_ty), mask=mq)
+            # q: (H, D) at the start of the token's row, rotated in place
+            hq = tl.arange(0, BLOCK_H)[:, None]                    # (BLOCK_H, 1)
+            mq = (hq < H) & (j < HALF)                             # (BLOCK_H, D/2)
+            q1_ptrs = row + hq * D + j
+            q1 = tl.load(q1_ptrs, mask=mq, other=0.0).to(tl.float32)
+            q2 = tl.load(q1_ptrs + HALF, mask=mq, other=0.0).to(tl.float32)
+            tl.store(q1_ptrs, (q1 * cos - q2 * sin).to(qkv_ptr.dtype.element_ty), mask=mq)
+            tl.store(q1_ptrs + HALF, (q2 * cos + q1 * sin).to(qkv_ptr.dtype.element_ty), mask=mq)
 
-        # k: (Hkv, D) after q, rotated in place and into the cache at its key row
-        hk = tl.arange(0, BLOCK_HKV)[:, None]                  # (BLOCK_HKV, 1)
-        mk = (hk < HKV) & (j < HALF)                           # (BLOCK_HKV, D/2)
-        k1_ptrs = row + H * D + hk * D + j
-        k1 = tl.load(k1_ptrs, mask=mk, other=0.0).to(tl.float32)
-        k2 = tl.load(k1_ptrs + HALF, mask=mk, other=0.0).to(tl.float32)
-        o1 = (k1 * cos - k2 * sin).to(qkv_ptr.dtype.element_ty)
-        o2 = (k2 * cos + k1 * sin).to(qkv_ptr.dtype.element_ty)
-        tl.store(k1_ptrs, o1, mask=mk)
-        tl.store(k1_ptrs + HALF, o2, mask=mk)
-        key_row = tl.load(rows_ptr + t * rows_stride1)
-        kc_ptrs = cache_ptr + key_row * cache_stride + hk * D + j
-        tl.store(kc_ptrs, o1.to(cache_ptr.dtype.element_ty), mask=mk)
-        tl.store(kc_ptrs + HALF, o2.to(cache_ptr.dtype.element_ty), mask=mk)
+            # k: (Hkv, D) after q, rotated in place and into the cache at its key row
+            hk = tl.arange(0, BLOCK_HKV)[:, None]                  # (BLOCK_HKV, 1)
+            mk = (hk < HKV) & (j < HALF)                           # (BLOCK_HKV, D/2)
+            k1_ptrs = row + H * D + hk * D + j
+            k1 = tl.load(k1_ptrs, mask=mk, other=0.0).to(tl.float32)
+            k2 = tl.load(k1_ptrs + HALF, mask=mk, other=0.0).to(tl.float32)
+            o1 = (k1 * cos - k2 * sin).to(qkv_ptr.dtype.element_ty)
+            o2 = (k2 * cos + k1 * sin).to(qkv_ptr.dtype.element_ty)
+            tl.store(k1_ptrs, o1, mask=mk)
+            tl.store(k1_ptrs + HALF, o2, mask=mk)
+            key_row = tl.load(rows_ptr + t * rows_stride1)
+            kc_ptrs = cache_ptr + key_row * cache_stride + hk * D + j
+            tl.store(kc_ptrs, o1.to(cache_ptr.dtype.element_ty), mask=mk)
+            tl.store(kc_ptrs + HALF, o2.to(cache_ptr.dtype.element_ty), mask=mk)
 
-        # v: (Hkv, D) after k, copied into the cache at its value row
-        d = tl.arange(0, D)[None, :]                           # (1, D)
-        mv = (hk < HKV) & (d < D)                              # (BLOCK_HKV, D)
-        v = tl.load(row + (H + HKV) * D + hk * D + d, mask=mv, other=0.0)
-        value_row = tl.load(rows_ptr + rows_stride0 + t * rows_stride1)
-        tl.store(cache_ptr + value_row * cache_stride + hk * D + d, v.to(cache_ptr.dtype.element_ty), mask=mv)
+            # v: (Hkv, D) after k, copied into the cache at its value row
+            d = tl.arange(0, D)[None, :]                           # (1, D)
+            mv = (hk < HKV) & (d < D)                              # (BLOCK_HKV, D)
+            v = tl.load(row + (H + HKV) * D + hk * D + d, mask=mv, other=0.0)
+            value_row = tl.load(rows_ptr + rows_stride0 + t * rows_stride1)
+            tl.store(cache_ptr + value_row * cache_stride + hk * D + d, v.to(cache_ptr.dtype.element_ty), mask=mv)
+    except TypeError:      # a Triton without these jit options: keep the unfused kernels
+        triton = None
