@@ -31,8 +31,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
                    help="schedule the next step while the device runs this one (auto: on with CUDA)")
-    p.add_argument("--decode-tensor-cores", action="store_true",
-                   help="FlashInfer decode attention on tensor cores (faster for wide GQA groups)")
+    p.add_argument("--decode-tensor-cores", default="auto", choices=["auto", "on", "off"],
+                   help="FlashInfer decode attention on tensor cores (auto: for GQA groups of 4 or more)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights from config.json (benchmarks without a checkpoint)")
     p.add_argument("--kv-memory-fraction", type=float, default=0.85,
@@ -73,7 +73,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                         enable_prefix_caching=not a.no_prefix_caching, attention_backend=a.attention_backend,
                         cuda_graphs=not a.no_cuda_graphs, load_format=a.load_format,
                         async_scheduling={"auto": None, "on": True, "off": False}[a.async_scheduling],
-                        decode_tensor_cores=a.decode_tensor_cores,
+                        decode_tensor_cores={"auto": None, "on": True, "off": False}[a.decode_tensor_cores],
                         kv_memory_fraction=a.kv_memory_fraction, mock=a.mock, mock_profile=a.mock_profile)
 
 

@@ -29,7 +29,7 @@ _FRONTEND_FLAGS = ("block_size", "max_body_bytes", "router_policy", "remote_pref
                    "max_prefill_queue_tokens")
 _ENGINE_FLAGS = ("device", "dtype", "block_size", "num_blocks", "kv_cpu_mib", "max_model_len", "max_num_seqs",
                  "max_num_batched_tokens", "attention_backend", "load_format", "kv_memory_fraction",
-                 "mock_profile", "async_scheduling")
+                 "mock_profile", "async_scheduling", "decode_tensor_cores")
 
 
 def _flags(args: argparse.Namespace, names) -> list[str]:
@@ -100,7 +100,6 @@ def serve(args: argparse.Namespace) -> int:
         engine = [*common, *_flags(args, _ENGINE_FLAGS), "--host", args.host, "--metrics-port", "0"] \
             + (["--no-prefix-caching"] if args.no_prefix_caching else []) \
             + (["--no-cuda-graphs"] if args.no_cuda_graphs else []) \
-            + (["--decode-tensor-cores"] if args.decode_tensor_cores else []) \
             + (["--mock"] if args.mock else [])
         role = "decode" if args.prefill_workers else "aggregated"
         for i in range(args.prefill_workers):

@@ -286,7 +286,8 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--only", default="b1,batches,prefill,kv,profile,hf")
     ap.add_argument("--num-blocks", type=int, default=16000)   # 32 GB for the 8B: batch 128 at 1.5k context
-    ap.add_argument("--decode-tensor-cores", action="store_true", help="FlashInfer decode on tensor cores")
+    ap.add_argument("--decode-tensor-cores", action="store_true",
+                    help="FlashInfer decode on tensor cores (default here: the CUDA-core kernel)")
     args = ap.parse_args()
     emit = Emitter("engine_bench", args.out)
     ceil = measure_ceilings()
