@@ -286,8 +286,8 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--only", default="b1,batches,prefill,kv,profile,hf")
     ap.add_argument("--num-blocks", type=int, default=16000)   # 32 GB for the 8B: batch 128 at 1.5k context
-    ap.add_argument("--decode-tensor-cores", action="store_true",
-                    help="FlashInfer decode on tensor cores (default here: the CUDA-core kernel)")
+    ap.add_argument("--decode-tensor-cores", default="auto", choices=["auto", "on", "off"],
+                    help="FlashInfer decode on tensor cores (auto: the engine's default, on for GQA >= 4)")
     args = ap.parse_args()
     emit = Emitter("engine_bench", args.out)
     ceil = measure_ceilings()
@@ -297,12 +297,14 @@ def main() -> None:
         model_dir = write_arch_dir(arch, f"/tmp/splitserve-models/{arch}")
         cfg = EngineConfig(model=str(model_dir), load_format="dummy", num_blocks=args.num_blocks,
                            max_model_len=8192, max_num_seqs=256, max_num_batched_tokens=8192,
-                           enable_prefix_caching=False, decode_tensor_cores=args.decode_tensor_cores)
+                           enable_prefix_caching=False,
+                           decode_tensor_cores={"auto": None, "on": True, "off": False}[args.decode_tensor_cores])
         t0 = time.perf_counter()
         runner = ModelRunner(cfg)
         sizes = model_sizes(runner)
         common = {"model": arch, "weights": "dummy-bf16", "attention": runner.backend.name,
-                  "decode_tensor_cores": args.decode_tensor_cores,
+                  "decode_tensor_cores": runner.backend.decode_kwargs.get("use_tensor_cores", False)
+                  if runner.backend.name == "flashinfer" else None,
                   "fused_rope_kv": runner.model.layers[0].self_attn.rope_kv is not None,
                   "block_size": cfg.block_size, "num_blocks": cfg.num_blocks}
         emit(**common, metric="model", load_and_capture_s=round(time.perf_counter() - t0, 2),

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command on the GPU machine, from the repository root there:
-#   bench/device/run.sh [pytest] [bench] [benchtc] [correctness] [serve] ...
+#   bench/device/run.sh [pytest] [bench] [bench_cc] [correctness] [serve] [gemv] ...
+# (bench: the engine's defaults; bench_cc: the same with the CUDA-core decode kernel, to compare)
 # Installs the wheels from $WHL_DIRS (default: .whl .whl_web, carried beside the tree) into .site once,
 # keeps FlashInfer's JIT cache in .fiws (both survive between calls while the machine stays warm), and
 # writes JSON lines and logs to $OUT. Each stage has its own timeout so a slow one never loses the
@@ -30,13 +31,14 @@ for stage in "$@"; do
               2>&1 | tail -30 | tee "$OUT/pytest_gpu.log" ;;
     bench) timeout "$(left 0 "${T_BENCH:-330}")" python3 bench/device/engine_bench.py --out "$OUT/engine_bench.jsonl" ${BENCH_ARGS:-} \
              2>&1 | tee "$OUT/engine_bench.log" | grep -v Warning ;;
-    benchtc) timeout "$(left 0 "${T_BENCH:-330}")" python3 bench/device/engine_bench.py --out "$OUT/engine_bench.jsonl" \
-               --decode-tensor-cores ${BENCHTC_ARGS:---models llama-3.1-8b --only b1,batches --skip-hf} \
-               2>&1 | tee "$OUT/engine_bench_tc.log" | grep -v Warning ;;
+    bench_cc) timeout "$(left 0 "${T_BENCH:-330}")" python3 bench/device/engine_bench.py --out "$OUT/engine_bench.jsonl" \
+               --decode-tensor-cores off ${BENCHTC_ARGS:---models llama-3.1-8b --only b1,batches --skip-hf} \
+               2>&1 | tee "$OUT/engine_bench_cuda_core.log" | grep -v Warning ;;
     correctness) timeout "$(left 0 "${T_CORR:-360}")" python3 bench/device/correctness.py --out "$OUT/correctness.jsonl" \
                    ${CORR_ARGS:-} 2>&1 | tee "$OUT/correctness.log" | grep -v Warning | tail -40 ;;
     serve) timeout "$(left 0 "${T_SERVE:-560}")" python3 bench/device/serve_e2e.py --out "$OUT" \
              ${SERVE_ARGS:---arch llama-3.1-8b --scenario 1k1k --concurrency 4,16,64,128} 2>&1 | tail -40 | tee "$OUT/serve.log" ;;
+    gemv) timeout "$(left 0 120)" python3 bench/device/gemv_layouts.py --out "$OUT/gemv_layouts.jsonl" 2>&1 | grep -v Warning ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
