@@ -18,6 +18,7 @@ tensor of sampled ids. `execute(chunks)` is launch + result.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -153,6 +154,8 @@ class ModelRunner:
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.model.setup_rope(self.max_model_len, self.device)
+        if self.device.type == "cuda" and os.environ.get("SPLITSERVE_INPUT_MAJOR_WEIGHTS", "1") != "0":
+            self.model.use_input_major_weights()
         self.num_blocks = cfg.num_blocks or self._blocks_that_fit()
         self.scratch_block = self.num_blocks
         mc = self.model_config

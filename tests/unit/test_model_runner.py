@@ -148,3 +148,16 @@ def test_async_scheduling_gives_the_same_tokens_as_sync(tiny_dir):
     assert sync_engine.scheduler.num_preemptions > 0 and async_engine.scheduler.num_preemptions > 0
     for eng in (sync_engine, async_engine):
         assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_input_major_weights_compute_the_same_function(tiny_dir):
+    """The GPU layout (o_proj, gate|up, down, lm_head stored (in, out)) changes no result."""
+    cfg = EngineConfig(model=str(tiny_dir), device="cpu", num_blocks=64, attention_backend="torch")
+    a, b = ModelRunner(cfg), ModelRunner(cfg)
+    b.model.use_input_major_weights()
+    assert type(b.model.layers[0].mlp.down_proj).__name__ == "InputMajorLinear"
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(5, 4096, (n,), generator=g).tolist() for n in (3, 50)]
+    assert _generate(Engine(cfg, a), prompts, 12) == _generate(Engine(cfg, b), prompts, 12)
+    h = torch.randn(2, a.model.cfg.hidden_size, generator=g)
+    torch.testing.assert_close(a.model.compute_logits(h), b.model.compute_logits(h), rtol=1e-5, atol=1e-5)
