@@ -710,6 +710,9 @@ def level_specs(plan: Plan, args: argparse.Namespace, concurrency: int | None,
 
 
 def git_sha() -> str:
+    """The checkout's commit; SPLITSERVE_GIT_SHA overrides it (copies without .git, e.g. on a GPU box)."""
+    if os.environ.get("SPLITSERVE_GIT_SHA"):
+        return os.environ["SPLITSERVE_GIT_SHA"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              timeout=5, cwd=os.path.dirname(os.path.abspath(__file__)))
