@@ -3,7 +3,9 @@ BatchPrefillWithPagedKVCacheWrapper (causal, each sequence's queries aligned to 
 context), decode-only steps through BatchDecodeWithPagedKVCacheWrapper, and one CUDA-graph decode
 wrapper per captured batch size.
 
-`plan()` runs once per step on host-side CSR arrays (no device sync); `forward()` per layer writes
+Decode runs on tensor cores (FlashInfer's prefill kernel, a GQA group's query heads together) or on
+the CUDA-core decode kernel. `plan()` runs once per step on host-side CSR arrays in pinned memory and
+never waits for the device (async scheduling plans step N+1 while step N runs); `forward()` per layer writes
 the step's K/V with two index_copy_ kernels and runs the planned wrapper (`attend()`: the wrapper
 alone, for a model that wrote K/V at `step_kv_rows()` itself). For a CUDA graph,
 `plan_graph(batch_size, metadata)` plans that size's wrapper into its fixed buffers and makes the
