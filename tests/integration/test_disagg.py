@@ -67,10 +67,12 @@ def reference() -> list[list[int]]:
         return asyncio.run(complete_all(c.url, parity_prompts(), 32))
 
 
-@pytest.mark.parametrize("prefill,decode", [(1, 1), (2, 2)])
-def test_disaggregated_matches_aggregated(reference, prefill, decode):
+@pytest.mark.parametrize("prefill,decode,scheduling", [(1, 1, "off"), (2, 2, "on")])
+def test_disaggregated_matches_aggregated(reference, prefill, decode, scheduling):
+    """Also with async scheduling on both sides (the GPU default; the reference runs without)."""
     with own_cluster("--prefill-workers", str(prefill), "--decode-workers", str(decode),
-                     "--remote-prefill-min-tokens", "1", "--max-num-batched-tokens", "64") as c:
+                     "--remote-prefill-min-tokens", "1", "--max-num-batched-tokens", "64",
+                     "--async-scheduling", scheduling) as c:
         got = asyncio.run(complete_all(c.url, parity_prompts(), 32))
         assert got == reference
         assert metric(c.url, "splitserve_prefill_remote_total") >= 8
