@@ -15,7 +15,7 @@ so (layer l, block b) is one contiguous chunk of ``block_bytes`` at ``(l*num_blo
 
 Progress: NIXL's progress thread busy-spins one core per agent (the Python wrapper fixes its delay
 at 0), so agents run without it and our calls drive progress.  Contract: the initiator polls its
-pushes (``poll``/``wait``), and the target calls ``take_notifications`` regularly (every step) --
+pushes (``poll``/``wait``/``wait_async``), and the target calls ``take_notifications`` regularly (every step) --
 without it, connection setup and completion stall and the initiator's ``wait`` ends in ERROR.
 
 Two ways to build a request; ``Strategy.AUTO`` picks PREPPED for every size, because it never lost:
@@ -41,6 +41,7 @@ target must not hand the reserved blocks to another request before it learns the
 
 from __future__ import annotations
 
+import asyncio
 import json
 import struct
 import time
@@ -216,15 +217,27 @@ class KvTransferAgent:
 
     def wait(self, handle: TransferHandle, timeout_s: float) -> TransferState:
         """Poll until DONE or ERROR; past ``timeout_s`` abort the request and return ERROR."""
+        for pause in self._polls(handle, timeout_s):
+            time.sleep(pause)
+        return handle.state
+
+    async def wait_async(self, handle: TransferHandle, timeout_s: float) -> TransferState:
+        """``wait`` for an event loop: sleeps between polls without blocking it."""
+        for pause in self._polls(handle, timeout_s):
+            await asyncio.sleep(pause)
+        return handle.state
+
+    def _polls(self, handle: TransferHandle, timeout_s: float):
+        """Polls the push; yields the pause before the next poll while it is pending, and aborts
+        it past the deadline. Our polls drive NIXL's progress, so the pauses stay short."""
         deadline = time.monotonic() + timeout_s
-        sleep_s = 20e-6
+        pause = 20e-6
         while self.poll(handle) == TransferState.PENDING:
             if time.monotonic() > deadline:
                 self._finish(handle, TransferState.ERROR)
-                break
-            time.sleep(sleep_s)
-            sleep_s = min(sleep_s * 2, 200e-6)  # our polls drive progress: don't sleep long
-        return handle.state
+                return
+            yield pause
+            pause = min(pause * 2, 200e-6)
 
     def take_notifications(self) -> list[tuple[str, bytes]]:
         """Target side: (peer name, notif) for every push that landed since the last call."""

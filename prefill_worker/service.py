@@ -85,14 +85,9 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
             handle = self.agent.push(request.decode_agent_name, local, dest, request.request_id.encode())
         except KvTransferError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"push failed: {e}")
-        deadline = start + timeout_s
-        while self.agent.poll(handle) == TransferState.PENDING:
-            if time.perf_counter() > deadline:
-                self.agent.wait(handle, 0)       # aborts the NIXL request
-                break
-            await asyncio.sleep(0.0002)
+        state = await self.agent.wait_async(handle, timeout_s - (time.perf_counter() - start))
         elapsed = time.perf_counter() - start
-        if handle.state != TransferState.DONE:
+        if state != TransferState.DONE:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "KV push to the decode worker failed")
         self.metrics.kv_transfer_bytes.labels(self.worker_id).inc(handle.num_bytes)
         self.metrics.kv_transfer_s.labels(self.worker_id).observe(elapsed)
