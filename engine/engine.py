@@ -56,8 +56,8 @@ class Engine:
         self.scheduler = Scheduler(self.pool, cfg.block_size, self.max_model_len, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, self.runner.model_config.eos_token_ids)
         overlap = cfg.async_scheduling
-        if overlap is None:
-            overlap = self.runner.device.type == "cuda"
+        if overlap is None:          # on where a device runs steps beside the host (or the mock models one)
+            overlap = self.runner.device.type == "cuda" or cfg.mock
         self.async_scheduling = bool(overlap) and hasattr(self.runner, "launch")
         self._in_flight: tuple[list[ScheduledChunk], object] | None = None   # launched, not yet updated
 

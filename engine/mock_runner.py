@@ -1,7 +1,9 @@
 """The timing-model mock engine: a drop-in for `ModelRunner` that runs no model.
 
-`MockModelRunner.execute(chunks)` sleeps for as long as a timing model says the step would take on
-the modelled device, then returns one pseudo-random token per sampling chunk. Everything around it
+`MockModelRunner.launch(chunks)` queues a step on the modelled device: it starts when the previous
+step ends and lasts as long as a timing model says; `result()` sleeps until then and returns one
+pseudo-random token per sampling chunk (`execute` = launch + result). So with async scheduling —
+on by default for the mock, as on a GPU — the engine's host work overlaps the modelled step. Everything around it
 is real: the scheduler (continuous batching, chunked prefill, preemption), the block pool and its
 prefix cache, and the KV events the router consumes. So a cluster of mock workers behaves, for the
 router and the frontend, like a cluster of GPUs serving an 8B model, on a machine without any.
@@ -190,23 +192,27 @@ class MockModelRunner:
         self._never = frozenset(self.model_config.eos_token_ids)
         self.num_steps = 0
         self.busy_s = 0.0            # modelled device time so far
+        self._device_free_at = 0.0   # when the last queued step ends (clock time)
         log.info("mock model runner (%s): %d KV blocks of %d tokens, max_model_len %d, vocab %d",
                  type(self.timing).__name__, self.num_blocks, cfg.block_size, self.max_model_len,
                  self.model_config.vocab_size)
 
     def execute(self, chunks: list[ScheduledChunk]) -> dict[str, int]:
         """Wait as long as the step would run on the device; return the sampled tokens."""
-        started = self._clock()
+        return self.launch(chunks).result()
+
+    def launch(self, chunks: list[ScheduledChunk], prev=None) -> "MockLaunch":
+        """Queue the step behind the previous one on the modelled device. Tokens depend on
+        (request, position) only, so a pending input token (`prev`'s) needs no reading."""
+        start = max(self._clock(), self._device_free_at)    # the bookkeeping below is inside the step
         step_s = self.timing.step_s([(c.start, c.num_tokens) for c in chunks])
         out = {c.request.request_id: self.token(c.request.request_id, c.start + c.num_tokens,
                                                 c.request.sampling.stop_token_ids)
                for c in chunks if c.samples}
         self.num_steps += 1
         self.busy_s += step_s
-        remaining = started + step_s - self._clock()   # the bookkeeping above is inside the step
-        if remaining > 0:
-            self._sleep(remaining)
-        return out
+        self._device_free_at = start + step_s
+        return MockLaunch(out, self._device_free_at, self._sleep, self._clock)
 
     def token(self, request_id: str, position: int, stop_ids: frozenset[int] = frozenset()) -> int:
         """The token sampled at `position`: a pure function of (request, position), never a stop."""
@@ -217,3 +223,18 @@ class MockModelRunner:
                 break
             t = (t + 1) % vocab
         return t
+
+
+class MockLaunch:
+    """A queued mock step: its tokens become readable when the modelled device finishes it."""
+
+    __slots__ = ("_out", "_ready_at", "_sleep", "_clock")
+
+    def __init__(self, out: dict[str, int], ready_at: float, sleep, clock) -> None:
+        self._out, self._ready_at, self._sleep, self._clock = out, ready_at, sleep, clock
+
+    def result(self) -> dict[str, int]:
+        remaining = self._ready_at - self._clock()
+        if remaining > 0:
+            self._sleep(remaining)
+        return self._out

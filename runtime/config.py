@@ -28,7 +28,7 @@ class EngineConfig:
     attention_backend: str = "auto"         # auto | torch | flashinfer
     cuda_graphs: bool = True                # decode CUDA graphs (GPU only)
     cuda_graph_max_batch: int = 256         # largest captured decode batch (sizes 1,2,4,8,16,...)
-    async_scheduling: bool | None = None    # schedule step N+1 while step N runs; None: on with CUDA
+    async_scheduling: bool | None = None    # schedule step N+1 while step N runs; None: on with CUDA / mock
     decode_tensor_cores: bool | None = None  # FlashInfer decode on tensor cores; None: for GQA groups >= 4
     load_format: str = "auto"               # auto (safetensors) | dummy (random weights from config.json)
     seed: int = 0

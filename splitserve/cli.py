@@ -30,7 +30,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"])
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
-                   help="schedule the next step while the device runs this one (auto: on with CUDA)")
+                   help="schedule the next step while the device runs this one (auto: on with CUDA and --mock)")
     p.add_argument("--decode-tensor-cores", default="auto", choices=["auto", "on", "off"],
                    help="FlashInfer decode attention on tensor cores (auto: for GQA groups of 4 or more)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],

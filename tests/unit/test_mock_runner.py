@@ -133,6 +133,30 @@ def test_engine_generates_exactly_max_tokens_and_sleeps_the_modelled_time(model_
     assert 0.15 < clock.now < 0.5
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_async_scheduling_hides_host_work_behind_the_modelled_step(model_dir, overlap):
+    """4 ms of host work between steps (the loop's output handling, modelled on the fake clock):
+    the synchronous engine adds it to every step, the async one (the mock's default) hides it
+    behind the next 8B decode step (~7 ms at batch 4), and both emit the same tokens."""
+    clock = FakeClock()
+    eng = mock_engine(model_dir, clock, async_scheduling=None if overlap else False)
+    assert eng.async_scheduling == overlap
+    for i in range(4):
+        eng.add_request(Request.new(f"r{i}", list(range(100 + i, 164 + i)), SamplingParams(max_tokens=40)))
+    out: dict[str, list[int]] = {}
+    while eng.has_work:
+        for o in eng.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        clock.sleep(0.004)
+    r = eng.runner
+    assert out == {f"r{i}": [r.token(f"r{i}", 64 + n) for n in range(40)] for i in range(4)}
+    host = 0.004 * r.num_steps
+    if overlap:
+        assert clock.now < r.busy_s + 0.1 * host         # only the first and last steps' host work shows
+    else:
+        assert clock.now == pytest.approx(r.busy_s + host)
+
+
 def test_prefix_hits_and_kv_events_under_the_real_engine(model_dir):
     clock = FakeClock()
     eng = mock_engine(model_dir, clock)
