@@ -14,6 +14,7 @@ from concurrent import futures
 import numpy as np
 import pytest
 
+from splitserve import bench_clients as bc
 from splitserve import bench_serve as bs
 from splitserve.bench_serve_plot import frontier_levels, pareto_frontier, plot_pareto
 
@@ -35,26 +36,26 @@ def _sse_stream() -> tuple[bytes, list[bytes]]:
 def test_sse_parser_every_two_way_split_gives_the_same_events():
     wire, expected = _sse_stream()
     for cut in range(len(wire) + 1):
-        parser = bs.SseParser()
+        parser = bc.SseParser()
         got = parser.feed(wire[:cut]) + parser.feed(wire[cut:]) + parser.close()
         assert got == expected, cut
 
 
 def test_sse_parser_byte_at_a_time_and_random_splits():
     wire, expected = _sse_stream()
-    parser = bs.SseParser()
+    parser = bc.SseParser()
     got = [ev for b in range(len(wire)) for ev in parser.feed(wire[b:b + 1])] + parser.close()
     assert got == expected
     rng = np.random.default_rng(0)
     for _ in range(50):
         cuts = sorted(rng.choice(len(wire), size=6, replace=False).tolist())
-        parser = bs.SseParser()
+        parser = bc.SseParser()
         got = [ev for a, b in zip([0] + cuts, cuts + [len(wire)]) for ev in parser.feed(wire[a:b])]
         assert got + parser.close() == expected
 
 
 def test_sse_parser_multiline_data_other_fields_and_unterminated_last_event():
-    parser = bs.SseParser()
+    parser = bc.SseParser()
     got = parser.feed(b"event: x\nid: 3\ndata: {\"a\":\ndata:1}\n\ndata: [DONE]")
     assert got == [b'{"a":\n1}']
     assert parser.close() == [b"[DONE]"]
@@ -66,9 +67,9 @@ def test_tally_events_counts_token_ids_text_fallback_usage_done_and_errors():
               json.dumps({"choices": [{"text": ""}]}).encode(),  # empty delta: no token
               json.dumps({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 4}}).encode(),
               b"[DONE]"]
-    tally = bs.tally_events(events)
+    tally = bc.tally_events(events)
     assert (tally.tokens, tally.done, tally.usage_completion_tokens, tally.error) == (4, True, 4, None)
-    assert bs.tally_events([b'{"error": {"message": "boom"}}']).error == "server_error"
+    assert bc.tally_events([b'{"error": {"message": "boom"}}']).error == "server_error"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,7 +78,7 @@ def test_tally_events_counts_token_ids_text_fallback_usage_done_and_errors():
 
 def _result(ttft, gaps, tokens, prompt_len=10, expected=None, usage=None, error=None, t0=100.0):
     times = list(np.cumsum([t0 + ttft] + list(gaps)))
-    r = bs.RequestResult(prompt_len, expected if expected is not None else sum(tokens), sent_at=t0,
+    r = bc.RequestResult(prompt_len, expected if expected is not None else sum(tokens), sent_at=t0,
                          ended_at=times[-1], chunk_times=times, chunk_tokens=list(tokens),
                          usage_completion_tokens=usage, error=error)
     return r
@@ -91,8 +92,8 @@ def test_itl_splits_a_multi_token_chunk_gap_evenly_and_skips_first_chunk_extras(
 
 def test_summarize_level_percentiles_throughput_per_user_and_per_gpu():
     ok = [_result(ttft=0.1 * (i + 1), gaps=[0.01] * 9, tokens=[1] * 10) for i in range(10)]
-    failed = [bs.RequestResult(10, 10, error="http_500"), bs.RequestResult(10, 10, error="timeout"),
-              bs.RequestResult(10, 10, error="http_500")]
+    failed = [bc.RequestResult(10, 10, error="http_500"), bc.RequestResult(10, 10, error="timeout"),
+              bc.RequestResult(10, 10, error="http_500")]
     s = bs.summarize_level(ok + failed, duration_s=2.0, gpus=4)
     assert (s["requests"], s["errors"]) == (13, 3)
     assert s["error_kinds"] == {"http_500": 2, "timeout": 1}
@@ -115,16 +116,16 @@ def test_summarize_level_counts_token_mismatches_and_handles_all_failed():
     bad_usage = _result(0.1, [0.01], [1, 1], usage=3)  # server's count disagrees with the stream
     s = bs.summarize_level([short, bad_usage, _result(0.1, [0.01], [1, 1])], 1.0)
     assert s["token_mismatches"] == 2
-    s = bs.summarize_level([bs.RequestResult(1, 1, error="ConnectError")], 1.0)
+    s = bs.summarize_level([bc.RequestResult(1, 1, error="ConnectError")], 1.0)
     assert s["errors"] == 1 and s["ttft_p50_s"] is None and s["output_tok_s_per_user"] is None
     assert s["output_tok_s"] == 0
 
 
 def test_finish_classifies_incomplete_and_empty_streams():
-    assert bs.RequestResult(1, 1, chunk_times=[1.0], chunk_tokens=[1]).finish(False).error == \
+    assert bc.RequestResult(1, 1, chunk_times=[1.0], chunk_tokens=[1]).finish(False).error == \
         "incomplete_stream"
-    assert bs.RequestResult(1, 1).finish(True).error == "no_tokens"
-    assert bs.RequestResult(1, 1, chunk_times=[1.0], chunk_tokens=[1]).finish(True).error is None
+    assert bc.RequestResult(1, 1).finish(True).error == "no_tokens"
+    assert bc.RequestResult(1, 1, chunk_times=[1.0], chunk_tokens=[1]).finish(True).error is None
 
 
 # ---------------------------------------------------------------------------------------------
