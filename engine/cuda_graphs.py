@@ -69,22 +69,22 @@ class DecodeGraphs:
         self.capture_s = time.perf_counter() - t0
         log.info("captured %d decode graphs (batch %s) in %.1f s", len(self.sizes), self.sizes, self.capture_s)
 
-    def run(self, step, pending: tuple | None = None) -> torch.Tensor:
+    def run(self, step, pending=None) -> torch.Tensor:
         """Replay the graph for `step` (a decode-only HostStep); returns logits (S, V) float32,
-        a view of the graph's output that the next replay overwrites. `pending`: (rows, ids, index)
-        — input rows whose token is ids[index], a device tensor of the previous step's samples."""
+        a view of the graph's output that the next replay overwrites. `pending`: the step's
+        model_runner.PendingInputs, input ids still on the device."""
         s = len(step.query_lens)
         b = self.padded_size(s)
         self.copied.synchronize()
         self._prepare(step, b)
-        p = len(pending[0]) if pending else 0
+        p = len(pending.rows) if pending else 0
         if p:                                      # rows 4, 5 of the staging buffer: where and what
-            self.host_np[4, :p], self.host_np[5, :p] = pending[0], pending[2]
+            self.host_np[4, :p], self.host_np[5, :p] = pending.rows, pending.index
         rows = 6 if p else 4
         self.static[:rows].copy_(self.host[:rows], non_blocking=True)   # one H2D copy
         self.copied.record()
         if p:
-            self.static[0].index_copy_(0, self.static[4, :p], pending[1].index_select(0, self.static[5, :p]))
+            pending.gather_into(self.static[0], self.static[4, :p], self.static[5, :p])
         self.graphs[b].replay()
         return self.logits[b][:s]
 

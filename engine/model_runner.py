@@ -21,6 +21,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -142,6 +143,17 @@ def build_host_step(chunks: list[ScheduledChunk], block_size: int) -> HostStep:
         pending_rows=pending_rows, pending_seqs=seq[pending_rows])
 
 
+class PendingInputs(NamedTuple):
+    """Input rows whose token id is only on the device yet: ids[rows] = tokens[index]."""
+    rows: np.ndarray          # (P,) rows of the step's input ids (int64)
+    index: np.ndarray         # (P,) where each id is in `tokens` (int64)
+    tokens: torch.Tensor      # the previous step's sampled ids, on the device
+
+    def gather_into(self, ids: torch.Tensor, rows: torch.Tensor, index: torch.Tensor) -> None:
+        """Write the ids into `ids` on the device; `rows`, `index`: this tuple's arrays, uploaded."""
+        ids.index_copy_(0, rows, self.tokens.index_select(0, index))
+
+
 class ModelRunner:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
@@ -227,25 +239,24 @@ class ModelRunner:
         return LaunchedStep({r.request_id: i for i, r in enumerate(sample_reqs)}, tokens)
 
     @staticmethod
-    def _pending_sources(step: HostStep, chunks, prev: "LaunchedStep | None") -> tuple | None:
-        """(rows, prev's sampled ids, their indices there) for the step's pending input tokens."""
+    def _pending_sources(step: HostStep, chunks, prev: "LaunchedStep | None") -> PendingInputs | None:
+        """Where the step's pending input tokens are among `prev`'s sampled ids."""
         if not len(step.pending_rows):
             return None
         if prev is None or prev.tokens is None:
             raise RuntimeError("a pending token without the step that samples it")
         src = np.array([prev.rows[chunks[i].request.request_id] for i in step.pending_seqs.tolist()], np.int64)
-        return step.pending_rows, prev.tokens, src
+        return PendingInputs(step.pending_rows, src, prev.tokens)
 
-    def _run_eager(self, step: HostStep, t0: float, pending: tuple | None) -> torch.Tensor | None:
+    def _run_eager(self, step: HostStep, t0: float, pending: PendingInputs | None) -> torch.Tensor | None:
         t, r = len(step.input_ids), len(step.sample_rows)
-        p = len(pending[0]) if pending else 0
-        extra = (pending[0], pending[2]) if pending else ()
-        dev = self._to_device(step, extra)
+        p = len(pending.rows) if pending else 0
+        dev = self._to_device(step, (pending.rows, pending.index) if pending else ())
         ids, positions, slots = dev[0:t], dev[t:2 * t], dev[2 * t:3 * t]
         kv_rows, sample_rows = dev[3 * t:5 * t].view(2, t), dev[5 * t:5 * t + r]
         qo = 5 * t + r + len(step.qo_indptr)
         if pending:
-            ids.index_copy_(0, dev[qo:qo + p], pending[1].index_select(0, dev[qo + p:qo + 2 * p]))
+            pending.gather_into(ids, dev[qo:qo + p], dev[qo + p:qo + 2 * p])
         md = AttentionMetadata(
             query_lens=step.query_lens, context_lens=step.context_lens, block_tables=step.block_tables,
             slot_mapping=slots, query_start_loc=dev[5 * t + r:qo], block_size=self.cfg.block_size,

@@ -303,8 +303,7 @@ def main() -> None:
         runner = ModelRunner(cfg)
         sizes = model_sizes(runner)
         common = {"model": arch, "weights": "dummy-bf16", "attention": runner.backend.name,
-                  "decode_tensor_cores": runner.backend.decode_kwargs.get("use_tensor_cores", False)
-                  if runner.backend.name == "flashinfer" else None,
+                  "decode_tensor_cores": getattr(runner.backend, "decode_tensor_cores", None),
                   "fused_rope_kv": runner.model.layers[0].self_attn.rope_kv is not None,
                   "block_size": cfg.block_size, "num_blocks": cfg.num_blocks}
         emit(**common, metric="model", load_and_capture_s=round(time.perf_counter() - t0, 2),

@@ -41,6 +41,7 @@ class FlashInferAttention(AttentionBackend):
         # Decode kernel: CUDA cores (backend="fa2", which also skips plan()'s per-call backend
         # probing) or, with decode_tensor_cores, FlashInfer's prefill kernel on tensor cores, which
         # computes a GQA group's query heads together.
+        self.decode_tensor_cores = decode_tensor_cores
         self.decode_kwargs = dict(use_tensor_cores=True) if decode_tensor_cores else dict(backend="fa2")
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", **self.decode_kwargs)
         self._graph_wrappers: dict[int, _GraphDecode] = {}
