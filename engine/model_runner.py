@@ -52,8 +52,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's storage dtype. fp8 is e4m3 with unit scales (values saturate at ±448), as an
+    uncalibrated vLLM --kv-cache-dtype fp8: real models' keys and values sit well inside that range."""
+    if name == "auto":
+        return dtype
+    if name == "fp8":
+        return torch.float8_e4m3fn
+    raise ValueError(f"kv_cache_dtype must be auto or fp8, got {name!r}")
+
+
 def make_backend(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device,
-                 dtype: torch.dtype = torch.bfloat16) -> AttentionBackend:
+                 dtype: torch.dtype = torch.bfloat16, kv_dtype: torch.dtype | None = None) -> AttentionBackend:
     choice = cfg.attention_backend
     if choice == "auto":
         choice = "flashinfer" if device.type == "cuda" and _flashinfer_available() else "torch"
@@ -65,7 +75,7 @@ def make_backend(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device,
         if tc is None:
             tc = mcfg.num_heads // mcfg.num_kv_heads >= 4
         return FlashInferAttention(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, device, dtype,
-                                   decode_tensor_cores=tc)
+                                   decode_tensor_cores=tc, kv_dtype=kv_dtype)
     return TorchAttention(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim)
 
 
@@ -160,6 +170,7 @@ class ModelRunner:
         self.model_config = ModelConfig.from_dir(cfg.model)
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype)
         torch.manual_seed(cfg.seed)
         self.model = load_model(cfg.model, self.model_config, self.dtype, self.device,
                                 cfg.load_format, cfg.seed)
@@ -172,8 +183,8 @@ class ModelRunner:
         self.scratch_block = self.num_blocks
         mc = self.model_config
         self.kv_cache = torch.zeros(mc.num_layers, self.num_blocks + 1, 2, cfg.block_size, mc.num_kv_heads,
-                                    mc.head_dim, dtype=self.dtype, device=self.device)
-        self.backend = make_backend(cfg, mc, self.device, self.dtype)
+                                    mc.head_dim, dtype=self.kv_dtype, device=self.device)
+        self.backend = make_backend(cfg, mc, self.device, self.dtype, self.kv_dtype)
         self._fi = None
         if self.backend.name == "flashinfer":
             import flashinfer
@@ -193,8 +204,8 @@ class ModelRunner:
             self.use_cuda_graphs = True
         self.last_logits: torch.Tensor | None = None   # the last step's sampled rows (graph output: copy it)
         self.last_prepare_s = 0.0                      # host time of the last step before the launch
-        log.info("model %s on %s (%s), %d KV blocks of %d tokens, attention=%s, cuda graphs=%s",
-                 mc.model_type, self.device, self.dtype, self.num_blocks, cfg.block_size,
+        log.info("model %s on %s (%s, KV %s), %d KV blocks of %d tokens, attention=%s, cuda graphs=%s",
+                 mc.model_type, self.device, self.dtype, self.kv_dtype, self.num_blocks, cfg.block_size,
                  self.backend.name, self.graphs.sizes if self.graphs else None)
 
     @property
@@ -205,7 +216,7 @@ class ModelRunner:
     def _blocks_that_fit(self) -> int:
         mc = self.model_config
         per_block = 2 * self.cfg.block_size * mc.num_kv_heads * mc.head_dim * mc.num_layers * \
-            torch.tensor([], dtype=self.dtype).element_size()
+            torch.tensor([], dtype=self.kv_dtype).element_size()
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * self.cfg.kv_memory_fraction) - (1 << 30)  # keep 1 GiB for activations

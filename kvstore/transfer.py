@@ -90,6 +90,7 @@ class KvLayout:
     base_addr: int
     mem_type: str  # "DRAM" | "VRAM"
     dev_id: int
+    dtype: str     # e.g. "torch.bfloat16": equal block sizes of different dtypes must not mix
 
     @staticmethod
     def of(kv_cache: torch.Tensor) -> KvLayout:
@@ -98,7 +99,7 @@ class KvLayout:
         block_bytes = kv_cache[0, 0].numel() * kv_cache.element_size()
         on_gpu = kv_cache.device.type == "cuda"
         return KvLayout(num_layers, num_blocks, block_bytes, kv_cache.data_ptr(),
-                        "VRAM" if on_gpu else "DRAM", kv_cache.device.index if on_gpu else 0)
+                        "VRAM" if on_gpu else "DRAM", kv_cache.device.index if on_gpu else 0, str(kv_cache.dtype))
 
     def addrs(self, blocks: np.ndarray) -> np.ndarray:
         """Byte address of every (layer, block), shape (num_layers, len(blocks))."""
@@ -171,7 +172,8 @@ class KvTransferAgent:
         Once per worker pair; adding a known name again replaces it (a restarted peer)."""
         (n,) = _HEADER.unpack_from(peer_metadata)
         layout = KvLayout(**json.loads(peer_metadata[_HEADER.size:_HEADER.size + n]))
-        if (layout.num_layers, layout.block_bytes) != (self.layout.num_layers, self.layout.block_bytes):
+        if (layout.num_layers, layout.block_bytes, layout.dtype) != \
+                (self.layout.num_layers, self.layout.block_bytes, self.layout.dtype):
             raise KvTransferError(f"incompatible KV layouts: ours {self.layout}, peer {layout}")
         name = self._agent.add_remote_agent(peer_metadata[_HEADER.size + n:])
         name = name.decode() if isinstance(name, bytes) else name  # notifs are keyed by str

@@ -17,6 +17,7 @@ class EngineConfig:
     model: str                              # HF model directory
     device: str = "auto"                    # auto | cpu | cuda
     dtype: str = "auto"                     # auto (bf16 on cuda, fp32 on cpu) | float32 | bfloat16 | float16
+    kv_cache_dtype: str = "auto"            # auto (= dtype) | fp8 (e4m3, scale 1: half the KV bytes of bf16)
     block_size: int = 16                    # tokens per KV block
     num_blocks: int | None = None           # None: size from kv_memory_fraction / kv_cpu_bytes
     kv_memory_fraction: float = 0.85        # share of free GPU memory for weights' leftovers → KV

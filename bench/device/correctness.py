@@ -172,8 +172,10 @@ def check_sampling(emit) -> None:
          outside_top_k=int(freq[4].item() * n), passed=bool(ok_greedy and max_dev < 0.02 and freq[4] == 0))
 
 
-def compare(emit, name: str, model_dir: Path, load_format: str, dtype: str, num_prompts: int, tokens: int) -> None:
-    """Both passes for one model and dtype; emits a record for each."""
+def compare(emit, name: str, model_dir: Path, load_format: str, dtype: str, num_prompts: int, tokens: int,
+            fp8_kv: bool = False) -> None:
+    """Both passes for one model and dtype; emits a record for each. fp8_kv adds fast_fp8, the fast
+    path with an fp8 KV cache: what that cache costs in accuracy, against the same references."""
     base = EngineConfig(model=str(model_dir), load_format=load_format, dtype=dtype, num_blocks=2048,
                         max_model_len=4096, enable_prefix_caching=False, seed=7, cuda_graph_max_batch=64)
     fast = ModelRunner(dataclasses.replace(base, attention_backend="flashinfer", cuda_graphs=True))
@@ -193,6 +195,9 @@ def compare(emit, name: str, model_dir: Path, load_format: str, dtype: str, num_
                   identical_weights=same_w, training=training, fast="flashinfer+fused kernels+cuda graphs",
                   ref="torch backend, same dtype", fp32="torch backend, float32 copy of the same weights")
     runners = {"fast": fast, "ref": ref, "fp32": fp32}
+    if fp8_kv:
+        runners = {"fast": fast, "fast_fp8": ModelRunner(dataclasses.replace(
+            base, attention_backend="flashinfer", cuda_graphs=True, kv_cache_dtype="fp8")), "ref": ref, "fp32": fp32}
     forced = lockstep(runners, prompts, tokens, oracle="fp32")
     free = lockstep(runners, prompts, tokens, oracle=None)
     f, r, fr = forced["fast_vs_fp32"], forced["ref_vs_fp32"], forced["fast_vs_ref"]
@@ -211,12 +216,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--models", default=f"{TRAINED},small-hd128,llama-3.2-1b")
     ap.add_argument("--dtypes", default="bfloat16,float16")
+    ap.add_argument("--fp8-kv", action="store_true", help="also the fast path with an fp8 KV cache")
     args = ap.parse_args()
     emit = Emitter("correctness", args.out)
     for name in args.models.split(","):
         model_dir, load_format = _model_dir(name)
         for dtype in args.dtypes.split(","):
-            compare(emit, name, model_dir, load_format, dtype, args.prompts, args.tokens)
+            compare(emit, name, model_dir, load_format, dtype, args.prompts, args.tokens, args.fp8_kv)
             gc.collect()
             torch.cuda.empty_cache()
     if "small-hd128" in args.models:

@@ -10,6 +10,9 @@ spends before its launch, decode throughput at batch 8..128 with ~1k-token conte
 K/V-write micro-benchmark (with RoPE + K/V write: FlashInfer + index_copy_ against the fused Triton
 kernel, eager and inside a CUDA graph), and HF transformers `generate` on the same architecture as
 the baseline. SPLITSERVE_FUSED_ROPE_KV=0 runs the model without the fused kernel (field fused_rope_kv).
+`--kv-cache-dtypes auto,fp8` repeats every section with each KV cache dtype. Section `offline` (not in
+the default --only): the 1k/1k serving workload inside the engine, no HTTP — a closed loop of 128
+requests (InferenceMAX lengths: input and output uniform in [0.8 × 1024, 1024]), output tok/s.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def model_sizes(runner: ModelRunner) -> dict:
     embed = m.embed_tokens.weight.numel()
     layer = sum(p.numel() for p in m.layers.parameters())
     decode_bytes = 2 * (total - (0 if mc.tie_word_embeddings else embed))   # lookup reads one row
-    kv_token_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2
+    kv_token_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * runner.kv_cache.element_size()
     return {"params": total, "layer_params": layer, "decode_weight_bytes": decode_bytes,
             "kv_bytes_per_token": kv_token_bytes}
 
@@ -115,6 +118,30 @@ def bench_decode_batches(emit, runner, common, batches=(8, 16, 32, 64, 128), ctx
             eng.abort_request(r.request_id)
 
 
+def bench_offline(emit, runner, common, concurrency=128, num_requests=384, isl=1024, osl=1024,
+                  ratio=0.8) -> None:
+    """Closed loop in the engine: `concurrency` requests in flight, each finished one replaced."""
+    g = torch.Generator().manual_seed(4)
+    vocab = runner.model_config.vocab_size
+    lens = [(int(torch.randint(int(ratio * isl), isl + 1, (1,), generator=g)),
+             int(torch.randint(int(ratio * osl), osl + 1, (1,), generator=g))) for _ in range(num_requests)]
+    eng = Engine(runner.cfg, runner)
+    queue, live, tokens, steps = list(lens), 0, 0, 0
+    t0 = time.perf_counter()
+    while queue or eng.has_work:
+        while queue and live < concurrency:
+            eng.add_request(_req(*queue.pop(), g, vocab))
+            live += 1
+        for o in eng.step():
+            tokens += len(o.new_token_ids)
+            live -= o.finish_reason is not None
+        steps += 1
+    wall = time.perf_counter() - t0
+    emit(**common, metric="offline_throughput", concurrency=concurrency, requests=num_requests, isl=isl, osl=osl,
+         random_range_ratio=ratio, output_tokens=tokens, steps=steps, wall_s=round(wall, 2),
+         tok_s=round(tokens / wall, 1))
+
+
 def bench_prefill(emit, runner, sizes, ceil, common, prompt_len=4096, n=4) -> None:
     g = torch.Generator().manual_seed(3)
     vocab = runner.model_config.vocab_size
@@ -162,7 +189,7 @@ def bench_kv_write(emit, runner, common) -> None:
         pos = torch.arange(t, device="cuda")
         slots = pages.long()[pos // bs] * bs + pos % bs
         rows = torch.stack([slots + (slots // bs) * bs, slots + (slots // bs) * bs + bs])
-        k = torch.randn(t, hkv, d, dtype=layer.dtype, device="cuda")
+        k = torch.randn(t, hkv, d, dtype=runner.dtype, device="cuda")
         v = torch.randn_like(k)
         indptr = torch.tensor([0, len(pages)], dtype=torch.int32, device="cuda")
         last = torch.tensor([t - (len(pages) - 1) * bs], dtype=torch.int32, device="cuda")
@@ -174,7 +201,7 @@ def bench_kv_write(emit, runner, common) -> None:
                 k, v, zeros, pos.int(), layer, pages, indptr, last, "NHD"), 50) * 1e3}
         # RoPE + K/V write, as Attention.forward does it: FlashInfer's RoPE then write_kv_rows (3
         # kernels), against the fused Triton kernel (1); eager, and per call in a graph of 32 calls
-        qkv = torch.randn(t, (h + 2 * hkv) * d, dtype=layer.dtype, device="cuda")
+        qkv = torch.randn(t, (h + 2 * hkv) * d, dtype=runner.dtype, device="cuda")
         q, kk, vv = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
         rope_pos = torch.randint(0, cs.shape[0], (t,), device="cuda")
 
@@ -288,16 +315,17 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int, default=16000)   # 32 GB for the 8B: batch 128 at 1.5k context
     ap.add_argument("--decode-tensor-cores", default="auto", choices=["auto", "on", "off"],
                     help="FlashInfer decode on tensor cores (auto: the engine's default, on for GQA >= 4)")
+    ap.add_argument("--kv-cache-dtypes", default="auto", help="comma list of auto|fp8: each runs every section")
     args = ap.parse_args()
     emit = Emitter("engine_bench", args.out)
     ceil = measure_ceilings()
     emit(metric="ceilings", **ceil)
     only = set(args.only.split(","))
-    for arch in args.models.split(","):
+    for arch, kv_dtype in [(a, k) for a in args.models.split(",") for k in args.kv_cache_dtypes.split(",")]:
         model_dir = write_arch_dir(arch, f"/tmp/splitserve-models/{arch}")
         cfg = EngineConfig(model=str(model_dir), load_format="dummy", num_blocks=args.num_blocks,
                            max_model_len=8192, max_num_seqs=256, max_num_batched_tokens=8192,
-                           enable_prefix_caching=False,
+                           enable_prefix_caching=False, kv_cache_dtype=kv_dtype,
                            decode_tensor_cores={"auto": None, "on": True, "off": False}[args.decode_tensor_cores])
         t0 = time.perf_counter()
         runner = ModelRunner(cfg)
@@ -305,6 +333,7 @@ def main() -> None:
         common = {"model": arch, "weights": "dummy-bf16", "attention": runner.backend.name,
                   "decode_tensor_cores": getattr(runner.backend, "decode_tensor_cores", None),
                   "fused_rope_kv": runner.model.layers[0].self_attn.rope_kv is not None,
+                  "kv_cache_dtype": str(runner.kv_cache.dtype).removeprefix("torch."),
                   "block_size": cfg.block_size, "num_blocks": cfg.num_blocks}
         emit(**common, metric="model", load_and_capture_s=round(time.perf_counter() - t0, 2),
              graph_capture_s=round(runner.graphs.capture_s, 2) if runner.graphs else None,
@@ -313,7 +342,8 @@ def main() -> None:
                  ("batches", lambda: bench_decode_batches(emit, runner, common)),
                  ("prefill", lambda: bench_prefill(emit, runner, sizes, ceil, common)),
                  ("kv", lambda: bench_kv_write(emit, runner, common)),
-                 ("profile", lambda: bench_profile(emit, runner, common))]
+                 ("profile", lambda: bench_profile(emit, runner, common)),
+                 ("offline", lambda: bench_offline(emit, runner, common))]
         for name, fn in steps:
             if name in only:
                 try:
@@ -323,7 +353,7 @@ def main() -> None:
         del runner
         gc.collect()
         torch.cuda.empty_cache()
-        if "hf" in only and not args.skip_hf:
+        if "hf" in only and not args.skip_hf and kv_dtype == args.kv_cache_dtypes.split(",")[0]:
             try:
                 bench_hf(emit, str(model_dir), {"model": arch, "weights": "dummy-bf16", "impl": "hf-transformers"})
             except Exception as e:

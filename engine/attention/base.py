@@ -4,7 +4,8 @@ A step's tokens from all sequences are flattened into one (T, H, D) batch. `Atte
 describes how they split into sequences and where their KV lives; a backend `plan`s once per step
 (outside any CUDA graph) and `forward`s once per layer. The KV cache of one layer is a tensor of
 shape (num_blocks, 2, block_size, num_kv_heads, head_dim) — [:, 0] keys, [:, 1] values — which is
-FlashInfer's "NHD" paged layout.
+FlashInfer's "NHD" paged layout; its dtype is the model's or float8_e4m3fn (EngineConfig.kv_cache_dtype),
+and attention upcasts what it reads.
 
 Contract of `forward(layer, q, k, v, kv_layer)`: first write k and v (T, Hkv, D) into `kv_layer`
 at `metadata.slot_mapping`, then return causal attention of q (T, H, D) over each sequence's whole
@@ -69,18 +70,25 @@ class AttentionBackend(ABC):
         raise NotImplementedError(f"{self.name} writes K/V itself: call forward()")
 
 
+def scatterable(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a tensor that scatter ops accept: float8 as its bytes (torch has no index_copy_ or
+    index_put_ for float8 on the CPU). Casting to the fp8 cache dtype first saturates at ±448."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+
+
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
              block_size: int) -> None:
     """Scatter this step's keys and values into their cache slots."""
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping - blocks * block_size
-    kv_layer[blocks, 0, offsets] = k.to(kv_layer.dtype)
-    kv_layer[blocks, 1, offsets] = v.to(kv_layer.dtype)
+    cache = scatterable(kv_layer)
+    cache[blocks, 0, offsets] = scatterable(k.to(kv_layer.dtype))
+    cache[blocks, 1, offsets] = scatterable(v.to(kv_layer.dtype))
 
 
 def write_kv_rows(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_rows: torch.Tensor) -> None:
     """The same scatter as `write_kv` in two index_copy_ kernels, with rows computed once per step
     (write_kv launches ~8 kernels per layer: div, sub and two advanced-index puts)."""
-    flat = kv_layer.view(-1, kv_layer.shape[-2], kv_layer.shape[-1])   # (N * 2 * bs, Hkv, D)
-    flat.index_copy_(0, kv_rows[0], k.to(kv_layer.dtype))
-    flat.index_copy_(0, kv_rows[1], v.to(kv_layer.dtype))
+    flat = scatterable(kv_layer.view(-1, kv_layer.shape[-2], kv_layer.shape[-1]))   # (N * 2 * bs, Hkv, D)
+    flat.index_copy_(0, kv_rows[0], scatterable(k.to(kv_layer.dtype)))
+    flat.index_copy_(0, kv_rows[1], scatterable(v.to(kv_layer.dtype)))

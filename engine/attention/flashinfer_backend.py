@@ -33,9 +33,11 @@ class FlashInferAttention(AttentionBackend):
     name = "flashinfer"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
-                 dtype: torch.dtype = torch.bfloat16, decode_tensor_cores: bool = False) -> None:
+                 dtype: torch.dtype = torch.bfloat16, decode_tensor_cores: bool = False,
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.device, self.dtype = device, dtype
+        # an fp8 KV cache with bf16/fp16 queries runs FlashInfer's fa2 kernels (its fa3 ones want fp8 q)
+        self.device, self.dtype, self.kv_dtype = device, dtype, kv_dtype or dtype
         self.workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         # Decode kernel: CUDA cores (backend="fa2", which also skips plan()'s per-call backend
@@ -62,7 +64,7 @@ class FlashInferAttention(AttentionBackend):
             self.prefill.plan(md.qo_indptr_host, md.kv_indptr_host, md.kv_indices_host,
                               md.kv_last_page_len_host, self.num_heads, self.num_kv_heads,
                               self.head_dim, md.block_size, causal=True,
-                              q_data_type=self.dtype, kv_data_type=self.dtype)
+                              q_data_type=self.dtype, kv_data_type=self.kv_dtype)
             self._active = self.prefill
 
     def plan_graph(self, batch_size: int, md: AttentionMetadata, kv_rows_static: torch.Tensor,
@@ -100,7 +102,7 @@ class FlashInferAttention(AttentionBackend):
         w.plan(md.kv_indptr_host, md.kv_indices_host if indices is None else indices, md.kv_last_page_len_host,
                self.num_heads,
                self.num_kv_heads, self.head_dim, md.block_size, pos_encoding_mode="NONE",
-               q_data_type=self.dtype, kv_data_type=self.dtype)
+               q_data_type=self.dtype, kv_data_type=self.kv_dtype)
 
     # ---- per layer (capturable) -----------------------------------------------------------
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -5,7 +5,7 @@ It replaces FlashInfer's `apply_rope_with_cos_sin_cache_inplace` plus the two `i
 of `write_kv_rows` — three launches per layer, ~2-4 µs each at batch 1 even inside a CUDA graph —
 and computes the same function: cos/sin from the float32 table `cos_sin_cache` (P, D) laid out as
 [cos (D/2) | sin (D/2)] per position (CausalLM.setup_rope), arithmetic in float32, results stored in
-the tensors' dtype. It knows nothing about blocks or sequences: the caller gives the cache row of
+the tensors' dtype (an fp8 cache: saturated at ±448 like torch's cast). It knows nothing about blocks or sequences: the caller gives the cache row of
 every new key and value (AttentionMetadata.kv_rows).
 
 Triton is imported here only, and guarded: on a machine without it `available()` is False and the
@@ -51,7 +51,7 @@ def rope_and_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache:
     assert kv_rows.shape == (2, T) and kv_rows.dtype == torch.int64
     assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.shape[1] == D and cos_sin_cache.stride(1) == 1
     assert kv_layer.shape[-2:] == (num_kv_heads, D) and kv_layer.is_contiguous()
-    assert kv_layer.dtype == qkv.dtype and qkv.is_cuda and kv_layer.device == qkv.device
+    assert kv_layer.dtype in (qkv.dtype, torch.float8_e4m3fn) and qkv.is_cuda and kv_layer.device == qkv.device
     if T == 0:
         return
     flat = kv_layer.view(-1, num_kv_heads, D)                  # (N * 2 * bs, Hkv, D)
@@ -62,12 +62,19 @@ def rope_and_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache:
         qkv.stride(0), positions.stride(0), cos_sin_cache.stride(0), flat.stride(0),
         kv_rows.stride(0), kv_rows.stride(1),
         H=num_heads, HKV=num_kv_heads, D=D, HALF=D // 2, BLOCK_H=block_h, BLOCK_HKV=block_hkv,
+        FP8=kv_layer.dtype == torch.float8_e4m3fn,
         num_warps=4 if block_h * D <= 4096 else 8,
     )
 
 
 if triton is not None:
     try:
+
+        @triton.jit
+        def _to_cache(x, cache_ptr, FP8: tl.constexpr):
+            if FP8:   # e4m3's largest finite value: saturate as torch's cast does, never NaN
+                x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+            return x.to(cache_ptr.dtype.element_ty)
 
         # One program per token. At decode (T = 1..B) a token's q, k and v are a few KB: one program
         # issues all its loads at once, so the kernel's time is launch + one dependent chain (position →
@@ -81,7 +88,7 @@ if triton is not None:
         def _rope_kv_kernel(qkv_ptr, pos_ptr, cs_ptr, cache_ptr, rows_ptr,
                             qkv_stride, pos_stride, cs_stride, cache_stride, rows_stride0, rows_stride1,
                             H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                            BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr):
+                            BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, FP8: tl.constexpr):
             t = tl.program_id(0).to(tl.int64)
             j = tl.arange(0, HALF)[None, :]                        # (1, D/2) column in a half
             pos = tl.load(pos_ptr + t * pos_stride)
@@ -110,14 +117,14 @@ if triton is not None:
             tl.store(k1_ptrs + HALF, o2, mask=mk)
             key_row = tl.load(rows_ptr + t * rows_stride1)
             kc_ptrs = cache_ptr + key_row * cache_stride + hk * D + j
-            tl.store(kc_ptrs, o1.to(cache_ptr.dtype.element_ty), mask=mk)
-            tl.store(kc_ptrs + HALF, o2.to(cache_ptr.dtype.element_ty), mask=mk)
+            tl.store(kc_ptrs, _to_cache(o1, cache_ptr, FP8), mask=mk)
+            tl.store(kc_ptrs + HALF, _to_cache(o2, cache_ptr, FP8), mask=mk)
 
             # v: (Hkv, D) after k, copied into the cache at its value row
             d = tl.arange(0, D)[None, :]                           # (1, D)
             mv = (hk < HKV) & (d < D)                              # (BLOCK_HKV, D)
             v = tl.load(row + (H + HKV) * D + hk * D + d, mask=mv, other=0.0)
             value_row = tl.load(rows_ptr + rows_stride0 + t * rows_stride1)
-            tl.store(cache_ptr + value_row * cache_stride + hk * D + d, v.to(cache_ptr.dtype.element_ty), mask=mv)
+            tl.store(cache_ptr + value_row * cache_stride + hk * D + d, _to_cache(v, cache_ptr, FP8), mask=mv)
     except TypeError:      # a Triton without these jit options: keep the unfused kernels
         triton = None

@@ -50,7 +50,11 @@ def _metadata(query_lens, context_lens, bs, num_blocks, device):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("shape", ["mixed", "decode"])
-def test_layer_matches_torch_backend(head_dim, shape):
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_layer_matches_torch_backend(head_dim, shape, kv_dtype, tensor_cores):
+    """bf16 or fp8 cache, CUDA-core or tensor-core decode: the same bytes written, and the same
+    attention over them within bf16 rounding (the torch backend reads the fp8 values in float32)."""
     from engine.attention.flashinfer_backend import FlashInferAttention
     dev, bs, h, hkv, nb = torch.device("cuda"), 16, 32, 8, 256
     if shape == "mixed":
@@ -59,31 +63,34 @@ def test_layer_matches_torch_backend(head_dim, shape):
         qlens, ctxs = [1] * 7, [1, 15, 16, 17, 100, 513, 1000]
     md = _metadata(qlens, ctxs, bs, nb, dev)
     t = sum(qlens)
-    cache = torch.randn(nb, 2, bs, hkv, head_dim, dtype=torch.bfloat16, device=dev)
+    cache = torch.randn(nb, 2, bs, hkv, head_dim, dtype=torch.bfloat16, device=dev).to(kv_dtype)
     q = torch.randn(t, h, head_dim, dtype=torch.bfloat16, device=dev)
     k, v = torch.randn(2, t, hkv, head_dim, dtype=torch.bfloat16, device=dev)
     ref_cache, fi_cache = cache.clone(), cache.clone()
-    ref, fi = TorchAttention(h, hkv, head_dim), FlashInferAttention(h, hkv, head_dim, dev)
+    ref = TorchAttention(h, hkv, head_dim)
+    fi = FlashInferAttention(h, hkv, head_dim, dev, decode_tensor_cores=tensor_cores, kv_dtype=kv_dtype)
     ref.plan(md)
     fi.plan(md)
     out_ref = ref.forward(0, q, k, v, ref_cache).float()
     out_fi = fi.forward(0, q, k, v, fi_cache).float()
-    assert torch.equal(ref_cache, fi_cache)
+    assert torch.equal(ref_cache.view(torch.uint8), fi_cache.view(torch.uint8))
+    assert not torch.equal(ref_cache.view(torch.uint8), cache.view(torch.uint8))   # it wrote something
     assert not out_fi.isnan().any()
     assert ((out_fi - out_ref).norm() / out_ref.norm()).item() < 1e-2
 
 
-def test_engine_greedy_agrees_with_torch_backend(tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_engine_greedy_agrees_with_torch_backend(tmp_path, kv_cache_dtype):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "device"))
     from correctness import _prompts, lockstep
     d = write_arch_dir("llama-3.1-8b", tmp_path / "m", hidden_size=512, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=1, head_dim=128, intermediate_size=1024,
                        vocab_size=2048)
     base = EngineConfig(model=str(d), load_format="dummy", num_blocks=512, max_model_len=2048,
-                        enable_prefix_caching=False, seed=5, cuda_graph_max_batch=16)
+                        enable_prefix_caching=False, seed=5, cuda_graph_max_batch=16, kv_cache_dtype=kv_cache_dtype)
     ref = ModelRunner(dataclasses.replace(base, attention_backend="torch", cuda_graphs=False))
     fast = ModelRunner(dataclasses.replace(base, attention_backend="flashinfer"))
-    assert fast.graphs is not None
+    assert fast.graphs is not None and fast.kv_cache.dtype == ref.kv_cache.dtype
     r = lockstep({"fast": fast, "ref": ref}, _prompts(12, 2048, 3), 16, oracle="ref")["fast_vs_ref"]
     assert r["token_agreement"] >= 0.97, r
     assert r["logits_rel_err_max"] <= 2e-2, r

@@ -33,11 +33,15 @@ def _cos_sin_cache(head_dim: int) -> torch.Tensor:
     return torch.cat((rope.cos, rope.sin), dim=-1).contiguous()
 
 
-def _inputs(t, h, hkv, d, dtype, gen):
-    """Random qkv (T, (H+2Hkv)D), positions < 4000, a random cache and distinct random K/V rows."""
-    qkv = torch.randn(t, (h + 2 * hkv) * d, generator=gen, device=DEV).to(dtype)
+def _inputs(t, h, hkv, d, dtype, gen, cache_dtype=None):
+    """Random qkv (T, (H+2Hkv)D), positions < 4000, a random cache and distinct random K/V rows.
+    For an fp8 cache the magnitudes span 1e-3..1e3, so that it sees subnormals and saturation at ±448."""
+    qkv = torch.randn(t, (h + 2 * hkv) * d, generator=gen, device=DEV)
+    if cache_dtype == torch.float8_e4m3fn:
+        qkv *= 10 ** (torch.rand(qkv.shape, generator=gen, device=DEV) * 6 - 3)
+    qkv = qkv.to(dtype)
     positions = torch.randint(0, 4000, (t,), generator=gen, device=DEV)
-    cache = torch.randn(NUM_BLOCKS, 2, BLOCK_SIZE, hkv, d, generator=gen, device=DEV).to(dtype)
+    cache = torch.randn(NUM_BLOCKS, 2, BLOCK_SIZE, hkv, d, generator=gen, device=DEV).to(cache_dtype or dtype)
     rows = torch.randperm(NUM_BLOCKS * 2 * BLOCK_SIZE, generator=gen, device=DEV)[: 2 * t].view(2, t)
     return qkv, positions, cache, rows
 
@@ -56,23 +60,31 @@ def _assert_matches(qkv, cache, ref_qkv, ref_cache, before, rows, h, hkv, d):
     torch.testing.assert_close(qkv[:, : (h + hkv) * d].float(), ref_qkv[:, : (h + hkv) * d].float(), **tol)
     assert torch.equal(qkv[:, (h + hkv) * d:], before[0][:, (h + hkv) * d:])      # v untouched
     flat, ref_flat, old = (c.view(-1, hkv, d) for c in (cache, ref_cache, before[1]))
-    torch.testing.assert_close(flat[rows[0]].float(), ref_flat[rows[0]].float(), **tol)
-    assert torch.equal(flat[rows[0]], qkv[:, h * d:(h + hkv) * d].view(t, hkv, d))  # the roped k itself
-    assert torch.equal(flat[rows[1]], before[0][:, (h + hkv) * d:].view(t, hkv, d))  # v, exactly
+    if cache.dtype == torch.float8_e4m3fn:            # 1 bf16 ulp of k can move it 1 fp8 ulp (2^-3)
+        torch.testing.assert_close(flat[rows[0]].float(), ref_flat[rows[0]].float(), atol=2e-3, rtol=0.13)
+    else:
+        torch.testing.assert_close(flat[rows[0]].float(), ref_flat[rows[0]].float(), **tol)
+
+    def same(a, b):                                   # bitwise, fp8 included
+        return torch.equal(a.view(torch.uint8), b.to(a.dtype).view(torch.uint8))
+    assert same(flat[rows[0]], qkv[:, h * d:(h + hkv) * d].view(t, hkv, d))  # the roped k itself, cast
+    assert same(flat[rows[1]], before[0][:, (h + hkv) * d:].view(t, hkv, d))  # v, exactly (cast)
     untouched = torch.ones(flat.shape[0], dtype=torch.bool, device=DEV)
     untouched[rows.reshape(-1)] = False
-    assert torch.equal(flat[untouched], old[untouched])
+    assert same(flat[untouched], old[untouched])
 
 
 @pytest.mark.parametrize("t", [1, 7, 300])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", [(32, 8), (8, 2)])
-def test_matches_flashinfer_rope_and_write_kv_rows(t, dtype, head_dim, heads):
+@pytest.mark.parametrize("fp8_cache", [False, True])
+def test_matches_flashinfer_rope_and_write_kv_rows(t, dtype, head_dim, heads, fp8_cache):
     h, hkv = heads
     gen = torch.Generator(device=DEV).manual_seed(t * 1000 + head_dim + h)
     cs = _cos_sin_cache(head_dim)
-    qkv, positions, cache, rows = _inputs(t, h, hkv, head_dim, dtype, gen)
+    qkv, positions, cache, rows = _inputs(t, h, hkv, head_dim, dtype, gen,
+                                          torch.float8_e4m3fn if fp8_cache else None)
     before = (qkv.clone(), cache.clone())
     ref_qkv, ref_cache = qkv.clone(), cache.clone()
     _reference(ref_qkv, positions, cs, ref_cache, rows, h, hkv, head_dim)

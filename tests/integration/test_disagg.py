@@ -81,6 +81,21 @@ def test_disaggregated_matches_aggregated(reference, prefill, decode, scheduling
         c.wait_idle()
 
 
+def test_fp8_kv_cache_disaggregated_matches_aggregated(reference):
+    """fp8 KV blocks (a quarter of the CPU's float32 bytes) cross from prefill to decode workers
+    intact: the same tokens as one aggregated fp8 worker (which differ from float32's somewhere:
+    the flag reached the workers)."""
+    fp8 = ("--kv-cache-dtype", "fp8", "--max-num-batched-tokens", "64")
+    with own_cluster("--prefill-workers", "0", *fp8) as c:
+        want = asyncio.run(complete_all(c.url, parity_prompts(), 32))
+    assert want != reference
+    with own_cluster("--prefill-workers", "1", "--decode-workers", "1", "--remote-prefill-min-tokens", "1",
+                     *fp8) as c:
+        assert asyncio.run(complete_all(c.url, parity_prompts(), 32)) == want
+        assert metric(c.url, "splitserve_kv_handoffs_total") >= 8
+        c.wait_idle()
+
+
 def fault_prompts(n: int = 50, seed: int = 1) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(10, 4000) for _ in range(rng.randrange(40, 200))] for _ in range(n)]

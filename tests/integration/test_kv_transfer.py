@@ -173,3 +173,18 @@ def test_push_to_dead_peer_fails_cleanly(pair):
     assert all(s == TransferState.ERROR for s in states), states
     assert time.monotonic() - start < 15
     source.remove_peer(peer)
+
+
+def test_peer_with_another_kv_dtype_is_refused():
+    """fp16 and bf16 caches of one shape have equal block bytes: the layout's dtype keeps a decode
+    worker from reading blocks it would misinterpret."""
+    shape = (NUM_LAYERS, 8, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    a = KvTransferAgent(f"a-{os.getpid()}", torch.zeros(shape, dtype=torch.float16))
+    b = KvTransferAgent(f"b-{os.getpid()}", torch.zeros(shape, dtype=torch.bfloat16))
+    try:
+        assert a.layout.block_bytes == b.layout.block_bytes
+        with pytest.raises(KvTransferError, match="incompatible KV layouts"):
+            a.add_peer(b.metadata())
+    finally:
+        a.close()
+        b.close()

@@ -161,3 +161,46 @@ def test_input_major_weights_compute_the_same_function(tiny_dir):
     assert _generate(Engine(cfg, a), prompts, 12) == _generate(Engine(cfg, b), prompts, 12)
     h = torch.randn(2, a.model.cfg.hidden_size, generator=g)
     torch.testing.assert_close(a.model.compute_logits(h), b.model.compute_logits(h), rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_kv_cache_stores_e4m3_of_the_same_keys_and_values(tiny_dir):
+    """--kv-cache-dtype fp8: a quarter of float32's bytes per block (so four times the blocks in the
+    same budget); layer 0's cache is exactly the float32 run's keys and values cast to e4m3 (deeper
+    layers read rounded K/V, so they drift), and the logits stay within fp8's rounding."""
+    cfg = EngineConfig(model=str(tiny_dir), device="cpu", attention_backend="torch")
+    a, b = ModelRunner(cfg), ModelRunner(dataclasses.replace(cfg, kv_cache_dtype="fp8"))
+    assert b.kv_cache.dtype == torch.float8_e4m3fn and 4 * b.block_bytes == a.block_bytes
+    assert b.num_blocks == 4 * a.num_blocks + 3        # the same byte budget, minus the scratch block
+    prompt = torch.randint(5, 4096, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    logits, blocks = [], [5, 9, 2]
+    for runner in (a, b):
+        req = Request.new("r", prompt, SamplingParams(temperature=0.0))
+        req.block_ids = blocks
+        runner.execute([_chunk(req, 0, 40)])
+        logits.append(runner.last_logits.clone())
+    assert torch.equal(b.kv_cache[0, blocks].view(torch.uint8),
+                       a.kv_cache[0, blocks].to(torch.float8_e4m3fn).view(torch.uint8))
+    rel = ((logits[0] - logits[1]).norm() / logits[0].norm()).item()
+    assert 0 < rel < 0.1, rel
+
+
+def test_torch_backend_attends_over_fp8_values_exactly():
+    """The reference backend's read of an fp8 cache is its values, upcast: the same output as a
+    float32 cache that holds the same (rounded) numbers."""
+    from engine.attention.torch_backend import TorchAttention
+    from engine.attention.base import AttentionMetadata
+    g = torch.Generator().manual_seed(0)
+    h, hkv, d, bs = 4, 2, 16, 4
+    cache8 = (torch.randn(8, 2, bs, hkv, d, generator=g) * 3).to(torch.float8_e4m3fn)
+    cache32 = cache8.float()
+    q, k, v = torch.randn(3, h, d, generator=g), *torch.randn(2, 3, hkv, d, generator=g)
+    md = AttentionMetadata(query_lens=[3], context_lens=[7], block_tables=[[6, 1]],
+                           slot_mapping=torch.tensor([1 * bs + 0, 1 * bs + 1, 1 * bs + 2]),
+                           query_start_loc=torch.tensor([0, 3]), block_size=bs, is_decode_only=False)
+    outs = []
+    for cache, kk, vv in ((cache8, k, v), (cache32, k.to(torch.float8_e4m3fn).float(), v.to(torch.float8_e4m3fn).float())):
+        backend = TorchAttention(h, hkv, d)
+        backend.plan(md)
+        outs.append(backend.forward(0, q, kk, vv, cache))
+    assert torch.equal(cache8.float(), cache32)         # the new K/V landed rounded in both
+    assert torch.equal(outs[0], outs[1])
