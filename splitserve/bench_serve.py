@@ -1,11 +1,12 @@
 """`splitserve bench serve`: an InferenceMAX-style load generator for a running Splitserve.
 
-Owns the client side of a serving benchmark: building prompts (random token ids of a fixed length,
-or real prompts rebuilt from a Mooncake trace's prefix-block hash ids), driving the OpenAI HTTP API
-(`/v1/completions`, streamed) or the gRPC `Generation.Generate` stream at a sweep of concurrency
-levels, timing every token, and reducing the timings to one JSON line per level plus a summary and
-a Pareto plot (`bench_serve_plot.py`); the clients and the request/result types are in
-`bench_clients.py`. It knows nothing about the server's insides.
+Owns the client side of a serving benchmark: building prompts (random token ids, their lengths
+fixed or drawn per request as InferenceMAX does, or real prompts rebuilt from a Mooncake trace's
+prefix-block hash ids), driving the OpenAI HTTP API (`/v1/completions`, streamed) or the gRPC
+`Generation.Generate` stream at a sweep of concurrency levels, timing every token, and reducing the
+timings to one JSON line per level plus a summary and a Pareto plot (`bench_serve_plot.py`); the
+clients and the request/result types are in `bench_clients.py`. It knows nothing about the server's
+insides.
 
 Definitions (also in docs/benchmarking.md):
 
@@ -20,8 +21,10 @@ Definitions (also in docs/benchmarking.md):
 - output_tok_s_per_user: the median over successful requests of (output_tokens - 1) / (e2e - ttft),
   i.e. 1 / TPOT, the decode speed one user sees (InferenceMAX's "interactivity"). Requests with a
   single output token have no decode phase and are left out.
-- output_tok_s: output tokens of successful requests / the level's wall time (first send -> last
-  completion); input_tok_s likewise with prompt tokens; *_per_gpu divides by --gpus.
+- output_tok_s: output tokens of successful requests (as received) / the level's wall time (first
+  send -> last completion); input_tok_s likewise with prompt tokens; *_per_gpu divides by --gpus.
+- mean_input_len, mean_output_len: the mean prompt length and max_tokens of the requests sent
+  (failed ones included): the workload itself, which a range ratio below 1 makes vary.
 - A request fails (counted in `errors` by kind, left out of every latency and throughput figure) on
   a non-200 status, a connection or protocol error, a timeout, an error event, a stream that ends
   without [DONE] / a finish reason, or a stream with no tokens. A failed request never stops the run.
@@ -42,6 +45,7 @@ import argparse
 import asyncio
 import functools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -58,6 +62,7 @@ SCENARIOS = {"1k1k": (1024, 1024), "1k8k": (1024, 8192), "8k1k": (8192, 1024)}
 DEFAULT_CONCURRENCY = "1,4,16,64,256"
 TRACE_BLOCK_TOKENS = 512
 DEFAULT_REQUESTS_CAP = 1024
+SCENARIO_RANGE_RATIO = 0.8  # InferenceMAX's --random-range-ratio for its scenarios
 
 
 class BenchInputError(ValueError):
@@ -176,11 +181,27 @@ def load_trace(path: str, scale: float = 1.0, max_input_len: int | None = None,
     return rows, block_size
 
 
+def random_lengths(seed: Sequence[int], isl: int, osl: int, range_ratio: float) -> tuple[int, int]:
+    """(input, output) lengths drawn independently, each uniform over the integers
+    [floor(range_ratio * N), N] for N = isl, osl (at least 1): vLLM benchmark_serving's random
+    dataset as InferenceMAX runs it. A pure function of `seed`; ratio 1 gives exactly (isl, osl)."""
+    if range_ratio == 1.0:
+        return isl, osl
+    rng = np.random.default_rng(list(seed))
+    low_in, low_out = (max(1, math.floor(range_ratio * n)) for n in (isl, osl))
+    return int(rng.integers(low_in, isl, endpoint=True)), int(rng.integers(low_out, osl, endpoint=True))
+
+
 def synthetic_specs(isl: int, osl: int, num_requests: int, vocab_size: int,
-                    seed: tuple[int, ...]) -> list[RequestSpec]:
-    """Random prompts of exactly `isl` tokens; request i's prompt depends on (seed, i) only."""
-    return [RequestSpec(isl, osl, functools.partial(random_prompt, (*seed, i), isl, vocab_size))
-            for i in range(num_requests)]
+                    seed: tuple[int, ...], range_ratio: float = 1.0) -> list[RequestSpec]:
+    """Random prompts; request i's lengths (see random_lengths) and prompt depend on (seed, i) only.
+    The lengths have a seed of their own, so ratio 1 sends the same prompts as fixed lengths did."""
+    specs = []
+    for i in range(num_requests):
+        input_len, output_len = random_lengths((*seed, i, 1), isl, osl, range_ratio)
+        specs.append(RequestSpec(input_len, output_len,
+                                 functools.partial(random_prompt, (*seed, i), input_len, vocab_size)))
+    return specs
 
 
 def trace_specs(rows: Sequence[TraceRow], block_size: int, vocab_size: int, seed: tuple[int, ...],
@@ -211,6 +232,10 @@ def percentile(values: np.ndarray, q: float) -> float | None:
     return round(float(np.percentile(values, q)), 6) if len(values) else None
 
 
+def rounded_mean(values: Sequence[float]) -> float | None:
+    return round(float(np.mean(values)), 1) if len(values) else None
+
+
 def summarize_level(results: Sequence[RequestResult], duration_s: float, gpus: int = 1) -> dict:
     """Reduce one level's results to the fields of its JSON line (see the module docstring)."""
     ok = [r for r in results if r.error is None]
@@ -239,6 +264,8 @@ def summarize_level(results: Sequence[RequestResult], duration_s: float, gpus: i
         "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99),
         "output_tokens": output_tokens,
         "input_tokens": input_tokens,
+        "mean_input_len": rounded_mean([r.prompt_len for r in results]),
+        "mean_output_len": rounded_mean([r.expected_tokens for r in results]),
         "output_tok_s": round(output_tok_s, 3),
         "output_tok_s_per_user": round(float(np.median(per_user)), 3) if len(per_user) else None,
         "output_tok_s_per_gpu": round(output_tok_s / gpus, 3),
@@ -317,9 +344,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000",
                    help="http://host:port (OpenAI API) or grpc://host:port (gRPC API)")
     p.add_argument("--model", default=None, help="model id (default: the first the server lists)")
-    p.add_argument("--isl", type=int, default=None, help="input tokens per request (random ids)")
-    p.add_argument("--osl", type=int, default=None, help="output tokens per request (ignore_eos)")
-    p.add_argument("--scenario", default=None, help="shorthand for --isl/--osl: 1k1k, 1k8k or 8k1k")
+    p.add_argument("--isl", type=int, default=None,
+                   help="input tokens per request (random ids; the maximum if --random-range-ratio < 1)")
+    p.add_argument("--osl", type=int, default=None,
+                   help="output tokens per request (ignore_eos; the maximum if --random-range-ratio < 1)")
+    p.add_argument("--scenario", default=None, help="InferenceMAX's 1k1k, 1k8k or 8k1k: --isl/--osl "
+                                                    f"with --random-range-ratio {SCENARIO_RANGE_RATIO}")
+    p.add_argument("--random-range-ratio", type=float, default=None, metavar="R",
+                   help="R in (0, 1]: each request's input and output lengths are drawn independently, "
+                        "uniform over the integers [floor(R*N), N] (N = isl or osl), as vLLM's "
+                        "benchmark_serving --random-range-ratio that InferenceMAX runs; default "
+                        f"{SCENARIO_RANGE_RATIO} with --scenario (InferenceMAX's value), 1 (exact "
+                        "lengths) with --isl/--osl; not with --trace")
     p.add_argument("--trace", default=None, help="Mooncake JSONL trace (timestamp, lengths, hash_ids)")
     p.add_argument("--trace-scale", type=float, default=1.0,
                    help="multiply trace lengths and the 512-token block size by this")
@@ -354,6 +390,7 @@ class Plan:
     isl: int | None = None
     osl: int | None = None
     scenario: str | None = None
+    range_ratio: float = 1.0
     trace_rows: tuple[TraceRow, ...] = ()
     block_size: int = TRACE_BLOCK_TOKENS
 
@@ -361,7 +398,8 @@ class Plan:
     def workload_fields(self) -> dict:
         if self.trace_rows:
             return {}
-        return {"scenario": self.scenario, "isl": self.isl, "osl": self.osl}
+        return {"scenario": self.scenario, "isl": self.isl, "osl": self.osl,
+                "range_ratio": self.range_ratio}
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -376,17 +414,24 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise BenchInputError("--speedup and --timeout-s must be > 0")
     if args.num_requests is not None and args.num_requests < 1:
         raise BenchInputError("--num-requests must be >= 1")
+    ratio = args.random_range_ratio
+    if ratio is not None and not 0 < ratio <= 1:  # NaN fails too
+        raise BenchInputError(f"--random-range-ratio must be in (0, 1], got {ratio}")
     if args.trace is not None:
+        if ratio is not None:
+            raise BenchInputError("--random-range-ratio is for --isl/--osl and --scenario; "
+                                  "--trace requests keep the trace's own lengths")
         rows, block_size = load_trace(args.trace, args.trace_scale, args.max_input_len)
         levels = tuple(parse_concurrency(args.concurrency)) if args.concurrency else (None,)
         return Plan(levels, trace_rows=tuple(rows), block_size=block_size)
     levels = tuple(parse_concurrency(args.concurrency or DEFAULT_CONCURRENCY))
     if args.scenario is not None:
         isl, osl = parse_scenario(args.scenario)
-        return Plan(levels, isl, osl, args.scenario.strip().lower())
+        return Plan(levels, isl, osl, args.scenario.strip().lower(),
+                    SCENARIO_RANGE_RATIO if ratio is None else ratio)
     if args.isl is None or args.osl is None or args.isl < 1 or args.osl < 1:
         raise BenchInputError("--isl and --osl go together and must be >= 1")
-    return Plan(levels, args.isl, args.osl)
+    return Plan(levels, args.isl, args.osl, range_ratio=1.0 if ratio is None else ratio)
 
 
 def level_specs(plan: Plan, args: argparse.Namespace, concurrency: int | None,
@@ -400,7 +445,7 @@ def level_specs(plan: Plan, args: argparse.Namespace, concurrency: int | None,
     n = args.num_requests or default_num_requests(concurrency)
     if plan.trace_rows:
         return trace_specs(plan.trace_rows[:n], plan.block_size, args.vocab_size, seed)
-    return synthetic_specs(plan.isl, plan.osl, n, args.vocab_size, seed)
+    return synthetic_specs(plan.isl, plan.osl, n, args.vocab_size, seed, plan.range_ratio)
 
 
 def git_sha() -> str:
@@ -476,7 +521,7 @@ async def warm_up(args: argparse.Namespace, plan: Plan, model: str) -> None:
     if plan.trace_rows:
         specs = trace_specs(plan.trace_rows[:args.warmup], plan.block_size, args.vocab_size, seed)
     else:
-        specs = synthetic_specs(plan.isl, plan.osl, args.warmup, args.vocab_size, seed)
+        specs = synthetic_specs(plan.isl, plan.osl, args.warmup, args.vocab_size, seed, plan.range_ratio)
     await run_level(args, model, specs, concurrency, "warmup")
 
 
@@ -514,9 +559,12 @@ def finish_sweep(args: argparse.Namespace, header: dict, levels: list[dict]) -> 
     front = frontier_levels(levels)
     if args.plot:
         what = header.get("scenario") or header.get("trace") or f"isl{header.get('isl')}/osl{header.get('osl')}"
+        if header.get("range_ratio", 1.0) != 1.0:
+            what += f" (range ratio {header['range_ratio']})"
         plot_pareto(levels, args.plot, f"{header['model']} | {what} | {args.label or header['api']}")
-    keys = ("concurrency", "requests", "errors", "token_mismatches", "ttft_p50_s", "itl_p50_s",
-            "e2e_p50_s", "output_tok_s", "output_tok_s_per_user", "output_tok_s_per_gpu")
+    keys = ("concurrency", "requests", "errors", "token_mismatches", "mean_input_len",
+            "mean_output_len", "ttft_p50_s", "itl_p50_s", "e2e_p50_s", "output_tok_s",
+            "output_tok_s_per_user", "output_tok_s_per_gpu")
     summary = {**header, "bench": "serve_summary",
                "levels": [{k: lv.get(k) for k in keys} for lv in levels],
                "pareto_concurrency": [lv["concurrency"] for lv in front],

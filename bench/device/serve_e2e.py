@@ -6,13 +6,18 @@ Llama-architecture model, driven through the OpenAI HTTP API by `splitserve benc
 
 The model directory is config-only (weights are random bf16, `--load-format dummy`) plus the tiny
 model's tokenizer, so nothing is downloaded; the load generator sends token-id prompts below the
-tokenizer's vocabulary and `ignore_eos`, so every request produces exactly --osl tokens.
+tokenizer's vocabulary and `ignore_eos`, so every request produces exactly its max_tokens. Lengths
+are bench serve's for a scenario (InferenceMAX's: each drawn from [0.8 N, N]) unless
+--random-range-ratio is given. --serve-args appends flags to `splitserve serve`, shell-quoted, e.g.
+`--serve-args="--max-num-seqs 256 --no-cuda-graphs"` (with `=`, so that a value starting with `--`
+is not read as an option).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -26,17 +31,44 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
+def bench_serve_args(args: argparse.Namespace) -> list[str]:
+    """The `splitserve bench serve` flags, checked by bench serve itself before the cluster starts
+    (minutes of GPU time), so that a bad flag fails at once."""
+    from splitserve import bench_serve
+
+    ratio, out = args.random_range_ratio, Path(args.out)
+    tag = f"{args.arch}_{args.scenario}" + ("" if ratio is None else f"_r{ratio:g}")
+    flags = ["--url", "http://127.0.0.1:8000", "--scenario", args.scenario, "--concurrency",
+             args.concurrency, "--label", f"{args.label} {args.arch} random bf16", "--output",
+             str(out / f"serve_{tag}.jsonl"), "--plot", str(out / f"pareto_{tag}.png"), "--no-progress"]
+    if ratio is not None:
+        flags += ["--random-range-ratio", str(ratio)]
+    if args.num_requests:
+        flags += ["--num-requests", str(args.num_requests)]
+    parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(parser)
+    try:
+        bench_serve.make_plan(parser.parse_args(flags))
+    except bench_serve.BenchInputError as e:
+        raise SystemExit(f"bench serve: {e}") from None
+    return flags
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="llama-3.1-8b")
     ap.add_argument("--scenario", default="1k1k")
     ap.add_argument("--concurrency", default="1,16,64,128")
     ap.add_argument("--num-requests", type=int, default=None)
+    ap.add_argument("--random-range-ratio", type=float, default=None,
+                    help="passed to bench serve (default: its default for a scenario, 0.8)")
     ap.add_argument("--decode-workers", type=int, default=1)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--label", default="H100")
-    ap.add_argument("--extra", default="", help="extra flags for splitserve serve")
+    ap.add_argument("--serve-args", "--extra", default="",
+                    help="extra flags for splitserve serve, shell-quoted")
     args = ap.parse_args()
+    bench_args = bench_serve_args(args)
     from engine.loader import write_arch_dir
     from splitserve.models import resolve_model
     tiny = Path(resolve_model("tiny"))
@@ -50,7 +82,7 @@ def main() -> int:
                               args.arch, "--load-format", "dummy", "--device", "cuda", "--prefill-workers", "0",
                               "--decode-workers", str(args.decode_workers), "--http-port", "8000",
                               "--kv-memory-fraction", str(round(0.85 / args.decode_workers, 3)),
-                              *args.extra.split()], env=env, cwd=ROOT)
+                              *shlex.split(args.serve_args)], env=env, cwd=ROOT)
     try:
         deadline = time.monotonic() + 400
         while True:
@@ -63,13 +95,8 @@ def main() -> int:
                 print("the cluster did not start", file=sys.stderr)
                 return 1
             time.sleep(1)
-        cmd = [sys.executable, "-m", "splitserve", "bench", "serve", "--url", "http://127.0.0.1:8000",
-               "--scenario", args.scenario, "--concurrency", args.concurrency, "--label",
-               f"{args.label} {args.arch} random bf16", "--output", str(out / f"serve_{args.arch}_{args.scenario}.jsonl"),
-               "--plot", str(out / f"pareto_{args.arch}_{args.scenario}.png"), "--no-progress"]
-        if args.num_requests:
-            cmd += ["--num-requests", str(args.num_requests)]
-        return subprocess.call(cmd, env=env, cwd=ROOT)
+        return subprocess.call([sys.executable, "-m", "splitserve", "bench", "serve", *bench_args],
+                               env=env, cwd=ROOT)
     finally:
         serve.terminate()
         try:

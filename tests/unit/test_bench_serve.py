@@ -116,6 +116,8 @@ def test_summarize_level_counts_token_mismatches_and_handles_all_failed():
     bad_usage = _result(0.1, [0.01], [1, 1], usage=3)  # server's count disagrees with the stream
     s = bs.summarize_level([short, bad_usage, _result(0.1, [0.01], [1, 1])], 1.0)
     assert s["token_mismatches"] == 2
+    # throughput counts the tokens received (2 + 2 + 2), the workload the tokens asked for (5 + 2 + 2)
+    assert s["output_tokens"] == 6 and s["output_tok_s"] == 6.0 and s["mean_output_len"] == 3.0
     s = bs.summarize_level([bc.RequestResult(1, 1, error="ConnectError")], 1.0)
     assert s["errors"] == 1 and s["ttft_p50_s"] is None and s["output_tok_s_per_user"] is None
     assert s["output_tok_s"] == 0
@@ -157,6 +159,53 @@ def test_random_prompts_are_seeded_exact_length_and_below_vocab():
     other_level = bs.synthetic_specs(300, 7, 3, 50, (1, 1))[2].make_prompt()
     assert not np.array_equal(prompts[2], other_level)
     assert all(s.max_tokens == 7 and s.prompt_len == 300 for s in specs)
+
+
+def test_range_ratio_draws_lengths_uniformly_independently_and_reproducibly():
+    def lengths(specs):
+        return [(s.prompt_len, s.max_tokens) for s in specs]
+
+    specs = bs.synthetic_specs(1024, 8192, 400, 50, (3, 0), range_ratio=0.8)
+    ins, outs = np.array(lengths(specs)).T
+    assert 819 <= ins.min() < 830 and 1010 < ins.max() <= 1024  # floor(0.8 * 1024) = 819
+    assert 6553 <= outs.min() < 6650 and 8100 < outs.max() <= 8192  # floor(0.8 * 8192) = 6553
+    assert abs(ins.mean() - (819 + 1024) / 2) < 15 and abs(outs.mean() - (6553 + 8192) / 2) < 100
+    assert abs(np.corrcoef(ins, outs)[0, 1]) < 0.2  # drawn independently of each other
+    assert len(specs[5].make_prompt()) == specs[5].prompt_len
+    again = bs.synthetic_specs(1024, 8192, 400, 50, (3, 0), 0.8)
+    assert lengths(again) == lengths(specs)
+    assert np.array_equal(again[7].make_prompt(), specs[7].make_prompt())
+    assert lengths(bs.synthetic_specs(1024, 8192, 10, 50, (3, 0), 0.8)) == lengths(specs)[:10]
+    assert lengths(bs.synthetic_specs(1024, 8192, 400, 50, (3, 1), 0.8)) != lengths(specs)
+    assert lengths(bs.synthetic_specs(1024, 8192, 400, 50, (4, 0), 0.8)) != lengths(specs)
+    # ratio 1: exact lengths and the same prompts as before lengths could vary
+    exact = bs.synthetic_specs(300, 7, 5, 50, (1, 0), range_ratio=1.0)
+    assert lengths(exact) == [(300, 7)] * 5
+    assert np.array_equal(exact[2].make_prompt(), bs.random_prompt((1, 0, 2), 300, 50))
+    # a range that floors to 0 still sends at least one token each way
+    tiny = bs.synthetic_specs(2, 1, 50, 50, (0, 0), range_ratio=0.1)
+    assert {n for n, _ in lengths(tiny)} == {1, 2} and {m for _, m in lengths(tiny)} == {1}
+
+
+def test_range_ratio_defaults_to_inferencemax_for_scenarios_only_and_rejects_bad_values(tmp_path, capsys):
+    assert bs.make_plan(_args(scenario="1k8k")).range_ratio == 0.8
+    assert bs.make_plan(_args(isl=100, osl=10)).range_ratio == 1.0
+    assert bs.make_plan(_args(scenario="1k1k", random_range_ratio=1.0)).range_ratio == 1.0
+    assert bs.make_plan(_args(isl=100, osl=10, random_range_ratio=0.5)).range_ratio == 0.5
+    from splitserve.cli import build_parser
+    cli = build_parser().parse_args(["bench", "serve", "--scenario", "8k1k", "--random-range-ratio", "0.9"])
+    assert bs.make_plan(cli).range_ratio == 0.9
+    for bad in (0.0, -0.5, 1.01, float("nan")):
+        with pytest.raises(bs.BenchInputError, match="must be in"):
+            bs.make_plan(_args(isl=100, osl=10, random_range_ratio=bad))
+        assert bs.main(_args(scenario="1k1k", random_range_ratio=bad)) == 2
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [0]}\n')
+    assert bs.make_plan(_args(trace=str(trace))).trace_rows
+    with pytest.raises(bs.BenchInputError, match="--trace"):
+        bs.make_plan(_args(trace=str(trace), random_range_ratio=0.8))
+    assert bs.main(_args(trace=str(trace), random_range_ratio=1.0)) == 2
+    assert "--random-range-ratio" in capsys.readouterr().err
 
 
 def test_trace_prompts_share_prefix_blocks_and_have_a_short_last_block():
@@ -334,7 +383,8 @@ def test_http_sweep_at_concurrency_1_and_8(tmp_path, capsys):
         assert line["concurrency"] == c and line["model"] == "fake-model" and line["api"] == "http"
         assert (line["requests"], line["errors"], line["token_mismatches"]) == (24, 0, 0)
         assert line["output_tokens"] == 24 * 20 and line["input_tokens"] == 24 * 64
-        assert (line["isl"], line["osl"], line["scenario"]) == (64, 20, None)
+        assert (line["isl"], line["osl"], line["scenario"], line["range_ratio"]) == (64, 20, None, 1.0)
+        assert (line["mean_input_len"], line["mean_output_len"]) == (64, 20)
         assert 0 < line["ttft_p50_s"] <= line["ttft_p99_s"] < line["e2e_p99_s"]
         assert line["itl_p50_s"] > 0 and line["output_tok_s_per_user"] > 0
         assert line["output_tok_s_per_gpu"] == pytest.approx(line["output_tok_s"] / 2, rel=1e-3)
@@ -346,6 +396,24 @@ def test_http_sweep_at_concurrency_1_and_8(tmp_path, capsys):
     assert summary["total_requests"] == 48 and summary["total_errors"] == 0
     assert [json.loads(x) for x in out.read_text().splitlines()] == lines
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_scenario_sends_inferencemax_random_lengths_and_records_them(capsys):
+    with FakeOpenAI(max_chunk=16) as server:
+        rc = bs.main(_args(url=server.url, scenario="1k1k", concurrency="4", num_requests=12, warmup=0))
+    assert rc == 0
+    level, summary = _lines(capsys)
+    sent = [len(p) for p in server.prompts]
+    assert all(819 <= n <= 1024 for n in sent) and len(set(sent)) > 6
+    planned = bs.synthetic_specs(1024, 1024, 12, 4000, (0, 0), 0.8)  # --seed 0, first level
+    assert sorted(sent) == sorted(s.prompt_len for s in planned)
+    assert (level["scenario"], level["isl"], level["osl"], level["range_ratio"]) == ("1k1k", 1024, 1024, 0.8)
+    assert summary["range_ratio"] == 0.8
+    assert level["input_tokens"] == sum(sent) and level["mean_input_len"] == round(sum(sent) / 12, 1)
+    assert (level["errors"], level["token_mismatches"]) == (0, 0)  # each got its own max_tokens
+    assert level["output_tokens"] == sum(s.max_tokens for s in planned) < 1024 * 12
+    assert level["mean_output_len"] == round(sum(s.max_tokens for s in planned) / 12, 1)
+    assert summary["levels"][0]["mean_output_len"] == level["mean_output_len"]
 
 
 def test_failed_requests_are_counted_and_the_run_completes(capsys):
