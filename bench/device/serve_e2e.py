@@ -37,9 +37,10 @@ def bench_serve_args(args: argparse.Namespace) -> list[str]:
     from splitserve import bench_serve
 
     ratio, out = args.random_range_ratio, Path(args.out)
-    tag = f"{args.arch}_{args.scenario}" + ("" if ratio is None else f"_r{ratio:g}")
+    tag = f"{args.arch}_{args.scenario}" + ("" if ratio is None else f"_r{ratio:g}") + \
+        (f"_{args.tag}" if args.tag else "")
     flags = ["--url", "http://127.0.0.1:8000", "--scenario", args.scenario, "--concurrency",
-             args.concurrency, "--label", f"{args.label} {args.arch} random bf16", "--output",
+             args.concurrency, "--label", f"{args.label} {args.arch} random bf16 {args.tag}".strip(), "--output",
              str(out / f"serve_{tag}.jsonl"), "--plot", str(out / f"pareto_{tag}.png"), "--no-progress"]
     if ratio is not None:
         flags += ["--random-range-ratio", str(ratio)]
@@ -67,6 +68,7 @@ def main() -> int:
     ap.add_argument("--label", default="H100")
     ap.add_argument("--serve-args", "--extra", default="",
                     help="extra flags for splitserve serve, shell-quoted")
+    ap.add_argument("--tag", default="", help="added to the output file names and the plot label, e.g. fp8kv")
     args = ap.parse_args()
     bench_args = bench_serve_args(args)
     from engine.loader import write_arch_dir
