@@ -119,27 +119,48 @@ def bench_decode_batches(emit, runner, common, batches=(8, 16, 32, 64, 128), ctx
 
 
 def bench_offline(emit, runner, common, concurrency=128, num_requests=384, isl=1024, osl=1024,
-                  ratio=0.8) -> None:
-    """Closed loop in the engine: `concurrency` requests in flight, each finished one replaced."""
+                  ratio=0.8, budget=2048) -> None:
+    """Closed loop in the engine: `concurrency` requests in flight, each finished one replaced; the
+    serve default token budget per step. Also where the time went: steps with prefill tokens in them
+    (eager) against decode-only steps (CUDA graphs), by the wall time of each step() call (with async
+    scheduling a call ends when the previous step's tokens are read, so it is that step's time)."""
     g = torch.Generator().manual_seed(4)
     vocab = runner.model_config.vocab_size
     lens = [(int(torch.randint(int(ratio * isl), isl + 1, (1,), generator=g)),
              int(torch.randint(int(ratio * osl), osl + 1, (1,), generator=g))) for _ in range(num_requests)]
-    eng = Engine(runner.cfg, runner)
-    queue, live, tokens, steps = list(lens), 0, 0, 0
+    eng = Engine(dataclasses.replace(runner.cfg, max_num_batched_tokens=budget), runner)
+    schedule, kinds = eng.scheduler.schedule, []
+
+    def recording_schedule():
+        chunks = schedule()
+        prefill = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
+        kinds.append((len(chunks), prefill))
+        return chunks
+    eng.scheduler.schedule = recording_schedule
+    queue, live, tokens, times = list(lens), 0, 0, []
     t0 = time.perf_counter()
     while queue or eng.has_work:
         while queue and live < concurrency:
             eng.add_request(_req(*queue.pop(), g, vocab))
             live += 1
+        t = time.perf_counter()
         for o in eng.step():
             tokens += len(o.new_token_ids)
             live -= o.finish_reason is not None
-        steps += 1
+        times.append(time.perf_counter() - t)
     wall = time.perf_counter() - t0
+    lag = 1 if eng.async_scheduling else 0          # step i's time is call i + lag's
+    steps = [(k, times[i + lag]) for i, k in enumerate(kinds) if i + lag < len(times) and k[0]]
+    mixed = [(k, dt) for k, dt in steps if k[1]]
+    decode = [(k, dt) for k, dt in steps if not k[1]]
     emit(**common, metric="offline_throughput", concurrency=concurrency, requests=num_requests, isl=isl, osl=osl,
-         random_range_ratio=ratio, output_tokens=tokens, steps=steps, wall_s=round(wall, 2),
-         tok_s=round(tokens / wall, 1))
+         random_range_ratio=ratio, max_num_batched_tokens=budget, output_tokens=tokens, steps=len(times),
+         wall_s=round(wall, 2), tok_s=round(tokens / wall, 1),
+         decode_steps=len(decode), decode_s=round(sum(dt for _, dt in decode), 2),
+         decode_mean_batch=round(statistics.mean(k[0] for k, _ in decode), 1) if decode else None,
+         mixed_steps=len(mixed), mixed_s=round(sum(dt for _, dt in mixed), 2),
+         mixed_mean_prefill_tokens=round(statistics.mean(k[1] for k, _ in mixed)) if mixed else None,
+         mixed_mean_rows=round(statistics.mean(k[0] for k, _ in mixed), 1) if mixed else None)
 
 
 def bench_prefill(emit, runner, sizes, ceil, common, prompt_len=4096, n=4) -> None:
@@ -316,6 +337,7 @@ def main() -> None:
     ap.add_argument("--decode-tensor-cores", default="auto", choices=["auto", "on", "off"],
                     help="FlashInfer decode on tensor cores (auto: the engine's default, on for GQA >= 4)")
     ap.add_argument("--kv-cache-dtypes", default="auto", help="comma list of auto|fp8: each runs every section")
+    ap.add_argument("--offline-budget", type=int, default=2048, help="offline: max_num_batched_tokens per step")
     args = ap.parse_args()
     emit = Emitter("engine_bench", args.out)
     ceil = measure_ceilings()
@@ -343,7 +365,7 @@ def main() -> None:
                  ("prefill", lambda: bench_prefill(emit, runner, sizes, ceil, common)),
                  ("kv", lambda: bench_kv_write(emit, runner, common)),
                  ("profile", lambda: bench_profile(emit, runner, common)),
-                 ("offline", lambda: bench_offline(emit, runner, common))]
+                 ("offline", lambda: bench_offline(emit, runner, common, budget=args.offline_budget))]
         for name, fn in steps:
             if name in only:
                 try:
