@@ -14,11 +14,12 @@ backend, a float32 copy of the weights: the precision oracle). Two passes:
     error is rounding, not a wrong kernel).
 Every record carries `passed_issue_targets`: free-running fast_vs_ref continuations identical ≥ 99%
 and teacher-forced fast_vs_ref logits relative error ≤ 1e-2 at every step.
-Models: trained-hd128, a model with head_dim 128 / GQA 4 (the 8B's attention shape) trained on this
-repository's text by train_small.py (on first use, ~1.5 min; cached), prompted with spans of
-held-out text — random weights have near-ties at almost every step, a trained model's distributions
-are peaked; small-hd128, the same shape with seeded "decisive" random weights (engine/loader.py's
-dummy format) and random-id prompts; llama-3.2-1b's shape (head_dim 64, tied embeddings), random.
+Models: trained-hd128, a model with head_dim 128 / GQA 4 (the 8B's attention shape) trained by
+train_small.py on 30M tokens of the installed Python's source (stdlib and site-packages; on first use
+~3 min, then cached), prompted with spans of held-out files — random weights have near-ties at almost
+every step, while a model that generalises is peaked where the text is predictable, as a real one is;
+small-hd128, the same shape with seeded "decisive" random weights (engine/loader.py's dummy format)
+and random-id prompts; llama-3.2-1b's shape (head_dim 64, tied embeddings), random.
 Dtypes bfloat16 (serving) and float16 (3 more mantissa bits).
 Also checks the FlashInfer sampling kernel (top_k=1 is argmax; frequencies match softmax).
 """
@@ -189,6 +190,7 @@ def compare(emit, name: str, model_dir: Path, load_format: str, dtype: str, num_
         prompts = _text_prompts(num_prompts, heldout_ids(model_dir), 11)
         info = json.loads((model_dir / "train_info.json").read_text())
         training = {k: info[k] for k in ("steps", "final_loss", "heldout_loss", "seconds")}
+        training.update(corpus=info["recipe"]["corpus"], corpus_train_tokens=info["corpus"]["train_tokens"])
     else:
         prompts, training = _prompts(num_prompts, ref.model_config.vocab_size, 11), None
     common = dict(metric="backend_parity", model=name, dtype=dtype, prompts=len(prompts), new_tokens=tokens,

@@ -1,19 +1,23 @@
-"""Trains a small Llama on this repository's own text: a test subject for bench/device/correctness.py
-whose next-token distributions are peaked like a real model's (random weights have near-ties at
-almost every step, so no bf16 implementation reproduces their greedy tokens).
+"""Trains a small Llama on Python source: a test subject for bench/device/correctness.py whose
+next-token distributions are peaked like a real model's (random weights have near-ties at almost
+every step, so no bf16 implementation reproduces their greedy tokens).
 
-  python bench/device/train_small.py --out DIR [--steps N] [--max-seconds S] [--device cuda] [--shape tiny]
+  python bench/device/train_small.py --out DIR [--corpus python|repo] [--corpus-tokens N] [--steps N]
+                                     [--max-seconds S] [--device cuda] [--shape tiny]
 
 The model is HF `LlamaForCausalLM` in correctness.py's "small-hd128" shape (head_dim 128, 4 query
 heads per KV head, untied lm_head) with the tiny model's 4096-token tokenizer (splitserve/tiny_model.py).
-Corpus: every *.py and *.md file under CORPUS_DIRS, sorted by path; every 20th file is held out as
-the prompt source (`heldout_ids`); ~250k tokens, so 1,200 steps of 32k tokens see each ~150 times
-(memorised: peaked, which is the point). Training is seeded (initialisation and data order; GPU
-kernels are not bitwise deterministic): AdamW on float32 weights under bf16 autocast on the GPU,
-random 512-token windows, linear warm-up then cosine decay. `--max-seconds` times the first steps
-and cuts the step count to fit (the cosine then ends at the cut), with a hard stop as well. Saves
-bf16 safetensors, the tokenizer and train_info.json; a directory holding a model of the same
-`Recipe` is reused. Knows nothing about our engine beyond checking that it reads the config.
+Corpus (train_corpus.py): by default the *.py files of the Python installation running this, up to
+30M tokens, 1 file in 20 held out as the prompt source (`heldout_ids`). 2,500 steps of 32k tokens
+see it ~2.7 times: enough to be confident where code is predictable, too little to memorise, so
+held-out text gets peaked distributions where a real model's would be peaked and near-ties where its
+would be, too. (`--corpus repo`, this repository's ~250k tokens, is memorised instead: train loss
+~0.03 but held-out loss ~3.4, near-ties on every held-out prompt.) Training is seeded (initialisation
+and data order; GPU kernels are not bitwise deterministic): AdamW on float32 weights under bf16
+autocast on the GPU, random 512-token windows, linear warm-up then cosine decay. `--max-seconds`
+times the first steps and cuts the step count to fit (the cosine then ends at the cut), with a hard
+stop as well. Saves bf16 safetensors, the tokenizer and train_info.json; a directory holding a model
+of the same `Recipe` is reused. Knows nothing about our engine beyond checking that it reads the config.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,14 +38,12 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from common import ROOT  # noqa: E402  (sets sys.path)
+from train_corpus import CORPORA, MAX_FILE_BYTES, corpus_files, read_streams  # (its `common` import sets sys.path)
 from engine.model_config import ModelConfig  # noqa: E402
 from splitserve.tiny_model import BOS_ID, EOS_ID, PAD_ID, build_tokenizer, tokenizer_config  # noqa: E402
 
-CORPUS_DIRS = ("bench", "decode_worker", "docs", "engine", "frontend", "kvstore", "planner",
-               "prefill_worker", "router", "runtime", "splitserve", "tests")
-HELDOUT_EVERY = 20                      # files 0, 20, 40, ... of the sorted list are held out
-MAX_SECONDS = 90.0                      # default time budget of the training loop
+MAX_SECONDS = 150.0                     # default time budget of the training loop
+HELDOUT_PROMPT_TOKENS = 2_000_000       # heldout_ids' cap: prompts need far less than the whole stream
 
 # correctness.py's small-hd128: the 8B's attention shape (head_dim 128, GQA 4) at 1/4 of its width
 HD128 = dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
@@ -52,10 +55,13 @@ SHAPES = {"hd128": HD128, "tiny": TINY}
 
 @dataclass(frozen=True, slots=True)
 class Recipe:
-    """Everything that decides the weights: a saved model is reused only for an equal recipe.
-    ~53 M parameters at HD128 and 64 x 512 tokens a step: ~11 TFLOP a step (6 x params x tokens)."""
+    """Everything that decides the weights (but the installed files a corpus is read from): a saved
+    model is reused only for an equal recipe. ~53 M parameters at HD128 and 64 x 512 tokens a step:
+    ~11 TFLOP a step (6 x params x tokens); on an H100 ~17 steps/s, so 2,500 steps take ~145 s."""
     shape: dict = field(default_factory=lambda: dict(HD128))
-    steps: int = 1200
+    corpus: str = "python"
+    corpus_tokens: int = 30_000_000     # the training and held-out streams together
+    steps: int = 2500
     batch_size: int = 64
     seq_len: int = 512
     lr: float = 1e-3
@@ -71,25 +77,15 @@ def model_config(shape: dict) -> LlamaConfig:
                        pad_token_id=PAD_ID)
 
 
-def corpus_files(root: Path = ROOT) -> tuple[list[Path], list[Path]]:
-    """(training files, held-out files) of the corpus, each sorted by path."""
-    files = sorted(p for d in CORPUS_DIRS for p in (root / d).rglob("*") if p.suffix in (".py", ".md"))
-    return ([p for i, p in enumerate(files) if i % HELDOUT_EVERY],
-            [p for i, p in enumerate(files) if i % HELDOUT_EVERY == 0])
-
-
-def encode_files(files: list[Path], tok: Tokenizer) -> torch.Tensor:
-    """One int64 stream: each file as bos + its tokens."""
-    ids: list[int] = []
-    for p in files:
-        ids += [BOS_ID] + tok.encode(p.read_text(encoding="utf-8"), add_special_tokens=False).ids
-    return torch.tensor(ids)
-
-
-def heldout_ids(model_dir: str | Path) -> list[int]:
-    """The held-out files' token stream, with the tokenizer saved in `model_dir`."""
+def heldout_ids(model_dir: str | Path, max_tokens: int = HELDOUT_PROMPT_TOKENS) -> list[int]:
+    """The first `max_tokens` of the held-out stream that the model in `model_dir` was evaluated on:
+    its corpus's held-out files among those read before the budget ran out (train_info.json), with
+    its saved tokenizer. Re-read rather than saved, so it is only as stable as the files."""
+    info = json.loads((Path(model_dir) / "train_info.json").read_text())
+    files = corpus_files(info["recipe"]["corpus"])[:info["corpus"]["files_read"]]
     tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
-    return encode_files(corpus_files()[1], tok).tolist()
+    budget = max_tokens + MAX_FILE_BYTES + 1        # reads past max_tokens: no file has more tokens than bytes
+    return read_streams([f for f in files if f.heldout], tok, budget, "held out").heldout[:max_tokens].tolist()
 
 
 def lr_at(step: int, total: int, r: Recipe) -> float:
@@ -103,7 +99,7 @@ def lr_at(step: int, total: int, r: Recipe) -> float:
 
 def _windows(ids: torch.Tensor, n: int, seq_len: int, g: torch.Generator) -> torch.Tensor:
     starts = torch.randint(0, len(ids) - seq_len - 1, (n,), generator=g)
-    return ids[starts[:, None] + torch.arange(seq_len + 1)]          # (n, seq_len + 1)
+    return ids[starts[:, None] + torch.arange(seq_len + 1)].long()   # (n, seq_len + 1)
 
 
 def _loss(model: LlamaForCausalLM, w: torch.Tensor) -> torch.Tensor:
@@ -123,23 +119,27 @@ def train(out_dir: str | Path, recipe: Recipe = Recipe(), device: str = "cuda", 
         return out
     dev = torch.device(device)
     tok = build_tokenizer("llama")
-    train_files, heldout_files = corpus_files()
-    ids, held = encode_files(train_files, tok).to(dev), encode_files(heldout_files, tok).to(dev)
+    files = corpus_files(recipe.corpus)
+    s = read_streams(files, tok, recipe.corpus_tokens, recipe.corpus)
+    ids, held = s.train.to(dev), s.heldout.to(dev)
+    corpus = {"files_listed": len(files), "files_read": s.files_read, "files_skipped": s.files_skipped,
+              "train_files": s.num_train_files, "heldout_files": s.num_heldout_files, "chars": s.chars,
+              "train_tokens": len(ids), "heldout_tokens": len(held), "read_seconds": s.seconds}
+    print(f"corpus {recipe.corpus}: {json.dumps(corpus)}", file=sys.stderr, flush=True)
     torch.manual_seed(recipe.seed)
     model = LlamaForCausalLM(model_config(recipe.shape)).to(dev)
     num_params = sum(p.numel() for p in model.parameters())
-    print(f"{num_params / 1e6:.1f} M parameters, {len(ids)} training tokens ({len(train_files)} files), "
-          f"{len(held)} held out ({len(heldout_files)} files), device {dev}", flush=True)
+    print(f"{num_params / 1e6:.1f} M parameters, {len(ids):,} training tokens, {len(held):,} held out, "
+          f"device {dev}", flush=True)
     g = torch.Generator().manual_seed(recipe.seed + 1)
     info = _fit(model, ids, recipe, g, max_seconds, log_every)
     model.eval()
     with torch.no_grad():
-        w = _windows(held, 16, min(recipe.seq_len, len(held) - 2), g)
+        w = _windows(held, 32, min(recipe.seq_len, len(held) - 2), g)
         info["heldout_loss"] = round(_loss(model, w).item(), 4)
-    info = {"recipe": dataclasses.asdict(recipe), **info, "corpus_tokens": len(ids), "heldout_tokens": len(held),
-            "num_params": num_params, "device": str(dev), "torch": torch.__version__,
-            "heldout_files": [str(p.relative_to(ROOT)) for p in heldout_files]}
-    print(json.dumps({k: v for k, v in info.items() if k != "heldout_files"}), flush=True)
+    info = {"recipe": dataclasses.asdict(recipe), **info, "corpus": corpus, "num_params": num_params,
+            "device": str(dev), "torch": torch.__version__, "python": sys.version.split()[0]}
+    print(json.dumps(info), flush=True)
     _save(out, model, tok, info)
     return out
 
@@ -213,6 +213,9 @@ def _saved_recipe(out: Path) -> dict | None:
 def main() -> None:
     ap, default = argparse.ArgumentParser(description=__doc__.splitlines()[0]), Recipe()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--corpus", choices=CORPORA, default=default.corpus)
+    ap.add_argument("--corpus-tokens", type=int, default=default.corpus_tokens,
+                    help="token budget of the training and held-out streams together")
     ap.add_argument("--steps", type=int, default=default.steps)
     ap.add_argument("--max-seconds", type=float, default=MAX_SECONDS, help="time budget of the training loop")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -222,8 +225,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=default.lr)
     ap.add_argument("--log-every", type=int, default=50)
     args = ap.parse_args()
-    recipe = Recipe(shape=dict(SHAPES[args.shape]), steps=args.steps, batch_size=args.batch_size,
-                    seq_len=args.seq_len, lr=args.lr)
+    recipe = Recipe(shape=dict(SHAPES[args.shape]), corpus=args.corpus, corpus_tokens=args.corpus_tokens,
+                    steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr)
     train(args.out, recipe, args.device, args.max_seconds, args.log_every)
 
 
