@@ -28,13 +28,13 @@ for stage in "$@"; do
   echo "=== $stage $(date -u +%T)"
   case "$stage" in
     pytest) timeout "$(left 0 "${T_PYTEST:-240}")" python3 -m pytest tests/gpu -q -p no:cacheprovider -o asyncio_mode=strict \
-              2>&1 | tail -30 | tee "$OUT/pytest_gpu.log" ;;
+              --tb=short ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -30 ;;
     bench) timeout "$(left 0 "${T_BENCH:-330}")" python3 bench/device/engine_bench.py --out "$OUT/engine_bench.jsonl" ${BENCH_ARGS:-} \
              2>&1 | tee "$OUT/engine_bench.log" | grep -v Warning ;;
     bench_cc) timeout "$(left 0 "${T_BENCH:-330}")" python3 bench/device/engine_bench.py --out "$OUT/engine_bench.jsonl" \
                --decode-tensor-cores off ${BENCHTC_ARGS:---models llama-3.1-8b --only b1,batches --skip-hf} \
                2>&1 | tee "$OUT/engine_bench_cuda_core.log" | grep -v Warning ;;
-    correctness) timeout "$(left 0 "${T_CORR:-360}")" python3 bench/device/correctness.py --out "$OUT/correctness.jsonl" \
+    correctness) timeout "$(left 0 "${T_CORR:-480}")" python3 bench/device/correctness.py --out "$OUT/correctness.jsonl" \
                    ${CORR_ARGS:-} 2>&1 | tee "$OUT/correctness.log" | grep -v Warning | tail -40 ;;
     serve) timeout "$(left 0 "${T_SERVE:-560}")" python3 bench/device/serve_e2e.py --out "$OUT" \
              ${SERVE_ARGS:---arch llama-3.1-8b --scenario 1k1k --concurrency 4,16,64,128} 2>&1 | tail -40 | tee "$OUT/serve.log" ;;

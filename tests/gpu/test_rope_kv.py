@@ -35,11 +35,13 @@ def _cos_sin_cache(head_dim: int) -> torch.Tensor:
 
 def _inputs(t, h, hkv, d, dtype, gen, cache_dtype=None):
     """Random qkv (T, (H+2Hkv)D), positions < 4000, a random cache and distinct random K/V rows.
-    For an fp8 cache the magnitudes span 1e-3..1e3, so that it sees subnormals and saturation at ±448."""
-    qkv = torch.randn(t, (h + 2 * hkv) * d, generator=gen, device=DEV)
+    For an fp8 cache each head's vector gets a scale in 1e-3..1e3, so that the cache sees subnormals
+    and saturation at ±448 (per head, not per element: RoPE mixes a head's elements, and a rounding
+    difference of a 1e3 element would swamp a 1e-3 one's tolerance)."""
+    qkv = torch.randn(t, h + 2 * hkv, d, generator=gen, device=DEV)
     if cache_dtype == torch.float8_e4m3fn:
-        qkv *= 10 ** (torch.rand(qkv.shape, generator=gen, device=DEV) * 6 - 3)
-    qkv = qkv.to(dtype)
+        qkv *= 10 ** (torch.rand(t, h + 2 * hkv, 1, generator=gen, device=DEV) * 6 - 3)
+    qkv = qkv.view(t, -1).to(dtype)
     positions = torch.randint(0, 4000, (t,), generator=gen, device=DEV)
     cache = torch.randn(NUM_BLOCKS, 2, BLOCK_SIZE, hkv, d, generator=gen, device=DEV).to(cache_dtype or dtype)
     rows = torch.randperm(NUM_BLOCKS * 2 * BLOCK_SIZE, generator=gen, device=DEV)[: 2 * t].view(2, t)
