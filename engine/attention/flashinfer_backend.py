@@ -1,6 +1,6 @@
-"""Paged attention on the GPU with FlashInfer: prefill/mixed steps through
-BatchPrefillWithPagedKVCacheWrapper (causal, each sequence's queries aligned to the end of its
-context), decode-only steps through BatchDecodeWithPagedKVCacheWrapper, and one CUDA-graph decode
+"""Paged attention on the GPU with FlashInfer over a bf16/fp16 or fp8 (e4m3) KV cache: prefill and
+mixed steps through BatchPrefillWithPagedKVCacheWrapper (causal, each sequence's queries aligned to the
+end of its context; fa2 kernels whenever decode rows ride along), decode-only steps through BatchDecodeWithPagedKVCacheWrapper, and one CUDA-graph decode
 wrapper per captured batch size.
 
 Decode runs on tensor cores (FlashInfer's prefill kernel, a GQA group's query heads together) or on
@@ -40,6 +40,12 @@ class FlashInferAttention(AttentionBackend):
         self.device, self.dtype, self.kv_dtype = device, dtype, kv_dtype or dtype
         self.workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        # Steps that mix decode rows into prefill chunks take fa2, whose query tile follows the rows'
+        # length; fa3 (chosen for pure prefill on Hopper) gives every 1-token decode row a 128-query
+        # tile over its whole context, ~3 GFLOP per row and layer at a 1.4k context: ~20 ms of wasted
+        # tensor-core work per mixed step at batch 128 for the 8B. The two share the workspace: one
+        # is planned per step.
+        self.prefill_mixed = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
         # Decode kernel: CUDA cores (backend="fa2", which also skips plan()'s per-call backend
         # probing) or, with decode_tensor_cores, FlashInfer's prefill kernel on tensor cores, which
         # computes a GQA group's query heads together.
@@ -61,11 +67,11 @@ class FlashInferAttention(AttentionBackend):
             self._plan_decode(self.decode, md)
             self._active = self.decode
         else:
-            self.prefill.plan(md.qo_indptr_host, md.kv_indptr_host, md.kv_indices_host,
-                              md.kv_last_page_len_host, self.num_heads, self.num_kv_heads,
-                              self.head_dim, md.block_size, causal=True,
-                              q_data_type=self.dtype, kv_data_type=self.kv_dtype)
-            self._active = self.prefill
+            w = self.prefill_mixed if 1 in md.query_lens else self.prefill
+            w.plan(md.qo_indptr_host, md.kv_indptr_host, md.kv_indices_host, md.kv_last_page_len_host,
+                   self.num_heads, self.num_kv_heads, self.head_dim, md.block_size, causal=True,
+                   q_data_type=self.dtype, kv_data_type=self.kv_dtype)
+            self._active = w
 
     def plan_graph(self, batch_size: int, md: AttentionMetadata, kv_rows_static: torch.Tensor,
                    max_num_pages: int) -> None:

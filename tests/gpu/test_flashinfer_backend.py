@@ -92,8 +92,10 @@ def test_engine_greedy_agrees_with_torch_backend(tmp_path, kv_cache_dtype):
     fast = ModelRunner(dataclasses.replace(base, attention_backend="flashinfer"))
     assert fast.graphs is not None and fast.kv_cache.dtype == ref.kv_cache.dtype
     r = lockstep({"fast": fast, "ref": ref}, _prompts(12, 2048, 3), 16, oracle="ref")["fast_vs_ref"]
+    # fp8: where the two bf16 keys differ by an ulp across an e4m3 rounding boundary, the cached
+    # values differ by an fp8 ulp (2^-3 relative): H100, 3129c52: agreement 0.99, rel. err max 0.026
     assert r["token_agreement"] >= 0.97, r
-    assert r["logits_rel_err_max"] <= 2e-2, r
+    assert r["logits_rel_err_max"] <= (2e-2 if kv_cache_dtype == "auto" else 5e-2), r
 
 
 def test_async_scheduling_matches_sync_on_the_gpu(tmp_path):
