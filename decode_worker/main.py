@@ -40,14 +40,5 @@ async def serve_worker(cfg: WorkerConfig) -> None:
     service.attach(loop, remote)
     loop.start()
     worker_pb2_grpc.add_WorkerServicer_to_server(service, host.server)
-    info = await host.start(engine.pool.num_blocks, lambda: loop.stats)
-    log.info("worker %s (%s) serving on %s (%d blocks, max_model_len %d)", worker_id, cfg.role, info.address,
-             engine.pool.num_blocks, engine.max_model_len)
-    try:
-        await host.run_until_stopped()
-    finally:
-        log.info("worker %s stopping", worker_id)
-        await host.close()
-        loop.stop()
-        if agent is not None:
-            agent.close()
+    await host.serve(loop, f"worker {worker_id} ({cfg.role}, max_model_len {engine.max_model_len})",
+                     *([agent] if agent is not None else []))

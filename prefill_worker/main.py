@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 
 from engine.engine import Engine, EngineLoop
 from kvstore.transfer import KvTransferAgent, nixl_available
@@ -11,8 +10,6 @@ from prefill_worker.service import PrefillService
 from proto.splitserve.v1 import worker_pb2_grpc
 from runtime.config import WorkerConfig
 from runtime.worker_host import StatusService, WorkerHost, make_worker_id
-
-log = logging.getLogger(__name__)
 
 
 async def serve_prefill_worker(cfg: WorkerConfig) -> None:
@@ -29,12 +26,4 @@ async def serve_prefill_worker(cfg: WorkerConfig) -> None:
     worker_pb2_grpc.add_PrefillServicer_to_server(service, host.server)
     worker_pb2_grpc.add_WorkerServicer_to_server(
         StatusService(worker_id, "prefill", cfg.engine.block_size, lambda: loop.stats, host.publisher), host.server)
-    info = await host.start(engine.pool.num_blocks, lambda: loop.stats)
-    log.info("prefill worker %s serving on %s (%d blocks)", worker_id, info.address, engine.pool.num_blocks)
-    try:
-        await host.run_until_stopped()
-    finally:
-        log.info("prefill worker %s stopping", worker_id)
-        await host.close()
-        loop.stop()
-        agent.close()
+    await host.serve(loop, f"prefill worker {worker_id}", agent)

@@ -96,10 +96,22 @@ class WorkerHost:
         await self._lease.start()
         return info
 
-    async def run_until_stopped(self) -> None:
-        stop = asyncio.Event()
-        install_stop_handlers(stop)
-        await stop.wait()
+    async def serve(self, loop, describe: str, *closers) -> None:
+        """A worker's whole life once its services are on `server`: take the lease, serve until
+        SIGTERM/SIGINT, then leave the pool, stop the engine `loop` (an engine.EngineLoop) and
+        close each of `closers` (e.g. the NIXL agent) in that order. `describe` names it in logs."""
+        info = await self.start(loop.engine.pool.num_blocks, lambda: loop.stats)
+        log.info("%s serving on %s (%d blocks)", describe, info.address, info.num_blocks)
+        try:
+            stop = asyncio.Event()
+            install_stop_handlers(stop)
+            await stop.wait()
+        finally:
+            log.info("%s stopping", describe)
+            await self.close()
+            loop.stop()
+            for c in closers:
+                c.close()
 
     async def close(self) -> None:
         for t in self._tasks:
