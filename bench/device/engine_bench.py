@@ -136,6 +136,13 @@ def bench_offline(emit, runner, common, concurrency=128, num_requests=384, isl=1
         prefill = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
         kinds.append((len(chunks), prefill))
         return chunks
+    # warm-up, untimed: a prefill-only step, then a step mixing a decode row into a prefill (each
+    # attention kernel's first use JIT-compiles on a fresh machine: ~110 s, once polluting the wall)
+    eng.add_request(_req(64, 8, g, vocab))
+    eng.step()
+    eng.add_request(_req(64, 2, g, vocab))
+    while eng.has_work:
+        eng.step()
     eng.scheduler.schedule = recording_schedule
     queue, live, tokens, times = list(lens), 0, 0, []
     t0 = time.perf_counter()
