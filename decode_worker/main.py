@@ -40,5 +40,4 @@ async def serve_worker(cfg: WorkerConfig) -> None:
     service.attach(loop, remote)
     loop.start()
     worker_pb2_grpc.add_WorkerServicer_to_server(service, host.server)
-    await host.serve(loop, f"worker {worker_id} ({cfg.role}, max_model_len {engine.max_model_len})",
-                     *([agent] if agent is not None else []))
+    await host.serve(loop, f"worker {worker_id} ({cfg.role}, max_model_len {engine.max_model_len})", agent)

@@ -210,13 +210,12 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
+        """Bytes of one block's keys and values over all layers (known before the cache exists)."""
         mc = self.model_config
-        return 2 * self.cfg.block_size * mc.num_kv_heads * mc.head_dim * self.kv_cache.element_size() * mc.num_layers
+        return 2 * self.cfg.block_size * mc.num_kv_heads * mc.head_dim * self.kv_dtype.itemsize * mc.num_layers
 
     def _blocks_that_fit(self) -> int:
-        mc = self.model_config
-        per_block = 2 * self.cfg.block_size * mc.num_kv_heads * mc.head_dim * mc.num_layers * \
-            torch.tensor([], dtype=self.kv_dtype).element_size()
+        per_block = self.block_bytes
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * self.cfg.kv_memory_fraction) - (1 << 30)  # keep 1 GiB for activations

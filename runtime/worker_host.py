@@ -96,10 +96,10 @@ class WorkerHost:
         await self._lease.start()
         return info
 
-    async def serve(self, loop, describe: str, *closers) -> None:
+    async def serve(self, loop, describe: str, agent=None) -> None:
         """A worker's whole life once its services are on `server`: take the lease, serve until
-        SIGTERM/SIGINT, then leave the pool, stop the engine `loop` (an engine.EngineLoop) and
-        close each of `closers` (e.g. the NIXL agent) in that order. `describe` names it in logs."""
+        SIGTERM/SIGINT, then leave the pool, stop the engine `loop` (an engine.EngineLoop) and close
+        the NIXL `agent` if there is one, in that order. `describe` names the worker in logs."""
         info = await self.start(loop.engine.pool.num_blocks, lambda: loop.stats)
         log.info("%s serving on %s (%d blocks)", describe, info.address, info.num_blocks)
         try:
@@ -110,8 +110,8 @@ class WorkerHost:
             log.info("%s stopping", describe)
             await self.close()
             loop.stop()
-            for c in closers:
-                c.close()
+            if agent is not None:
+                agent.close()
 
     async def close(self) -> None:
         for t in self._tasks:

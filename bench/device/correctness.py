@@ -196,10 +196,9 @@ def compare(emit, name: str, model_dir: Path, load_format: str, dtype: str, num_
     common = dict(metric="backend_parity", model=name, dtype=dtype, prompts=len(prompts), new_tokens=tokens,
                   identical_weights=same_w, training=training, fast="flashinfer+fused kernels+cuda graphs",
                   ref="torch backend, same dtype", fp32="torch backend, float32 copy of the same weights")
-    runners = {"fast": fast, "ref": ref, "fp32": fp32}
-    if fp8_kv:
-        runners = {"fast": fast, "fast_fp8": ModelRunner(dataclasses.replace(
-            base, attention_backend="flashinfer", cuda_graphs=True, kv_cache_dtype="fp8")), "ref": ref, "fp32": fp32}
+    fast_fp8 = {"fast_fp8": ModelRunner(dataclasses.replace(base, attention_backend="flashinfer", cuda_graphs=True,
+                                                            kv_cache_dtype="fp8"))} if fp8_kv else {}
+    runners = {"fast": fast, **fast_fp8, "ref": ref, "fp32": fp32}   # pair (a, b): b is the reference
     forced = lockstep(runners, prompts, tokens, oracle="fp32")
     free = lockstep(runners, prompts, tokens, oracle=None)
     f, r, fr = forced["fast_vs_fp32"], forced["ref_vs_fp32"], forced["fast_vs_ref"]

@@ -58,9 +58,8 @@ def model_sizes(runner: ModelRunner) -> dict:
     embed = m.embed_tokens.weight.numel()
     layer = sum(p.numel() for p in m.layers.parameters())
     decode_bytes = 2 * (total - (0 if mc.tie_word_embeddings else embed))   # lookup reads one row
-    kv_token_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * runner.kv_cache.element_size()
     return {"params": total, "layer_params": layer, "decode_weight_bytes": decode_bytes,
-            "kv_bytes_per_token": kv_token_bytes}
+            "kv_bytes_per_token": runner.block_bytes // runner.cfg.block_size}
 
 
 def bench_decode_b1(emit, runner, sizes, ceil, common, steps=128, prompt_len=128) -> None:

@@ -1,7 +1,7 @@
 """Paged attention on the GPU with FlashInfer over a bf16/fp16 or fp8 (e4m3) KV cache: prefill and
 mixed steps through BatchPrefillWithPagedKVCacheWrapper (causal, each sequence's queries aligned to the
-end of its context; fa2 kernels whenever decode rows ride along), decode-only steps through BatchDecodeWithPagedKVCacheWrapper, and one CUDA-graph decode
-wrapper per captured batch size.
+end of its context; fa2 kernels whenever decode rows ride along), decode-only steps through
+BatchDecodeWithPagedKVCacheWrapper, and one CUDA-graph decode wrapper per captured batch size.
 
 Decode runs on tensor cores (FlashInfer's prefill kernel, a GQA group's query heads together) or on
 the CUDA-core decode kernel. `plan()` runs once per step on host-side CSR arrays in pinned memory and
@@ -106,8 +106,7 @@ class FlashInferAttention(AttentionBackend):
 
     def _plan_decode(self, w, md: AttentionMetadata, indices: torch.Tensor | None = None) -> None:
         w.plan(md.kv_indptr_host, md.kv_indices_host if indices is None else indices, md.kv_last_page_len_host,
-               self.num_heads,
-               self.num_kv_heads, self.head_dim, md.block_size, pos_encoding_mode="NONE",
+               self.num_heads, self.num_kv_heads, self.head_dim, md.block_size, pos_encoding_mode="NONE",
                q_data_type=self.dtype, kv_data_type=self.kv_dtype)
 
     # ---- per layer (capturable) -----------------------------------------------------------
