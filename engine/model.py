@@ -12,7 +12,10 @@ instead of ~30, which matters because each kernel costs ~2-3 µs even inside a C
 Triton runs and the backend lets the model write K/V itself, RoPE and the K/V cache write are one
 more fused kernel (engine/kernels/rope_kv.py; SPLITSERVE_FUSED_ROPE_KV=0 turns it off).
 The residual stream is carried beside the sublayer output (`x, residual`) so the add fuses into the
-next norm, as in HF's arithmetic (residual add in the model dtype, norm in float32).
+next norm. Both kernel sets round as FlashInfer's kernels do: add, norm × weight and SiLU·mul are
+computed in float32 and rounded to the model dtype once (the residual sum is stored rounded, the norm
+reads it unrounded). HF's Llama rounds twice in the norm (x̂ to the dtype, then × weight) and in
+SiLU·mul; in float32 the two are the same, in bf16 this is the closer one to float32.
 """
 
 from __future__ import annotations
@@ -43,13 +46,13 @@ class RMSNorm(nn.Module):
         if self.fi:
             self.fi.norm.fused_add_rmsnorm(x, residual, self.weight, self.eps)
             return x, residual
-        residual = x + residual
-        return self._norm(residual), residual
+        total = x.float() + residual.float()
+        return self._norm(total, x.dtype), total.to(x.dtype)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return (xf * self.weight.float()).to(dtype or x.dtype)
 
 
 class InputMajorLinear(nn.Module):
@@ -120,7 +123,7 @@ class MLP(nn.Module):
         if self.fi:
             return self.down_proj(self.fi.activation.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj((F.silu(gate.float()) * up.float()).to(gate_up.dtype))
 
 
 class DecoderLayer(nn.Module):

@@ -62,8 +62,21 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     raise ValueError(f"kv_cache_dtype must be auto or fp8, got {name!r}")
 
 
+def resolve_decode_kernel(name: str, device: torch.device, kv_dtype: torch.dtype) -> str:
+    """flashinfer | xqa. auto: FlashInfer's kernels everywhere (see docs/performance.md for the
+    measured comparison); xqa needs compute capability 9.0 or newer."""
+    if name == "auto":
+        return "flashinfer"
+    if name == "xqa" and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9):
+        raise ValueError("decode_kernel xqa needs a GPU of compute capability 9.0 or newer (Hopper)")
+    if name not in ("flashinfer", "xqa"):
+        raise ValueError(f"decode_kernel must be auto, flashinfer or xqa, got {name!r}")
+    return name
+
+
 def make_backend(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device,
-                 dtype: torch.dtype = torch.bfloat16, kv_dtype: torch.dtype | None = None) -> AttentionBackend:
+                 dtype: torch.dtype = torch.bfloat16, kv_dtype: torch.dtype | None = None,
+                 max_model_len: int | None = None) -> AttentionBackend:
     choice = cfg.attention_backend
     if choice == "auto":
         choice = "flashinfer" if device.type == "cuda" and _flashinfer_available() else "torch"
@@ -74,8 +87,11 @@ def make_backend(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device,
         tc = cfg.decode_tensor_cores
         if tc is None:
             tc = mcfg.num_heads // mcfg.num_kv_heads >= 4
+        max_len = max_model_len or mcfg.max_position_embeddings
         return FlashInferAttention(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, device, dtype,
-                                   decode_tensor_cores=tc, kv_dtype=kv_dtype)
+                                   decode_tensor_cores=tc, kv_dtype=kv_dtype,
+                                   decode_kernel=resolve_decode_kernel(cfg.decode_kernel, device, kv_dtype or dtype),
+                                   max_batch=cfg.max_num_seqs, max_pages_per_seq=-(-max_len // cfg.block_size))
     return TorchAttention(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim)
 
 
@@ -184,12 +200,13 @@ class ModelRunner:
         mc = self.model_config
         self.kv_cache = torch.zeros(mc.num_layers, self.num_blocks + 1, 2, cfg.block_size, mc.num_kv_heads,
                                     mc.head_dim, dtype=self.kv_dtype, device=self.device)
-        self.backend = make_backend(cfg, mc, self.device, self.dtype, self.kv_dtype)
+        self.backend = make_backend(cfg, mc, self.device, self.dtype, self.kv_dtype, self.max_model_len)
         self._fi = None
         if self.backend.name == "flashinfer":
             import flashinfer
-            self._fi = flashinfer
-            self.model.use_flashinfer_kernels(flashinfer)
+            self._fi = flashinfer                    # sampling
+            if os.environ.get("SPLITSERVE_FUSED_KERNELS", "1") != "0":   # 0: the model's torch ops
+                self.model.use_flashinfer_kernels(flashinfer)
         self._pinned = self.device.type == "cuda"
         self._staging = torch.zeros(0, dtype=torch.int64)
         self._staging_free = torch.cuda.Event() if self._pinned else None   # the last H2D copy is done

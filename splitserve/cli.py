@@ -36,6 +36,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule the next step while the device runs this one (auto: on with CUDA and --mock)")
     p.add_argument("--decode-tensor-cores", default="auto", choices=["auto", "on", "off"],
                    help="FlashInfer decode attention on tensor cores (auto: for GQA groups of 4 or more)")
+    p.add_argument("--decode-kernel", default="auto", choices=["auto", "flashinfer", "xqa"],
+                   help="decode attention kernel: FlashInfer's, or XQA (TensorRT-LLM's, shipped by FlashInfer; "
+                        "Hopper or newer). auto: see docs/performance.md")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights from config.json (benchmarks without a checkpoint)")
     p.add_argument("--kv-memory-fraction", type=float, default=0.85,
@@ -78,6 +81,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
                         cuda_graphs=not a.no_cuda_graphs, load_format=a.load_format,
                         async_scheduling={"auto": None, "on": True, "off": False}[a.async_scheduling],
                         decode_tensor_cores={"auto": None, "on": True, "off": False}[a.decode_tensor_cores],
+                        decode_kernel=a.decode_kernel,
                         kv_memory_fraction=a.kv_memory_fraction, mock=a.mock, mock_profile=a.mock_profile)
 
 

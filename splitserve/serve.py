@@ -29,7 +29,8 @@ _FRONTEND_FLAGS = ("block_size", "max_body_bytes", "router_policy", "remote_pref
                    "max_prefill_queue_tokens")
 _ENGINE_FLAGS = ("device", "dtype", "block_size", "num_blocks", "kv_cpu_mib", "max_model_len", "max_num_seqs",
                  "max_num_batched_tokens", "attention_backend", "load_format", "kv_memory_fraction",
-                 "mock_profile", "async_scheduling", "decode_tensor_cores", "kv_cache_dtype")
+                 "mock_profile", "async_scheduling", "decode_tensor_cores", "kv_cache_dtype",
+                 "decode_kernel")
 
 
 def _flags(args: argparse.Namespace, names) -> list[str]:

@@ -69,6 +69,17 @@ def cuda_time_ms(fn, iters: int = 10, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def graph_us(fn, calls: int = 32) -> float:
+    """Device µs of one fn() when `calls` of them replay from one CUDA graph (graph launch costs)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return cuda_time_ms(g.replay, 20) * 1e3 / calls
+
+
 def measure_ceilings() -> dict:
     """HBM copy bandwidth (bytes read + written) and bf16 GEMM rate, measured on this device now."""
     n = 1 << 30                                        # 1 GiB buffers, well past L2

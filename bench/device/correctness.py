@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -173,10 +174,21 @@ def check_sampling(emit) -> None:
          outside_top_k=int(freq[4].item() * n), passed=bool(ok_greedy and max_dev < 0.02 and freq[4] == 0))
 
 
+def _runner(cfg: EngineConfig, fused_kernels: bool = True) -> ModelRunner:
+    os.environ["SPLITSERVE_FUSED_KERNELS"] = "1" if fused_kernels else "0"
+    try:
+        return ModelRunner(cfg)
+    finally:
+        del os.environ["SPLITSERVE_FUSED_KERNELS"]
+
+
 def compare(emit, name: str, model_dir: Path, load_format: str, dtype: str, num_prompts: int, tokens: int,
-            fp8_kv: bool = False) -> None:
-    """Both passes for one model and dtype; emits a record for each. fp8_kv adds fast_fp8, the fast
-    path with an fp8 KV cache: what that cache costs in accuracy, against the same references."""
+            fp8_kv: bool = False, xqa: bool = False, attention_only: bool = False) -> None:
+    """Both passes for one model and dtype; emits a record for each. Optional runners, compared
+    against the same references: fp8_kv adds fast_fp8, the fast path with an fp8 KV cache; xqa adds
+    fast_xqa (and fast_fp8_xqa), the fast path with the XQA decode kernel; attention_only adds
+    fi_attn, FlashInfer attention in an otherwise torch model (no fused kernels, no graphs), which
+    splits fast_vs_ref into the attention kernels' share and the rest's."""
     base = EngineConfig(model=str(model_dir), load_format=load_format, dtype=dtype, num_blocks=2048,
                         max_model_len=4096, enable_prefix_caching=False, seed=7, cuda_graph_max_batch=64)
     fast = ModelRunner(dataclasses.replace(base, attention_backend="flashinfer", cuda_graphs=True))
@@ -196,9 +208,17 @@ def compare(emit, name: str, model_dir: Path, load_format: str, dtype: str, num_
     common = dict(metric="backend_parity", model=name, dtype=dtype, prompts=len(prompts), new_tokens=tokens,
                   identical_weights=same_w, training=training, fast="flashinfer+fused kernels+cuda graphs",
                   ref="torch backend, same dtype", fp32="torch backend, float32 copy of the same weights")
-    fast_fp8 = {"fast_fp8": ModelRunner(dataclasses.replace(base, attention_backend="flashinfer", cuda_graphs=True,
-                                                            kv_cache_dtype="fp8"))} if fp8_kv else {}
-    runners = {"fast": fast, **fast_fp8, "ref": ref, "fp32": fp32}   # pair (a, b): b is the reference
+    fi = dataclasses.replace(base, attention_backend="flashinfer", cuda_graphs=True)
+    extra = {}
+    if attention_only:
+        extra["fi_attn"] = _runner(dataclasses.replace(fi, cuda_graphs=False), fused_kernels=False)
+    if xqa:
+        extra["fast_xqa"] = ModelRunner(dataclasses.replace(fi, decode_kernel="xqa"))
+    if fp8_kv:
+        extra["fast_fp8"] = ModelRunner(dataclasses.replace(fi, kv_cache_dtype="fp8"))
+    if fp8_kv and xqa:
+        extra["fast_fp8_xqa"] = ModelRunner(dataclasses.replace(fi, kv_cache_dtype="fp8", decode_kernel="xqa"))
+    runners = {"fast": fast, **extra, "ref": ref, "fp32": fp32}   # pair (a, b): b is the reference
     forced = lockstep(runners, prompts, tokens, oracle="fp32")
     free = lockstep(runners, prompts, tokens, oracle=None)
     f, r, fr = forced["fast_vs_fp32"], forced["ref_vs_fp32"], forced["fast_vs_ref"]
@@ -218,12 +238,16 @@ def main() -> None:
     ap.add_argument("--models", default=f"{TRAINED},small-hd128,llama-3.2-1b")
     ap.add_argument("--dtypes", default="bfloat16,float16")
     ap.add_argument("--fp8-kv", action="store_true", help="also the fast path with an fp8 KV cache")
+    ap.add_argument("--xqa", action="store_true", help="also the fast path with the XQA decode kernel")
+    ap.add_argument("--attention-only", action="store_true",
+                    help="also FlashInfer attention alone in the torch model (no fused kernels, no graphs)")
     args = ap.parse_args()
     emit = Emitter("correctness", args.out)
     for name in args.models.split(","):
         model_dir, load_format = _model_dir(name)
         for dtype in args.dtypes.split(","):
-            compare(emit, name, model_dir, load_format, dtype, args.prompts, args.tokens, args.fp8_kv)
+            compare(emit, name, model_dir, load_format, dtype, args.prompts, args.tokens, args.fp8_kv, args.xqa,
+                    args.attention_only)
             gc.collect()
             torch.cuda.empty_cache()
     if "small-hd128" in args.models:

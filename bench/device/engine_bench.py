@@ -10,7 +10,8 @@ spends before its launch, decode throughput at batch 8..128 with ~1k-token conte
 K/V-write micro-benchmark (with RoPE + K/V write: FlashInfer + index_copy_ against the fused Triton
 kernel, eager and inside a CUDA graph), and HF transformers `generate` on the same architecture as
 the baseline. SPLITSERVE_FUSED_ROPE_KV=0 runs the model without the fused kernel (field fused_rope_kv).
-`--kv-cache-dtypes auto,fp8` repeats every section with each KV cache dtype. Section `offline` (not in
+`--kv-cache-dtypes auto,fp8` repeats every section with each KV cache dtype, `--decode-kernels
+flashinfer,xqa` with each decode attention kernel. Section `offline` (not in
 the default --only): the 1k/1k serving workload inside the engine, no HTTP — a closed loop of 128
 requests (InferenceMAX lengths: input and output uniform in [0.8 × 1024, 1024]), output tok/s.
 """
@@ -25,7 +26,7 @@ import time
 
 import torch
 
-from common import Emitter, cuda_time_ms, measure_ceilings  # noqa: E402  (sets sys.path)
+from common import Emitter, cuda_time_ms, graph_us, measure_ceilings  # noqa: E402  (sets sys.path)
 from engine.engine import Engine  # noqa: E402
 from engine.loader import write_arch_dir  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
@@ -192,17 +193,6 @@ def bench_prefill(emit, runner, sizes, ceil, common, prompt_len=4096, n=4) -> No
          note="ceiling counts 2*layer_params FLOPs per token (no attention FLOPs, no lm_head: one row)")
 
 
-def _graph_us(fn, calls: int = 32) -> float:
-    """Device µs of one fn() when `calls` of them replay from one CUDA graph (graph launch costs)."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    return cuda_time_ms(g.replay, 20) * 1e3 / calls
-
-
 def bench_kv_write(emit, runner, common) -> None:
     from engine.attention.base import write_kv, write_kv_rows
     from engine.kernels import rope_kv
@@ -237,13 +227,13 @@ def bench_kv_write(emit, runner, common) -> None:
             write_kv_rows(layer, kk.view(t, hkv, d), vv.view(t, hkv, d), rows)
 
         res["rope_write_kv_rows_us"] = cuda_time_ms(unfused, 50) * 1e3
-        res["graph32_rope_write_kv_rows_us"] = _graph_us(unfused)
+        res["graph32_rope_write_kv_rows_us"] = graph_us(unfused)
         if rope_kv.available() and rope_kv.supports(d):
             def fused():
                 rope_kv.rope_and_write_kv(qkv, rope_pos, cs, layer, rows, h, hkv, d)
 
             res["fused_rope_kv_us"] = cuda_time_ms(fused, 50) * 1e3
-            res["graph32_fused_rope_kv_us"] = _graph_us(fused)
+            res["graph32_fused_rope_kv_us"] = graph_us(fused)
         emit(**common, metric="kv_write_one_layer", tokens=t, **{a: round(b, 2) for a, b in res.items()})
 
 
@@ -343,23 +333,27 @@ def main() -> None:
     ap.add_argument("--decode-tensor-cores", default="auto", choices=["auto", "on", "off"],
                     help="FlashInfer decode on tensor cores (auto: the engine's default, on for GQA >= 4)")
     ap.add_argument("--kv-cache-dtypes", default="auto", help="comma list of auto|fp8: each runs every section")
+    ap.add_argument("--decode-kernels", default="auto", help="comma list of auto|flashinfer|xqa: each runs every section")
     ap.add_argument("--offline-budget", type=int, default=2048, help="offline: max_num_batched_tokens per step")
     args = ap.parse_args()
     emit = Emitter("engine_bench", args.out)
     ceil = measure_ceilings()
     emit(metric="ceilings", **ceil)
     only = set(args.only.split(","))
-    for arch, kv_dtype in [(a, k) for a in args.models.split(",") for k in args.kv_cache_dtypes.split(",")]:
+    cases = [(a, k, d) for a in args.models.split(",") for k in args.kv_cache_dtypes.split(",")
+             for d in args.decode_kernels.split(",")]
+    for arch, kv_dtype, decode_kernel in cases:
         model_dir = write_arch_dir(arch, f"/tmp/splitserve-models/{arch}")
         cfg = EngineConfig(model=str(model_dir), load_format="dummy", num_blocks=args.num_blocks,
                            max_model_len=8192, max_num_seqs=256, max_num_batched_tokens=8192,
-                           enable_prefix_caching=False, kv_cache_dtype=kv_dtype,
+                           enable_prefix_caching=False, kv_cache_dtype=kv_dtype, decode_kernel=decode_kernel,
                            decode_tensor_cores={"auto": None, "on": True, "off": False}[args.decode_tensor_cores])
         t0 = time.perf_counter()
         runner = ModelRunner(cfg)
         sizes = model_sizes(runner)
         common = {"model": arch, "weights": "dummy-bf16", "attention": runner.backend.name,
                   "decode_tensor_cores": getattr(runner.backend, "decode_tensor_cores", None),
+                  "decode_kernel": getattr(runner.backend, "decode_kernel", None),
                   "fused_rope_kv": runner.model.layers[0].self_attn.rope_kv is not None,
                   "kv_cache_dtype": str(runner.kv_cache.dtype).removeprefix("torch."),
                   "block_size": cfg.block_size, "num_blocks": cfg.num_blocks}
@@ -381,7 +375,7 @@ def main() -> None:
         del runner
         gc.collect()
         torch.cuda.empty_cache()
-        if "hf" in only and not args.skip_hf and kv_dtype == args.kv_cache_dtypes.split(",")[0]:
+        if "hf" in only and not args.skip_hf and (kv_dtype, decode_kernel) == cases[0][1:]:
             try:
                 bench_hf(emit, str(model_dir), {"model": arch, "weights": "dummy-bf16", "impl": "hf-transformers"})
             except Exception as e:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command on the GPU machine, from the repository root there:
-#   bench/device/run.sh [pytest] [bench] [bench_cc] [correctness] [serve] [gemv] ...
+#   bench/device/run.sh [pytest] [bench] [bench_cc] [kernels] [correctness] [serve] [gemv] ...
 # (bench: the engine's defaults; bench_cc: the same with the CUDA-core decode kernel, to compare)
 # Installs the wheels from $WHL_DIRS (default: .whl .whl_web, carried beside the tree) into .site once,
 # keeps FlashInfer's JIT cache in .fiws (both survive between calls while the machine stays warm), and
@@ -38,6 +38,8 @@ for stage in "$@"; do
                    ${CORR_ARGS:-} 2>&1 | tee "$OUT/correctness.log" | grep -v Warning | tail -40 ;;
     serve) timeout "$(left 0 "${T_SERVE:-560}")" python3 bench/device/serve_e2e.py --out "$OUT" \
              ${SERVE_ARGS:---arch llama-3.1-8b --scenario 1k1k --concurrency 4,16,64,128} 2>&1 | tail -40 | tee "$OUT/serve.log" ;;
+    kernels) timeout "$(left 0 "${T_KERNELS:-300}")" python3 bench/device/decode_kernels.py --out "$OUT/decode_kernels.jsonl" \
+               ${KERNELS_ARGS:-} 2>&1 | tee "$OUT/decode_kernels.log" | grep -v Warning ;;
     gemv) timeout "$(left 0 120)" python3 bench/device/gemv_layouts.py --out "$OUT/gemv_layouts.jsonl" 2>&1 | grep -v Warning ;;
     *) echo "unknown stage $stage" ;;
   esac

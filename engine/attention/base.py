@@ -22,6 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -92,3 +93,14 @@ def write_kv_rows(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_r
     flat = scatterable(kv_layer.view(-1, kv_layer.shape[-2], kv_layer.shape[-1]))   # (N * 2 * bs, Hkv, D)
     flat.index_copy_(0, kv_rows[0], scatterable(k.to(kv_layer.dtype)))
     flat.index_copy_(0, kv_rows[1], scatterable(v.to(kv_layer.dtype)))
+
+
+def fill_page_table(indptr: np.ndarray, indices: np.ndarray, last_page_len: np.ndarray, block_size: int,
+                    lens_out: np.ndarray, table_out: np.ndarray) -> None:
+    """The CSR page list (kv_indptr, kv_indices, kv_last_page_len) as a padded page table, the layout
+    of XQA and TensorRT-LLM kernels: row i of `table_out` (S, >= max pages) starts with sequence i's
+    pages (the rest of the row is left as it was), and `lens_out[i]` is its length in tokens."""
+    counts = np.diff(indptr)
+    lens_out[:] = (counts - 1) * block_size + last_page_len
+    rows = np.repeat(np.arange(len(counts)), counts)
+    table_out[rows, np.arange(len(indices)) - np.repeat(indptr[:-1], counts)] = indices

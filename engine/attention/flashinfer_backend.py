@@ -3,8 +3,10 @@ mixed steps through BatchPrefillWithPagedKVCacheWrapper (causal, each sequence's
 end of its context; fa2 kernels whenever decode rows ride along), decode-only steps through
 BatchDecodeWithPagedKVCacheWrapper, and one CUDA-graph decode wrapper per captured batch size.
 
-Decode runs on tensor cores (FlashInfer's prefill kernel, a GQA group's query heads together) or on
-the CUDA-core decode kernel. `plan()` runs once per step on host-side CSR arrays in pinned memory and
+Decode runs on tensor cores (FlashInfer's prefill kernel, a GQA group's query heads together), on
+the CUDA-core decode kernel, or (decode_kernel="xqa") on TensorRT-LLM's XQA kernel as FlashInfer ships
+it: no plan at all, a padded page table and the sequence lengths in device buffers (`_XqaDecode`);
+on Hopper with an fp8 cache it is a wgmma kernel that also rounds q and the softmax to e4m3. `plan()` runs once per step on host-side CSR arrays in pinned memory and
 never waits for the device (async scheduling plans step N+1 while step N runs); `forward()` per layer writes
 the step's K/V with two index_copy_ kernels and runs the planned wrapper (`attend()`: the wrapper
 alone, for a model that wrote K/V at `step_kv_rows()` itself). For a CUDA graph,
@@ -24,7 +26,7 @@ import flashinfer  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from engine.attention.base import AttentionBackend, AttentionMetadata, write_kv_rows  # noqa: E402
+from engine.attention.base import AttentionBackend, AttentionMetadata, fill_page_table, write_kv_rows  # noqa: E402
 
 _WORKSPACE_BYTES = 256 << 20
 
@@ -34,7 +36,8 @@ class FlashInferAttention(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
                  dtype: torch.dtype = torch.bfloat16, decode_tensor_cores: bool = False,
-                 kv_dtype: torch.dtype | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None, decode_kernel: str = "flashinfer",
+                 max_batch: int = 256, max_pages_per_seq: int = 256) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         # an fp8 KV cache with bf16/fp16 queries runs FlashInfer's fa2 kernels (its fa3 ones want fp8 q)
         self.device, self.dtype, self.kv_dtype = device, dtype, kv_dtype or dtype
@@ -59,13 +62,21 @@ class FlashInferAttention(AttentionBackend):
         # see plan_graph; off: plan() on every step. The tensor-core kernel's plan splits the KV by
         # tokens, not pages, so it is never reused.
         self.reuse_decode_plans = not decode_tensor_cores
+        if decode_kernel not in ("flashinfer", "xqa"):
+            raise ValueError(f"decode_kernel must be flashinfer or xqa, got {decode_kernel!r}")
+        self.decode_kernel = decode_kernel
+        self.xqa = _XqaDecode(max_batch, max_pages_per_seq, head_dim, device) if decode_kernel == "xqa" else None
 
     # ---- planning (host side, outside any graph) ----------------------------------------------
     def plan(self, md: AttentionMetadata) -> None:
         self._kv_rows = md.kv_rows
         if md.is_decode_only:
-            self._plan_decode(self.decode, md)
-            self._active = self.decode
+            if self.xqa is not None:
+                self.xqa.load(md)
+                self._active = self.xqa
+            else:
+                self._plan_decode(self.decode, md)
+                self._active = self.decode
         else:
             w = self.prefill_mixed if 1 in md.query_lens else self.prefill
             w.plan(md.qo_indptr_host, md.kv_indptr_host, md.kv_indices_host, md.kv_last_page_len_host,
@@ -82,6 +93,11 @@ class FlashInferAttention(AttentionBackend):
         page ids and last-page lengths from device buffers that we own. So while kv_indptr is
         unchanged (15 of 16 decode steps at block size 16), only those two buffers are refreshed
         and plan() — ~0.2 ms of Python and a host-side split computation — is skipped."""
+        self._kv_rows = kv_rows_static[:, :batch_size]
+        if self.xqa is not None:                   # its buffers are the graph's for every size
+            self.xqa.load(md)
+            self._active = self.xqa
+            return
         g = self._graph_wrappers.get(batch_size)
         if g is None:
             g = _GraphDecode(self.workspace, batch_size, max_num_pages, self.device, self.decode_kwargs)
@@ -102,7 +118,6 @@ class FlashInferAttention(AttentionBackend):
             self._plan_decode(g.wrapper, md, stage)
             g.planned_indptr = indptr.copy()
         self._active = g.wrapper
-        self._kv_rows = kv_rows_static[:, :batch_size]
 
     def _plan_decode(self, w, md: AttentionMetadata, indices: torch.Tensor | None = None) -> None:
         w.plan(md.kv_indptr_host, md.kv_indices_host if indices is None else indices, md.kv_last_page_len_host,
@@ -120,6 +135,54 @@ class FlashInferAttention(AttentionBackend):
 
     def attend(self, layer: int, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
         return self._active.run(q, kv_layer)
+
+
+class _XqaDecode:
+    """Decode attention with XQA (flashinfer.decode.xqa_batch_decode_with_kv_cache). The kernel reads
+    each sequence's pages from a (batch, max_pages_per_seq) table and its length from a vector;
+    both live in fixed device buffers sized for the largest batch, so one set serves eager steps and
+    every CUDA graph (a graph replays with the rows its `load` wrote). `load` builds the rows on
+    the host from the step's CSR page list and uploads them with one copy from pinned memory; the
+    table's width is fixed (the kernel's max_seq_len is width * block size, baked into a graph)."""
+
+    _SEMAPHORE_BYTES = 8 << 20                 # the kernel's layout: semaphores, then scratch
+
+    def __init__(self, max_batch: int, max_pages_per_seq: int, head_dim: int, device) -> None:
+        self.width = max_pages_per_seq
+        self.scale = head_dim ** -0.5
+        self.table = torch.zeros(max_batch, self.width, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        # multi-block partial results: per (sequence, KV head, split) a head's output and its
+        # softmax max/sum; splits are used at small batches only. Zeroed: the semaphores must be.
+        self.workspace = torch.zeros(self._SEMAPHORE_BYTES + (64 << 20), dtype=torch.uint8, device=device)
+        # staging: lengths, then the used columns of the table as a dense (b, w) block
+        self._host = torch.zeros(max_batch * (self.width + 1), dtype=torch.int32, pin_memory=True)
+        self._dev = torch.zeros_like(self._host, device=device)
+        self._uploaded = torch.cuda.Event()
+
+    def load(self, md: AttentionMetadata) -> None:
+        indptr = md.kv_indptr_host.numpy()
+        indices = md.kv_indices_host.numpy()
+        b = len(indptr) - 1
+        counts = np.diff(indptr)
+        w = int(counts.max()) if b else 0
+        if b > len(self.seq_lens) or w > self.width:
+            raise ValueError(f"XQA decode buffers hold {len(self.seq_lens)} sequences of {self.width} "
+                             f"pages; this step has {b} of up to {w}")
+        self._uploaded.synchronize()           # the previous upload has left the staging buffer
+        h = self._host.numpy()
+        fill_page_table(indptr, indices, md.kv_last_page_len_host.numpy(), md.block_size, h[:b],
+                        h[b:b + b * w].reshape(b, w))
+        self._dev[:b + b * w].copy_(self._host[:b + b * w], non_blocking=True)
+        self._uploaded.record()
+        self.seq_lens[:b].copy_(self._dev[:b])
+        self.table[:b, :w].copy_(self._dev[b:b + b * w].view(b, w))
+
+    def run(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
+        b = q.shape[0]
+        return flashinfer.decode.xqa_batch_decode_with_kv_cache(
+            q, kv_layer, self.workspace, self.table[:b], self.seq_lens[:b].view(torch.uint32),
+            self.width * kv_layer.shape[2], bmm1_scale=self.scale, bmm2_scale=1.0)
 
 
 class _GraphDecode:

@@ -83,6 +83,36 @@ def test_host_step_matches_per_token_definition():
     assert not s.is_decode_only
 
 
+def test_padded_page_table_from_the_host_step():
+    """XQA's page table: row i holds sequence i's pages, its length is its context; cells past a
+    row's pages keep what was there (the kernel reads only a sequence's own pages)."""
+    from engine.attention.base import fill_page_table
+    bs = 4
+    rng = np.random.default_rng(1)
+    chunks = []
+    for i, total in enumerate([1, 4, 5, 13, 2]):
+        r = Request.new(str(i), rng.integers(0, 100, total).tolist(), SamplingParams())
+        r.block_ids = rng.permutation(40)[: -(-total // bs)].tolist()
+        chunks.append(_chunk(r, total - 1, 1))
+    s = build_host_step(chunks, bs)
+    lens, table = np.zeros(5, np.int32), np.full((5, 6), -7, np.int32)
+    fill_page_table(s.kv_indptr, s.kv_indices, s.kv_last_page_len, bs, lens, table)
+    assert lens.tolist() == [1, 4, 5, 13, 2]
+    for i, c in enumerate(chunks):
+        n = len(c.request.block_ids)
+        assert table[i, :n].tolist() == c.request.block_ids
+        assert (table[i, n:] == -7).all()
+
+
+def test_xqa_decode_kernel_is_refused_off_hopper():
+    from engine.model_runner import resolve_decode_kernel
+    assert resolve_decode_kernel("auto", torch.device("cpu"), torch.float32) == "flashinfer"
+    with pytest.raises(ValueError, match="compute capability 9.0"):
+        resolve_decode_kernel("xqa", torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="auto, flashinfer or xqa"):
+        resolve_decode_kernel("fast", torch.device("cpu"), torch.float32)
+
+
 def test_dummy_format_is_seeded_and_runs(tmp_path):
     d = write_arch_dir("llama-3.2-1b", tmp_path / "m", hidden_size=128, num_hidden_layers=2,
                        intermediate_size=256, vocab_size=512, num_attention_heads=4, num_key_value_heads=2,
