@@ -73,8 +73,17 @@ class AttentionBackend(ABC):
 
 def scatterable(t: torch.Tensor) -> torch.Tensor:
     """`t` as a tensor that scatter ops accept: float8 as its bytes (torch has no index_copy_ or
-    index_put_ for float8 on the CPU). Casting to the fp8 cache dtype first saturates at ±448."""
+    index_put_ for float8 on the CPU)."""
     return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` in the cache's dtype. e4m3 saturates at ±448, as vLLM's fp8 cache writes and the fused
+    Triton kernel do: torch's own cast turns anything beyond ±448 into NaN, which would poison
+    every later attention over that block."""
+    if dtype == torch.float8_e4m3fn:
+        x = x.clamp(-448.0, 448.0)
+    return x.to(dtype)
 
 
 def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
@@ -83,16 +92,16 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping - blocks * block_size
     cache = scatterable(kv_layer)
-    cache[blocks, 0, offsets] = scatterable(k.to(kv_layer.dtype))
-    cache[blocks, 1, offsets] = scatterable(v.to(kv_layer.dtype))
+    cache[blocks, 0, offsets] = scatterable(to_cache(k, kv_layer.dtype))
+    cache[blocks, 1, offsets] = scatterable(to_cache(v, kv_layer.dtype))
 
 
 def write_kv_rows(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_rows: torch.Tensor) -> None:
     """The same scatter as `write_kv` in two index_copy_ kernels, with rows computed once per step
     (write_kv launches ~8 kernels per layer: div, sub and two advanced-index puts)."""
     flat = scatterable(kv_layer.view(-1, kv_layer.shape[-2], kv_layer.shape[-1]))   # (N * 2 * bs, Hkv, D)
-    flat.index_copy_(0, kv_rows[0], scatterable(k.to(kv_layer.dtype)))
-    flat.index_copy_(0, kv_rows[1], scatterable(v.to(kv_layer.dtype)))
+    flat.index_copy_(0, kv_rows[0], scatterable(to_cache(k, kv_layer.dtype)))
+    flat.index_copy_(0, kv_rows[1], scatterable(to_cache(v, kv_layer.dtype)))
 
 
 def fill_page_table(indptr: np.ndarray, indices: np.ndarray, last_page_len: np.ndarray, block_size: int,

@@ -180,8 +180,8 @@ class _XqaDecode:
 
     def run(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
         b = q.shape[0]
-        return flashinfer.decode.xqa_batch_decode_with_kv_cache(
-            q, kv_layer, self.workspace, self.table[:b], self.seq_lens[:b].view(torch.uint32),
+        return flashinfer.decode.xqa_batch_decode_with_kv_cache(   # it reads q as dense rows
+            q.contiguous(), kv_layer, self.workspace, self.table[:b], self.seq_lens[:b].view(torch.uint32),
             self.width * kv_layer.shape[2], bmm1_scale=self.scale, bmm2_scale=1.0)
 
 

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 flashinfer = pytest.importorskip("flashinfer")
 
-from engine.attention.base import write_kv_rows  # noqa: E402
+from engine.attention.base import to_cache, write_kv_rows  # noqa: E402
 from engine.kernels import rope_kv  # noqa: E402
 from engine.rope import RotaryEmbedding  # noqa: E402
 
@@ -68,7 +68,7 @@ def _assert_matches(qkv, cache, ref_qkv, ref_cache, before, rows, h, hkv, d):
         torch.testing.assert_close(flat[rows[0]].float(), ref_flat[rows[0]].float(), **tol)
 
     def same(a, b):                                   # bitwise, fp8 included
-        return torch.equal(a.view(torch.uint8), b.to(a.dtype).view(torch.uint8))
+        return torch.equal(a.view(torch.uint8), to_cache(b, a.dtype).view(torch.uint8))
     assert same(flat[rows[0]], qkv[:, h * d:(h + hkv) * d].view(t, hkv, d))  # the roped k itself, cast
     assert same(flat[rows[1]], before[0][:, (h + hkv) * d:].view(t, hkv, d))  # v, exactly (cast)
     untouched = torch.ones(flat.shape[0], dtype=torch.bool, device=DEV)

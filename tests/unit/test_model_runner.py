@@ -104,6 +104,20 @@ def test_padded_page_table_from_the_host_step():
         assert (table[i, n:] == -7).all()
 
 
+def test_fp8_cache_writes_saturate_instead_of_nan():
+    """torch's e4m3 cast makes NaN of anything past ±448; the cache write clamps (as the fused
+    Triton kernel does), so one large key cannot poison attention over its block."""
+    from engine.attention.base import to_cache, write_kv_rows
+    x = torch.tensor([[[1000.0, -1e4, 448.0, 0.3]]])
+    assert x.to(torch.float8_e4m3fn).float().isnan().any()          # why to_cache exists
+    assert to_cache(x, torch.float8_e4m3fn).float().tolist() == [[[448.0, -448.0, 448.0, 0.3125]]]
+    cache = torch.zeros(2, 2, 2, 1, 4, dtype=torch.float8_e4m3fn)  # (blocks, k|v, bs, Hkv, D)
+    write_kv_rows(cache, x, -x, torch.tensor([[1], [3]]))
+    flat = cache.view(-1, 1, 4).float()
+    assert flat[1].tolist() == [[448.0, -448.0, 448.0, 0.3125]] and flat[3].tolist() == [[-448.0, 448.0, -448.0, -0.3125]]
+    assert not cache.float().isnan().any()
+
+
 def test_xqa_decode_kernel_is_refused_off_hopper():
     from engine.model_runner import resolve_decode_kernel
     assert resolve_decode_kernel("auto", torch.device("cpu"), torch.float32) == "flashinfer"
