@@ -10,7 +10,8 @@ tokenizer's vocabulary and `ignore_eos`, so every request produces exactly its m
 are bench serve's for a scenario (InferenceMAX's: each drawn from [0.8 N, N]) unless
 --random-range-ratio is given. --serve-args appends flags to `splitserve serve`, shell-quoted, e.g.
 `--serve-args="--max-num-seqs 256 --no-cuda-graphs"` (with `=`, so that a value starting with `--`
-is not read as an option).
+is not read as an option); repeated, each adds (`--serve-args=--kv-cache-dtype=fp8
+--serve-args=--decode-kernel=xqa`, the form that survives run.sh's word splitting).
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def main() -> int:
     ap.add_argument("--decode-workers", type=int, default=1)
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--label", default="H100")
-    ap.add_argument("--serve-args", "--extra", default="",
-                    help="extra flags for splitserve serve, shell-quoted")
+    ap.add_argument("--serve-args", "--extra", action="append", default=[],
+                    help="extra flags for splitserve serve, shell-quoted; repeatable (each adds)")
     ap.add_argument("--tag", default="", help="added to the output file names and the plot label, e.g. fp8kv")
     args = ap.parse_args()
     bench_args = bench_serve_args(args)
@@ -84,7 +85,7 @@ def main() -> int:
                               args.arch, "--load-format", "dummy", "--device", "cuda", "--prefill-workers", "0",
                               "--decode-workers", str(args.decode_workers), "--http-port", "8000",
                               "--kv-memory-fraction", str(round(0.85 / args.decode_workers, 3)),
-                              *shlex.split(args.serve_args)], env=env, cwd=ROOT)
+                              *shlex.split(" ".join(args.serve_args))], env=env, cwd=ROOT)
     try:
         deadline = time.monotonic() + 400
         while True:

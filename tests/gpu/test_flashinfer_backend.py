@@ -105,10 +105,15 @@ def test_engine_greedy_agrees_with_torch_backend(tmp_path, kv_cache_dtype, decod
     assert fast.graphs is not None and fast.kv_cache.dtype == ref.kv_cache.dtype
     r = lockstep({"fast": fast, "ref": ref}, _prompts(12, 2048, 3), 16, oracle="ref")["fast_vs_ref"]
     # fp8: where the two bf16 keys differ by an ulp across an e4m3 rounding boundary, the cached
-    # values differ by an fp8 ulp (2^-3 relative): H100, 3129c52: agreement 0.99, rel. err max 0.026
+    # values differ by an fp8 ulp (2^-3 relative): H100, 3129c52: agreement 0.99, rel. err max 0.026.
+    # fp8 with XQA also rounds q and the softmax weights to e4m3; on these random weights' flat
+    # logits that flips more tokens: H100, 0a69223: agreement 0.958, rel. err median 0.020, max 0.049
+    # (on a trained model it matches FlashInfer's fp8 agreement: bench/device/correctness.py)
     print(r)
-    assert r["token_agreement"] >= 0.97, r
-    assert r["logits_rel_err_max"] <= (2e-2 if kv_cache_dtype == "auto" else 5e-2), r
+    fp8_math = kv_cache_dtype == "fp8" and decode_kernel == "xqa"
+    assert r["token_agreement"] >= (0.93 if fp8_math else 0.97), r
+    assert r["logits_rel_err_median"] <= (3e-2 if fp8_math else 2e-2), r
+    assert r["logits_rel_err_max"] <= (2e-2 if kv_cache_dtype == "auto" else 8e-2 if fp8_math else 5e-2), r
 
 
 @pytest.mark.parametrize("decode_kernel", ["flashinfer", "xqa"])
