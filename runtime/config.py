@@ -31,7 +31,7 @@ class EngineConfig:
     cuda_graph_max_batch: int = 256         # largest captured decode batch (sizes 1,2,4,8,16,...)
     async_scheduling: bool | None = None    # schedule step N+1 while step N runs; None: on with CUDA / mock
     decode_tensor_cores: bool | None = None  # FlashInfer decode on tensor cores; None: for GQA groups >= 4
-    decode_kernel: str = "auto"             # auto | flashinfer | xqa (TensorRT-LLM's XQA via FlashInfer, SM90+)
+    decode_kernel: str = "auto"             # auto (xqa for fp8 KV on Hopper) | flashinfer | xqa (TensorRT-LLM's, SM90+)
     load_format: str = "auto"               # auto (safetensors) | dummy (random weights from config.json)
     seed: int = 0
     mock: bool = False                      # run no model: engine/mock_runner.py's timing model

@@ -38,7 +38,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="FlashInfer decode attention on tensor cores (auto: for GQA groups of 4 or more)")
     p.add_argument("--decode-kernel", default="auto", choices=["auto", "flashinfer", "xqa"],
                    help="decode attention kernel: FlashInfer's, or XQA (TensorRT-LLM's, shipped by FlashInfer; "
-                        "Hopper or newer). auto: see docs/performance.md")
+                        "Hopper or newer). auto: XQA for --kv-cache-dtype fp8 on Hopper, FlashInfer otherwise")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights from config.json (benchmarks without a checkpoint)")
     p.add_argument("--kv-memory-fraction", type=float, default=0.85,
