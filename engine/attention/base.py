@@ -79,8 +79,8 @@ def scatterable(t: torch.Tensor) -> torch.Tensor:
 
 def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`x` in the cache's dtype. e4m3 saturates at ±448, as vLLM's fp8 cache writes and the fused
-    Triton kernel do: torch's own cast turns anything beyond ±448 into NaN, which would poison
-    every later attention over that block."""
+    Triton kernel do: torch's CUDA cast turns anything beyond ±448 into NaN (measured with torch 2.11
+    on the H100; its CPU cast saturates), which would poison every later attention over that block."""
     if dtype == torch.float8_e4m3fn and x.dtype != dtype:
         x = x.clamp(-448.0, 448.0)
     return x.to(dtype)

@@ -6,8 +6,9 @@ BatchDecodeWithPagedKVCacheWrapper, and one CUDA-graph decode wrapper per captur
 Decode runs on tensor cores (FlashInfer's prefill kernel, a GQA group's query heads together), on
 the CUDA-core decode kernel, or (decode_kernel="xqa") on TensorRT-LLM's XQA kernel as FlashInfer ships
 it: no plan at all, a padded page table and the sequence lengths in device buffers (`_XqaDecode`);
-on Hopper with an fp8 cache it is a wgmma kernel that also rounds q and the softmax to e4m3. `plan()` runs once per step on host-side CSR arrays in pinned memory and
-never waits for the device (async scheduling plans step N+1 while step N runs); `forward()` per layer writes
+on Hopper with an fp8 cache it is a wgmma kernel that also rounds q and the softmax to e4m3.
+`plan()` runs once per step on host-side CSR arrays in pinned memory and never waits for the device
+(async scheduling plans step N+1 while step N runs); `forward()` per layer writes
 the step's K/V with two index_copy_ kernels and runs the planned wrapper (`attend()`: the wrapper
 alone, for a model that wrote K/V at `step_kv_rows()` itself). For a CUDA graph,
 `plan_graph(batch_size, metadata)` plans that size's wrapper into its fixed buffers and makes the
@@ -26,7 +27,8 @@ import flashinfer  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from engine.attention.base import AttentionBackend, AttentionMetadata, fill_page_table, write_kv_rows  # noqa: E402
+from engine.attention.base import (AttentionBackend, AttentionMetadata, fill_page_table,  # noqa: E402
+                                   write_kv_rows)
 
 _WORKSPACE_BYTES = 256 << 20
 

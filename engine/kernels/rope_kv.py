@@ -5,8 +5,9 @@ It replaces FlashInfer's `apply_rope_with_cos_sin_cache_inplace` plus the two `i
 of `write_kv_rows` — three launches per layer, ~2-4 µs each at batch 1 even inside a CUDA graph —
 and computes the same function: cos/sin from the float32 table `cos_sin_cache` (P, D) laid out as
 [cos (D/2) | sin (D/2)] per position (CausalLM.setup_rope), arithmetic in float32, results stored in
-the tensors' dtype (an fp8 cache: saturated at ±448 like engine.attention.base.to_cache). It knows nothing about blocks
-or sequences: the caller gives the cache row of every new key and value (AttentionMetadata.kv_rows).
+the tensors' dtype (an fp8 cache: saturated at ±448 like engine.attention.base.to_cache). It knows
+nothing about blocks or sequences: the caller gives the cache row of every new key and value
+(AttentionMetadata.kv_rows).
 
 Triton is imported here only, and guarded: on a machine without it `available()` is False and the
 model keeps the unfused kernels.
