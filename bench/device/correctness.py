@@ -142,7 +142,7 @@ def lockstep(runners: dict[str, ModelRunner], prompts, tokens: int, oracle: str 
     finally:
         for r in runners.values():
             del r.execute
-    result = {}
+    result = {"_continuations": seqs} if oracle is None else {}
     for (a, b), s in st.items():
         result[f"{a}_vs_{b}"] = {
             "token_agreement": round(s["agree"] / s["total"], 5), "tokens_compared": s["total"],
@@ -152,6 +152,21 @@ def lockstep(runners: dict[str, ModelRunner], prompts, tokens: int, oracle: str 
                 sum(seqs[a][k] == seqs[b][k] for k in seqs[a]) / len(prompts), 4),
             "flip_ref_margins": s["margins"][:12], "flip_max_abs_logit_diff": s["diffs"][:12]}
     return result
+
+
+def alone(runner: ModelRunner, prompts, tokens: int) -> dict[str, list[int]]:
+    """Greedy continuations with each prompt run by itself (one sequence at a time, lockstep's other
+    settings): the batch-invariance control. The same code and weights, only the batch around each
+    row differs, so GEMM and attention kernels pick other tilings and reduction orders."""
+    cfg = dataclasses.replace(runner.cfg, max_num_batched_tokens=1024, async_scheduling=False, max_num_seqs=1)
+    engine = Engine(cfg, runner)
+    seqs = {str(i): [] for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        engine.add_request(Request.new(str(i), p, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)))
+    while engine.has_work:
+        for o in engine.step():
+            seqs[o.request_id].extend(o.new_token_ids)
+    return seqs
 
 
 def check_sampling(emit) -> None:
@@ -185,12 +200,15 @@ def _runner(cfg: EngineConfig, fused_kernels: bool = True) -> ModelRunner:
 
 
 def compare(emit, name: str, model_dir: Path, load_format: str, dtype: str, num_prompts: int, tokens: int,
-            fp8_kv: bool = False, xqa: bool = False, attention_only: bool = False) -> None:
+            fp8_kv: bool = False, xqa: bool = False, attention_only: bool = False,
+            batch_control: bool = False) -> None:
     """Both passes for one model and dtype; emits a record for each. Optional runners, compared
     against the same references: fp8_kv adds fast_fp8, the fast path with an fp8 KV cache; xqa adds
     fast_xqa (and fast_fp8_xqa), the fast path with the XQA decode kernel; attention_only adds
     fi_attn, FlashInfer attention in an otherwise torch model (no fused kernels, no graphs), which
-    splits fast_vs_ref into the attention kernels' share and the rest's."""
+    splits fast_vs_ref into the attention kernels' share and the rest's. batch_control reruns fast
+    and ref with each prompt alone and reports how many continuations match the same engine's
+    batched ones: the identity that an implementation reaches against itself."""
     base = EngineConfig(model=str(model_dir), load_format=load_format, dtype=dtype, num_blocks=2048,
                         max_model_len=4096, enable_prefix_caching=False, seed=7, cuda_graph_max_batch=64)
     fast = ModelRunner(dataclasses.replace(base, attention_backend="flashinfer", cuda_graphs=True))
@@ -223,6 +241,14 @@ def compare(emit, name: str, model_dir: Path, load_format: str, dtype: str, num_
     runners = {"fast": fast, **extra, "ref": ref, "fp32": fp32}   # pair (a, b): b is the reference
     forced = lockstep(runners, prompts, tokens, oracle="fp32", references=("ref", "fp32"))
     free = lockstep(runners, prompts, tokens, oracle=None, references=("ref", "fp32"))
+    batched = free.pop("_continuations")
+    if batch_control:
+        for n in ("fast", "ref"):
+            solo = alone(runners[n], prompts, tokens)
+            free[f"{n}_alone_vs_{n}_batched"] = {"continuations_identical": round(
+                sum(solo[k] == batched[n][k] for k in solo) / len(prompts), 4)}
+            free[f"{n}_alone_vs_fp32_batched"] = {"continuations_identical": round(
+                sum(solo[k] == batched["fp32"][k] for k in solo) / len(prompts), 4)}
     f, r, fr = forced["fast_vs_fp32"], forced["ref_vs_fp32"], forced["fast_vs_ref"]
     passed = free["fast_vs_ref"]["continuations_identical"] >= 0.99 and fr["logits_rel_err_max"] <= 1e-2
     emit(**common, mode="teacher_forced_on_fp32", **forced, passed_issue_targets=passed,
@@ -241,6 +267,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bfloat16,float16")
     ap.add_argument("--fp8-kv", action="store_true", help="also the fast path with an fp8 KV cache")
     ap.add_argument("--xqa", action="store_true", help="also the fast path with the XQA decode kernel")
+    ap.add_argument("--batch-control", action="store_true",
+                    help="also fast and ref with each prompt alone, against their own batched continuations")
     ap.add_argument("--attention-only", action="store_true",
                     help="also FlashInfer attention alone in the torch model (no fused kernels, no graphs)")
     args = ap.parse_args()
@@ -249,7 +277,7 @@ def main() -> None:
         model_dir, load_format = _model_dir(name)
         for dtype in args.dtypes.split(","):
             compare(emit, name, model_dir, load_format, dtype, args.prompts, args.tokens, args.fp8_kv, args.xqa,
-                    args.attention_only)
+                    args.attention_only, args.batch_control)
             gc.collect()
             torch.cuda.empty_cache()
     if "small-hd128" in args.models:
