@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command on the GPU machine, from the repository root there:
-#   bench/device/run.sh [pytest] [bench] [bench_cc] [kernels] [correctness] [serve] [gemv] ...
-# (bench: the engine's defaults; bench_cc: the same with the CUDA-core decode kernel, to compare)
+#   bench/device/run.sh [jit] [pytest] [bench] [bench_cc] [kernels] [correctness] [serve] [gemv] ...
+# (jit: FlashInfer's JIT modules built in the background, all at once, for the stages after it;
+#  bench: the engine's defaults; bench_cc: the same with the CUDA-core decode kernel, to compare)
 # Installs the wheels from $WHL_DIRS (default: .whl .whl_web, carried beside the tree) into .site once,
 # keeps FlashInfer's JIT cache in .fiws (both survive between calls while the machine stays warm), and
 # writes JSON lines and logs to $OUT. Each stage has its own timeout so a slow one never loses the
@@ -27,6 +28,8 @@ cat "$OUT/env.txt"
 for stage in "$@"; do
   echo "=== $stage $(date -u +%T)"
   case "$stage" in
+    jit) timeout "$(left 0 "${T_JIT:-420}")" python3 bench/device/jit_warm.py ${JIT_ARGS:-} > "$OUT/jit_warm.log" 2>&1 &   # builds while the next stage loads or trains
+         ;;
     pytest) timeout "$(left 0 "${T_PYTEST:-240}")" python3 -m pytest tests/gpu -q -p no:cacheprovider -o asyncio_mode=strict \
               --tb=short ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -30 ;;
     bench) timeout "$(left 0 "${T_BENCH:-330}")" python3 bench/device/engine_bench.py --out "$OUT/engine_bench.jsonl" ${BENCH_ARGS:-} \
@@ -44,4 +47,5 @@ for stage in "$@"; do
     *) echo "unknown stage $stage" ;;
   esac
 done
+wait
 echo "=== done $(date -u +%T)"
