@@ -42,7 +42,8 @@ def part(name: str, dtype_name: str, heads: int, kv_heads: int, head_dim: int) -
                q_data_type=dtype, kv_data_type=dtype)
         w.run(torch.randn(2, heads, head_dim, dtype=dtype, device=dev), kv)
     elif name == "norm":
-        x, r, wt = (torch.randn(4, 1024, dtype=dtype, device=dev) for _ in range(3))
+        x, r = (torch.randn(4, 1024, dtype=dtype, device=dev) for _ in range(2))
+        wt = torch.ones(1024, dtype=dtype, device=dev)
         flashinfer.norm.rmsnorm(x, wt, 1e-5)
         flashinfer.norm.fused_add_rmsnorm(x, r, wt, 1e-5)
     elif name == "act":
