@@ -118,12 +118,115 @@ def bench_decode_batches(emit, runner, common, batches=(8, 16, 32, 64, 128), ctx
             eng.abort_request(r.request_id)
 
 
+class StepClock:
+    """Wraps runner.launch with two CUDA events per step: one recorded before the step queues any
+    work, one after its last work (sampling, the tokens' copy to the host). On the GPU's clock, the
+    gap from step i-1's end to step i's start is time the GPU sat idle waiting for the host to begin
+    step i; start to end is the step itself (its kernels, and any wait for the host inside it)."""
+
+    def __init__(self, runner, kv_bytes_per_token: int) -> None:
+        self.runner, self.kv_bytes = runner, kv_bytes_per_token
+        self.rows: list[tuple] = []       # (rows, prefill tokens, context tokens, start, end, host s)
+        runner.launch = self
+
+    def __call__(self, chunks, prev=None):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t = time.perf_counter()
+        out = type(self.runner).launch(self.runner, chunks, prev)
+        host = time.perf_counter() - t
+        end.record()
+        self.rows.append((len(chunks), sum(c.num_tokens for c in chunks if c.num_tokens > 1),
+                          sum(c.start + c.num_tokens for c in chunks), start, end, host))
+        return out
+
+    def close(self) -> None:
+        del self.runner.launch
+
+    def summary(self, weight_bytes: int) -> dict:
+        """Per kind of step (decode-only; with prefill tokens): count, GPU ms in steps and in gaps
+        before them, host ms in launch, and for decode steps the bytes read per GPU ms."""
+        torch.cuda.synchronize()
+        out = {}
+        steps = [(r, self.rows[i - 1][4].elapsed_time(r[3]), r[3].elapsed_time(r[4]))
+                 for i, r in enumerate(self.rows) if i]
+        for kind, sel in (("decode", [s for s in steps if not s[0][1]]), ("mixed", [s for s in steps if s[0][1]])):
+            if not sel:
+                continue
+            gap, inner = [g for _, g, _ in sel], [x for *_, x in sel]
+            rec = {"steps": len(sel), "gpu_step_ms_sum": round(sum(inner), 1), "gap_ms_sum": round(sum(gap), 1),
+                   "gpu_step_ms_mean": round(statistics.mean(inner), 3),
+                   "gpu_step_ms_p10_p50_p90": [round(q, 3) for q in _quantiles(inner)],
+                   "gap_ms_mean": round(statistics.mean(gap), 3),
+                   "gaps_over_0.5ms": sum(g > 0.5 for g in gap),
+                   "host_launch_ms_mean": round(statistics.mean(r[5] for r, *_ in sel) * 1e3, 3),
+                   "mean_rows": round(statistics.mean(r[0] for r, *_ in sel), 1)}
+            if kind == "decode":
+                read = [weight_bytes + r[2] * self.kv_bytes for r, *_ in sel]
+                rec["mean_context_tokens"] = round(statistics.mean(r[2] / r[0] for r, *_ in sel))
+                rec["GBps_in_steps"] = round(sum(read) / sum(inner) / 1e6, 1)
+                rec["GBps_with_gaps"] = round(sum(read) / (sum(inner) + sum(gap)) / 1e6, 1)
+                after_mixed = [s for s, p in zip(steps[1:], steps) if not s[0][1] and p[0][1]]
+                if after_mixed:
+                    rec["after_mixed"] = {"steps": len(after_mixed),
+                                          "gpu_step_ms_mean": round(statistics.mean(x for *_, x in after_mixed), 3),
+                                          "gap_ms_mean": round(statistics.mean(g for _, g, _ in after_mixed), 3)}
+            else:
+                rec["mean_prefill_tokens"] = round(statistics.mean(r[1] for r, *_ in sel))
+            out[kind] = rec
+        return out
+
+
+def _quantiles(xs: list[float]) -> list[float]:
+    s = sorted(xs)
+    return [s[int(q * (len(s) - 1))] for q in (0.1, 0.5, 0.9)]
+
+
+def _kernel_profile(p, steps: int) -> dict:
+    """GPU time of a profiled window by kernel family, busy time (the union of kernel and copy
+    intervals) against the window, and the idle gaps between them."""
+    fams = (("attention", ("prefill", "decode", "xqa", "mha", "attention", "merge_state")),
+            ("gemm", ("gemm", "nvjet", "cutlass", "xmma")),
+            ("norm", ("norm",)), ("rope_kv", ("rope", "triton")), ("act", ("silu", "act_and_mul")),
+            ("sampling", ("sampl", "argmax", "topk", "softmax")), ("copy", ("memcpy", "memset", "copy")))
+    ivs, by = [], {}
+    for e in p.events():
+        if e.device_type.name != "CUDA":
+            continue
+        a, b = e.time_range.start, e.time_range.end
+        ivs.append((a, b))
+        name = e.name.lower()
+        fam = next((f for f, keys in fams if any(k in name for k in keys)), "other")
+        by[fam] = by.get(fam, 0.0) + (b - a)
+    if not ivs:
+        return {}
+    ivs.sort()
+    busy, gaps, (cs, ce) = 0.0, [], ivs[0]
+    for a, b in ivs[1:]:
+        if a > ce:
+            busy += ce - cs
+            gaps.append(a - ce)
+            cs, ce = a, b
+        else:
+            ce = max(ce, b)
+    busy += ce - cs
+    window = ce - ivs[0][0]
+    return {"window_ms": round(window / 1e3, 1), "busy_ms": round(busy / 1e3, 1), "steps": steps,
+            "gpu_events_per_step": round(len(ivs) / steps, 1),
+            "idle_ms": round((window - busy) / 1e3, 1), "gaps_over_50us": sum(g > 50 for g in gaps),
+            "idle_in_gaps_over_50us_ms": round(sum(g for g in gaps if g > 50) / 1e3, 1),
+            "kernel_ms_per_step": {f: round(t / 1e3 / steps, 3) for f, t in sorted(by.items(), key=lambda kv: -kv[1])}}
+
+
 def bench_offline(emit, runner, common, concurrency=128, num_requests=384, isl=1024, osl=1024,
-                  ratio=0.8, budget=2048) -> None:
+                  ratio=0.8, budget=2048, profile_steps=0) -> None:
     """Closed loop in the engine: `concurrency` requests in flight, each finished one replaced; the
     serve default token budget per step. Also where the time went: steps with prefill tokens in them
     (eager) against decode-only steps (CUDA graphs), by the wall time of each step() call (with async
-    scheduling a call ends when the previous step's tokens are read, so it is that step's time)."""
+    scheduling a call ends when the previous step's tokens are read, so it is that step's time), and
+    on the GPU's clock (StepClock: the GPU's time in steps and idle between them). `profile_steps`:
+    the torch profiler over that many steps from the middle of the run (kernel families, idle gaps;
+    its overhead slows those steps, so the run's figures come from a separate unprofiled run)."""
     g = torch.Generator().manual_seed(4)
     vocab = runner.model_config.vocab_size
     lens = [(int(torch.randint(int(ratio * isl), isl + 1, (1,), generator=g)),
@@ -144,18 +247,44 @@ def bench_offline(emit, runner, common, concurrency=128, num_requests=384, isl=1
     while eng.has_work:
         eng.step()
     eng.scheduler.schedule = recording_schedule
+    prof, begin = None, 1200                        # profile_steps: the profiler's first step
+    if profile_steps:
+        from torch.profiler import ProfilerActivity, profile
+        prof = profile(activities=[ProfilerActivity.CUDA])
+    else:
+        clock = StepClock(runner, runner.block_bytes // runner.cfg.block_size)
     queue, live, tokens, times = list(lens), 0, 0, []
     t0 = time.perf_counter()
-    while queue or eng.has_work:
-        while queue and live < concurrency:
-            eng.add_request(_req(*queue.pop(), g, vocab))
-            live += 1
-        t = time.perf_counter()
-        for o in eng.step():
-            tokens += len(o.new_token_ids)
-            live -= o.finish_reason is not None
-        times.append(time.perf_counter() - t)
+    try:
+        while queue or eng.has_work:
+            if prof is not None and len(times) == begin:
+                prof.__enter__()
+            while queue and live < concurrency:
+                eng.add_request(_req(*queue.pop(), g, vocab))
+                live += 1
+            t = time.perf_counter()
+            for o in eng.step():
+                tokens += len(o.new_token_ids)
+                live -= o.finish_reason is not None
+            times.append(time.perf_counter() - t)
+            if prof is not None and len(times) == begin + profile_steps:
+                torch.cuda.synchronize()
+                prof.__exit__(None, None, None)
+                window = kinds[begin:begin + profile_steps]
+                emit(**common, metric="offline_kernel_profile", first_step=begin,
+                     decode_steps=sum(not k[1] for k in window), mixed_steps=sum(bool(k[1]) for k in window),
+                     **_kernel_profile(prof, profile_steps))
+                for rid in list(eng.scheduler.requests):
+                    eng.abort_request(rid)
+                while eng.has_work:
+                    eng.step()
+                return
+    finally:
+        if prof is None:
+            clock.close()
     wall = time.perf_counter() - t0
+    emit(**common, metric="offline_gpu_clock", concurrency=concurrency,
+         **clock.summary(model_sizes(runner)["decode_weight_bytes"]))
     lag = 1 if eng.async_scheduling else 0          # step i's time is call i + lag's
     steps = [(k, times[i + lag]) for i, k in enumerate(kinds) if i + lag < len(times) and k[0]]
     mixed = [(k, dt) for k, dt in steps if k[1]]
@@ -335,6 +464,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtypes", default="auto", help="comma list of auto|fp8: each runs every section")
     ap.add_argument("--decode-kernels", default="auto", help="comma list of auto|flashinfer|xqa: each runs every section")
     ap.add_argument("--offline-budget", type=int, default=2048, help="offline: max_num_batched_tokens per step")
+    ap.add_argument("--offline-profile", type=int, default=0,
+                    help="offline: then rerun with the torch profiler over this many steps (kernel families, GPU idle)")
     args = ap.parse_args()
     emit = Emitter("engine_bench", args.out)
     ceil = measure_ceilings()
@@ -365,7 +496,9 @@ def main() -> None:
                  ("prefill", lambda: bench_prefill(emit, runner, sizes, ceil, common)),
                  ("kv", lambda: bench_kv_write(emit, runner, common)),
                  ("profile", lambda: bench_profile(emit, runner, common)),
-                 ("offline", lambda: bench_offline(emit, runner, common, budget=args.offline_budget))]
+                 ("offline", lambda: bench_offline(emit, runner, common, budget=args.offline_budget)),
+                 ("offline", lambda: args.offline_profile and bench_offline(
+                     emit, runner, common, budget=args.offline_budget, profile_steps=args.offline_profile))]
         for name, fn in steps:
             if name in only:
                 try:
