@@ -11,9 +11,11 @@ K/V-write micro-benchmark (with RoPE + K/V write: FlashInfer + index_copy_ again
 kernel, eager and inside a CUDA graph), and HF transformers `generate` on the same architecture as
 the baseline. SPLITSERVE_FUSED_ROPE_KV=0 runs the model without the fused kernel (field fused_rope_kv).
 `--kv-cache-dtypes auto,fp8` repeats every section with each KV cache dtype, `--decode-kernels
-flashinfer,xqa` with each decode attention kernel. Section `offline` (not in
-the default --only): the 1k/1k serving workload inside the engine, no HTTP — a closed loop of 128
-requests (InferenceMAX lengths: input and output uniform in [0.8 × 1024, 1024]), output tok/s.
+flashinfer,xqa` with each decode attention kernel. Not in the default --only: section
+`offline`, the 1k/1k serving workload inside the engine, no HTTP — a closed loop of 128 requests
+(InferenceMAX lengths: input and output uniform in [0.8 × 1024, 1024]), output tok/s, with the GPU's
+time per step (and `--offline-profile N`: kernel families of N profiled steps); section
+`decode_profile`, the same kernel families for steady decode batches, to compare.
 """
 
 from __future__ import annotations
@@ -189,7 +191,7 @@ def _kernel_profile(p, steps: int) -> dict:
             ("gemm", ("gemm", "nvjet", "cutlass", "xmma")),
             ("norm", ("norm",)), ("rope_kv", ("rope", "triton")), ("act", ("silu", "act_and_mul")),
             ("sampling", ("sampl", "argmax", "topk", "softmax")), ("copy", ("memcpy", "memset", "copy")))
-    ivs, by = [], {}
+    ivs, by, names = [], {}, {}
     for e in p.events():
         if e.device_type.name != "CUDA":
             continue
@@ -198,6 +200,8 @@ def _kernel_profile(p, steps: int) -> dict:
         name = e.name.lower()
         fam = next((f for f, keys in fams if any(k in name for k in keys)), "other")
         by[fam] = by.get(fam, 0.0) + (b - a)
+        t, n = names.get(e.name[:90], (0.0, 0))
+        names[e.name[:90]] = (t + b - a, n + 1)
     if not ivs:
         return {}
     ivs.sort()
@@ -215,7 +219,38 @@ def _kernel_profile(p, steps: int) -> dict:
             "gpu_events_per_step": round(len(ivs) / steps, 1),
             "idle_ms": round((window - busy) / 1e3, 1), "gaps_over_50us": sum(g > 50 for g in gaps),
             "idle_in_gaps_over_50us_ms": round(sum(g for g in gaps if g > 50) / 1e3, 1),
-            "kernel_ms_per_step": {f: round(t / 1e3 / steps, 3) for f, t in sorted(by.items(), key=lambda kv: -kv[1])}}
+            "kernel_ms_per_step": {f: round(t / 1e3 / steps, 3) for f, t in sorted(by.items(), key=lambda kv: -kv[1])},
+            "top_kernels": [[k, round(t / 1e3 / steps, 3), round(n / steps, 1)]
+                            for k, (t, n) in sorted(names.items(), key=lambda kv: -kv[1][0])[:12]],
+            "top_columns": "kernel, ms/step, launches/step"}
+
+
+def bench_decode_profile(emit, runner, common, cases=((128, 1536), (117, 1423)), steps=20) -> None:
+    """The torch profiler over decode steps of a steady batch (every row the same context): kernel
+    families against the offline loop's (bench_offline's profile_steps), same graphs."""
+    from torch.profiler import ProfilerActivity, profile
+    g = torch.Generator().manual_seed(6)
+    vocab = runner.model_config.vocab_size
+    sizes = model_sizes(runner)
+    for b, c in cases:
+        eng = Engine(runner.cfg, runner)
+        reqs = [_req(c, steps + 16, g, vocab) for _ in range(b)]
+        for r in reqs:
+            eng.add_request(r)
+        while min(r.num_output_tokens for r in reqs) < 4:
+            eng.step()
+        torch.cuda.synchronize()
+        wall, _ = _steps(eng, steps)
+        with profile(activities=[ProfilerActivity.CUDA]) as p:
+            _steps(eng, steps)
+            torch.cuda.synchronize()
+        read = sizes["decode_weight_bytes"] + b * (c + 4 + steps) * sizes["kv_bytes_per_token"]
+        emit(**common, metric="decode_kernel_profile", batch=b, context_tokens=c, step_ms=round(wall / steps * 1e3, 3),
+             GBps=round(read / (wall / steps) / 1e9, 1), **_kernel_profile(p, steps))
+        for r in reqs:
+            eng.abort_request(r.request_id)
+        while eng.has_work:
+            eng.step()
 
 
 def bench_offline(emit, runner, common, concurrency=128, num_requests=384, isl=1024, osl=1024,
@@ -496,6 +531,7 @@ def main() -> None:
                  ("prefill", lambda: bench_prefill(emit, runner, sizes, ceil, common)),
                  ("kv", lambda: bench_kv_write(emit, runner, common)),
                  ("profile", lambda: bench_profile(emit, runner, common)),
+                 ("decode_profile", lambda: bench_decode_profile(emit, runner, common)),
                  ("offline", lambda: bench_offline(emit, runner, common, budget=args.offline_budget)),
                  ("offline", lambda: args.offline_profile and bench_offline(
                      emit, runner, common, budget=args.offline_budget, profile_steps=args.offline_profile))]
