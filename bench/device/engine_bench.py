@@ -106,18 +106,35 @@ def bench_decode_batches(emit, runner, common, batches=(8, 16, 32, 64, 128), ctx
     # each batch sync and async at ~1k context; batch 128 also at 1,536, the mean context of 1k/1k serving
     for b, overlap, c in [(b, o, ctx) for b in batches for o in (True, False)] + [(128, True, 1536)]:
         eng = Engine(dataclasses.replace(runner.cfg, async_scheduling=overlap), runner)
-        reqs = [_req(c, 4 + steps + 8, g, vocab) for _ in range(b)]
-        for r in reqs:
-            eng.add_request(r)
-        while min(r.num_output_tokens for r in reqs) < 4:
-            eng.step()
-        torch.cuda.synchronize()
+        reqs = _steady_batch(eng, b, c, steps, g, vocab)
+        before = sum(r.num_output_tokens for r in reqs)
         wall, prep = _steps(eng, steps)
+        made = sum(r.num_output_tokens for r in reqs) - before
         emit(**common, metric="decode_throughput", batch=b, context_tokens=c, async_scheduling=overlap,
-             cuda_graphs=runner.use_cuda_graphs, tok_s=round(b * steps / wall, 1),
+             cuda_graphs=runner.use_cuda_graphs, tok_s=round(made / wall, 1), tokens_per_step=made / steps,
              step_ms=round(wall / steps * 1e3, 3), host_prepare_ms=round(statistics.mean(prep) * 1e3, 3))
-        for r in reqs:
-            eng.abort_request(r.request_id)
+        _drain(eng, reqs)
+
+
+def _steady_batch(eng: Engine, b: int, c: int, steps: int, g, vocab: int) -> list[Request]:
+    """b requests of c-token prompts, all decoding, none finishing within the next 2 x steps steps.
+    Chunked prefill lets the first requests decode while the last ones prefill, so by the time
+    every request has a few tokens the first have one per prefill step: max_tokens covers that."""
+    prefill_steps = -(-b * c // eng.scheduler.budget) + 2
+    reqs = [_req(c, prefill_steps + 4 + 2 * steps + 8, g, vocab) for _ in range(b)]
+    for r in reqs:
+        eng.add_request(r)
+    while min(r.num_output_tokens for r in reqs) < 4:
+        eng.step()
+    torch.cuda.synchronize()
+    return reqs
+
+
+def _drain(eng: Engine, reqs: list[Request]) -> None:
+    for r in reqs:
+        eng.abort_request(r.request_id)
+    while eng.has_work:
+        eng.step()
 
 
 class StepClock:
@@ -234,23 +251,17 @@ def bench_decode_profile(emit, runner, common, cases=((128, 1536), (117, 1423)),
     sizes = model_sizes(runner)
     for b, c in cases:
         eng = Engine(runner.cfg, runner)
-        reqs = [_req(c, 2 * steps + 16, g, vocab) for _ in range(b)]    # none finishes in the window
-        for r in reqs:
-            eng.add_request(r)
-        while min(r.num_output_tokens for r in reqs) < 4:
-            eng.step()
-        torch.cuda.synchronize()
+        reqs = _steady_batch(eng, b, c, steps, g, vocab)
+        before = sum(r.num_output_tokens for r in reqs)
         wall, _ = _steps(eng, steps)
+        made = sum(r.num_output_tokens for r in reqs) - before
         with profile(activities=[ProfilerActivity.CUDA]) as p:
             _steps(eng, steps)
             torch.cuda.synchronize()
         read = sizes["decode_weight_bytes"] + b * (c + 4 + steps // 2) * sizes["kv_bytes_per_token"]
         emit(**common, metric="decode_kernel_profile", batch=b, context_tokens=c, step_ms=round(wall / steps * 1e3, 3),
-             GBps=round(read / (wall / steps) / 1e9, 1), **_kernel_profile(p, steps))
-        for r in reqs:
-            eng.abort_request(r.request_id)
-        while eng.has_work:
-            eng.step()
+             tokens_per_step=made / steps, GBps=round(read / (wall / steps) / 1e9, 1), **_kernel_profile(p, steps))
+        _drain(eng, reqs)
 
 
 def bench_offline(emit, runner, common, concurrency=128, num_requests=384, isl=1024, osl=1024,
