@@ -14,7 +14,7 @@ mkdir -p "$OUT"
 DEADLINE=$(( $(date +%s) + ${TOTAL_S:-570} ))   # every stage ends before this
 left() { local l=$(( DEADLINE - $(date +%s) - ${1:-0} )); [ "$l" -lt "$2" ] && echo "$l" || echo "$2"; }
 if [ ! -f .site/.done ]; then
-  whls=(); for d in ${WHL_DIRS:-.whl .whl_web}; do whls+=("$d"/*.whl); done
+  whls=(); for d in ${WHL_DIRS:-.whl .whl_web}; do [ -d "$d" ] && whls+=("$d"/*.whl); done   # absent dirs skipped
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site "${whls[@]}" \
     && touch .site/.done || exit 1
 fi
@@ -30,7 +30,7 @@ for stage in "$@"; do
   case "$stage" in
     jit) timeout "$(left 0 "${T_JIT:-420}")" python3 bench/device/jit_warm.py ${JIT_ARGS:-} > "$OUT/jit_warm.log" 2>&1 &   # builds while the next stage loads or trains
          ;;
-    pytest) timeout "$(left 0 "${T_PYTEST:-240}")" python3 -m pytest tests/gpu -q -p no:cacheprovider -o asyncio_mode=strict \
+    pytest) timeout "$(left 0 "${T_PYTEST:-420}")" python3 -m pytest tests/gpu -q -p no:cacheprovider -o asyncio_mode=strict \
               --tb=short ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -30 ;;
     bench) timeout "$(left 0 "${T_BENCH:-330}")" python3 bench/device/engine_bench.py --out "$OUT/engine_bench.jsonl" ${BENCH_ARGS:-} \
              2>&1 | tee "$OUT/engine_bench.log" | grep -v Warning ;;
