@@ -145,7 +145,7 @@ class StepClock:
 
     def __init__(self, runner, kv_bytes_per_token: int) -> None:
         self.runner, self.kv_bytes = runner, kv_bytes_per_token
-        self.rows: list[tuple] = []       # (rows, prefill tokens, context tokens, start, end, host s)
+        self.rows: list[tuple] = []       # (rows, prefill tokens, context tokens, start, end, host s, prepare s)
         runner.launch = self
 
     def __call__(self, chunks, prev=None):
@@ -156,7 +156,7 @@ class StepClock:
         host = time.perf_counter() - t
         end.record()
         self.rows.append((len(chunks), sum(c.num_tokens for c in chunks if c.num_tokens > 1),
-                          sum(c.start + c.num_tokens for c in chunks), start, end, host))
+                          sum(c.start + c.num_tokens for c in chunks), start, end, host, self.runner.last_prepare_s))
         return out
 
     def close(self) -> None:
@@ -179,6 +179,7 @@ class StepClock:
                    "gap_ms_mean": round(statistics.mean(gap), 3),
                    "gaps_over_0.5ms": sum(g > 0.5 for g in gap),
                    "host_launch_ms_mean": round(statistics.mean(r[5] for r, *_ in sel) * 1e3, 3),
+                   "host_prepare_ms_p10_p50_p90": [round(q * 1e3, 3) for q in _quantiles([r[6] for r, *_ in sel])],
                    "mean_rows": round(statistics.mean(r[0] for r, *_ in sel), 1)}
             if kind == "decode":
                 read = [weight_bytes + r[2] * self.kv_bytes for r, *_ in sel]
@@ -265,7 +266,7 @@ def bench_decode_profile(emit, runner, common, cases=((128, 1536), (117, 1423)),
 
 
 def bench_offline(emit, runner, common, concurrency=128, num_requests=384, isl=1024, osl=1024,
-                  ratio=0.8, budget=2048, profile_steps=0) -> None:
+                  ratio=0.8, budget=2048, profile_steps=0, profile_start=1200) -> None:
     """Closed loop in the engine: `concurrency` requests in flight, each finished one replaced; the
     serve default token budget per step. Also where the time went: steps with prefill tokens in them
     (eager) against decode-only steps (CUDA graphs), by the wall time of each step() call (with async
@@ -293,7 +294,7 @@ def bench_offline(emit, runner, common, concurrency=128, num_requests=384, isl=1
     while eng.has_work:
         eng.step()
     eng.scheduler.schedule = recording_schedule
-    prof, begin = None, 1200                        # profile_steps: the profiler's first step
+    prof, begin = None, profile_start
     if profile_steps:
         from torch.profiler import ProfilerActivity, profile
         prof = profile(activities=[ProfilerActivity.CUDA])
@@ -512,6 +513,8 @@ def main() -> None:
     ap.add_argument("--offline-budget", type=int, default=2048, help="offline: max_num_batched_tokens per step")
     ap.add_argument("--offline-profile", type=int, default=0,
                     help="offline: then rerun with the torch profiler over this many steps (kernel families, GPU idle)")
+    ap.add_argument("--offline-profile-start", type=int, default=1200,
+                    help="offline: the first profiled step (~950: the first wave's requests finish, mixed steps)")
     args = ap.parse_args()
     emit = Emitter("engine_bench", args.out)
     ceil = measure_ceilings()
@@ -545,7 +548,8 @@ def main() -> None:
                  ("decode_profile", lambda: bench_decode_profile(emit, runner, common)),
                  ("offline", lambda: bench_offline(emit, runner, common, budget=args.offline_budget)),
                  ("offline", lambda: args.offline_profile and bench_offline(
-                     emit, runner, common, budget=args.offline_budget, profile_steps=args.offline_profile))]
+                     emit, runner, common, budget=args.offline_budget, profile_steps=args.offline_profile,
+                     profile_start=args.offline_profile_start))]
         for name, fn in steps:
             if name in only:
                 try:
