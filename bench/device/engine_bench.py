@@ -113,7 +113,7 @@ def bench_decode_batches(emit, runner, common, batches=(8, 16, 32, 64, 128), ctx
         emit(**common, metric="decode_throughput", batch=b, context_tokens=c, async_scheduling=overlap,
              cuda_graphs=runner.use_cuda_graphs, tok_s=round(made / wall, 1), tokens_per_step=made / steps,
              step_ms=round(wall / steps * 1e3, 3), host_prepare_ms=round(statistics.mean(prep) * 1e3, 3))
-        _drain(eng, reqs)
+        _drain(eng)
 
 
 def _steady_batch(eng: Engine, b: int, c: int, steps: int, g, vocab: int) -> list[Request]:
@@ -130,9 +130,10 @@ def _steady_batch(eng: Engine, b: int, c: int, steps: int, g, vocab: int) -> lis
     return reqs
 
 
-def _drain(eng: Engine, reqs: list[Request]) -> None:
-    for r in reqs:
-        eng.abort_request(r.request_id)
+def _drain(eng: Engine) -> None:
+    """Abort every request the engine holds and run it until nothing is in flight."""
+    for rid in list(eng.scheduler.requests):
+        eng.abort_request(rid)
     while eng.has_work:
         eng.step()
 
@@ -262,7 +263,7 @@ def bench_decode_profile(emit, runner, common, cases=((128, 1536), (117, 1423)),
         read = sizes["decode_weight_bytes"] + b * (c + 4 + steps // 2) * sizes["kv_bytes_per_token"]
         emit(**common, metric="decode_kernel_profile", batch=b, context_tokens=c, step_ms=round(wall / steps * 1e3, 3),
              tokens_per_step=made / steps, GBps=round(read / (wall / steps) / 1e9, 1), **_kernel_profile(p, steps))
-        _drain(eng, reqs)
+        _drain(eng)
 
 
 def bench_offline(emit, runner, common, concurrency=128, num_requests=384, isl=1024, osl=1024,
@@ -321,10 +322,7 @@ def bench_offline(emit, runner, common, concurrency=128, num_requests=384, isl=1
                 emit(**common, metric="offline_kernel_profile", first_step=begin,
                      decode_steps=sum(not k[1] for k in window), mixed_steps=sum(bool(k[1]) for k in window),
                      **_kernel_profile(prof, profile_steps))
-                for rid in list(eng.scheduler.requests):
-                    eng.abort_request(rid)
-                while eng.has_work:
-                    eng.step()
+                _drain(eng)
                 return
     finally:
         if prof is None:
