@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import grpc
 
 from engine.engine import EngineLoop
-from engine.request import KvReservation, SamplingParams
+from runtime.types import KvReservation, SamplingParams
 from kvstore.transfer import KvTransferAgent
 from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from runtime.convert import sampling_to_pb

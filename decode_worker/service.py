@@ -10,6 +10,7 @@ A Submit naming a prefill worker goes through `RemotePrefillClient`.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections import defaultdict
 
@@ -17,7 +18,8 @@ import grpc
 
 from decode_worker.remote_prefill import RemotePrefillClient
 from engine.engine import EngineLoop
-from engine.request import Request, RequestOutput
+from engine.request import Request
+from runtime.types import RequestOutput, SessionId
 from proto.splitserve.v1 import worker_pb2
 from runtime.convert import FINISH_TO_PB, sampling_from_pb
 from runtime.worker_host import StatusService
@@ -26,7 +28,8 @@ log = logging.getLogger(__name__)
 
 
 class _Session:
-    def __init__(self) -> None:
+    def __init__(self, session_id: SessionId) -> None:
+        self.id = session_id
         self.queue: asyncio.Queue[list[worker_pb2.RequestDelta] | None] = asyncio.Queue()
         self.active: set[str] = set()
 
@@ -37,7 +40,8 @@ class WorkerService(StatusService):
         self.engine_loop: EngineLoop | None = None
         self.remote: RemotePrefillClient | None = None
         self._loop = asyncio.get_running_loop()
-        self._sessions: set[_Session] = set()
+        self._sessions: dict[SessionId, _Session] = {}
+        self._session_ids = itertools.count(1)
 
     def attach(self, engine_loop: EngineLoop, remote: RemotePrefillClient | None) -> None:
         self.engine_loop, self.remote = engine_loop, remote
@@ -49,8 +53,8 @@ class WorkerService(StatusService):
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         by_session: dict[_Session, list[worker_pb2.RequestDelta]] = defaultdict(list)
         for o in outputs:
-            session: _Session = o.tag
-            if session not in self._sessions:
+            session = self._sessions.get(o.session)
+            if session is None:
                 continue
             by_session[session].append(worker_pb2.RequestDelta(
                 request_id=o.request_id, token_ids=o.new_token_ids, finish_reason=FINISH_TO_PB[o.finish_reason],
@@ -62,8 +66,8 @@ class WorkerService(StatusService):
             session.queue.put_nowait(deltas)
 
     async def Session(self, request_iterator, context):
-        session = _Session()
-        self._sessions.add(session)
+        session = _Session(SessionId(next(self._session_ids)))
+        self._sessions[session.id] = session
         reader = asyncio.create_task(self._read(request_iterator, session))
         try:
             while True:
@@ -78,7 +82,7 @@ class WorkerService(StatusService):
                 yield worker_pb2.StepOutput(deltas=deltas)
         finally:
             reader.cancel()
-            self._sessions.discard(session)
+            self._sessions.pop(session.id, None)
             for rid in session.active:
                 self._abort(rid)
             if session.active:
@@ -96,7 +100,7 @@ class WorkerService(StatusService):
                     s = msg.submit
                     session.active.add(s.request_id)
                     req = Request.new(s.request_id, list(s.prompt_token_ids), sampling_from_pb(s.sampling),
-                                      list(s.output_token_ids), tag=session)
+                                      list(s.output_token_ids), session=session.id)
                     target = s.remote_prefill
                     if target.prefill_address and self.remote is not None:
                         req.remote_prefill = self.remote.expect(req.request_id, target, req.sampling)

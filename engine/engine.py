@@ -24,7 +24,8 @@ from typing import Callable
 from kvstore.block_pool import BlockPool
 from kvstore.events import KvEvent
 from engine.model_runner import ModelRunner
-from engine.request import FinishReason, KvReservation, Request, RequestOutput
+from engine.request import Request
+from runtime.types import FinishReason, KvReservation, RequestOutput
 from engine.scheduler import ScheduledChunk, Scheduler
 from runtime.config import EngineConfig
 
@@ -64,7 +65,7 @@ class Engine:
     def add_request(self, request: Request) -> RequestOutput | None:
         """Queue a request; returns an immediate error output if it can never run here."""
         if request.num_tokens >= self.max_model_len or not request.prompt_token_ids:
-            return RequestOutput(request.request_id, [], FinishReason.ERROR, 0, request.tag,
+            return RequestOutput(request.request_id, [], FinishReason.ERROR, 0, request.session,
                                  error=f"prompt of {request.num_tokens} tokens does not fit the context "
                                        f"of {self.max_model_len}")
         self.scheduler.add(request)
@@ -231,6 +232,6 @@ class EngineLoop:
         for req in failed:
             sched.abort(req.request_id)
         sched.release_deferred()          # no step is in flight any more (Engine.step dropped it)
-        return [RequestOutput(r.request_id, [], FinishReason.ERROR, 0, r.tag, error="engine step failed",
+        return [RequestOutput(r.request_id, [], FinishReason.ERROR, 0, r.session, error="engine step failed",
                               internal_error=True)
                 for r in failed]

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from engine.model import CausalLM
-from engine.model_config import ModelConfig
+from runtime.model_config import ModelConfig
 from runtime.errors import InvalidRequest
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")

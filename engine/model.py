@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend
-from engine.model_config import ModelConfig
+from runtime.model_config import ModelConfig
 from engine.rope import RotaryEmbedding
 
 

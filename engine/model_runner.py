@@ -29,7 +29,7 @@ import torch
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention.torch_backend import TorchAttention
 from engine.loader import load_model
-from engine.model_config import ModelConfig
+from runtime.model_config import ModelConfig
 from engine.request import PENDING_TOKEN, Request
 from engine.sampler import sample_on_device
 from engine.scheduler import ScheduledChunk

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from kvstore.block_pool import BlockPool, NoFreeBlocks
 from kvstore.hashing import hash_block
-from engine.request import PENDING_TOKEN, FinishReason, KvReservation, Request, RequestOutput, RequestStatus
+from engine.request import PENDING_TOKEN, Request, RequestStatus
+from runtime.types import FinishReason, KvReservation, RequestOutput
 
 
 @dataclass(slots=True)
@@ -137,7 +138,7 @@ class Scheduler:
             if req.remote_prefill:
                 self.awaiting_kv[req.request_id] = req
                 self.reservations.append(KvReservation(req.request_id, list(req.token_ids), list(req.block_ids),
-                                                       req.num_computed_tokens, req.tag))
+                                                       req.num_computed_tokens, req.session))
                 continue
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -237,7 +238,7 @@ class Scheduler:
         token = req.token_ids[index]
         reason = self._stop_reason(req, index)
         first = index + 1 - req.num_prompt_tokens == req.num_initial_output_tokens + 1
-        out = RequestOutput(req.request_id, [token], reason, req.num_cached_tokens if first else -1, req.tag)
+        out = RequestOutput(req.request_id, [token], reason, req.num_cached_tokens if first else -1, req.session)
         if reason is not None:
             del req.token_ids[index + 1:]        # a later step's pending token, now discarded
             if req.hold_blocks:

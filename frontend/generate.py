@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from engine.request import FinishReason, SamplingParams
+from runtime.types import FinishReason, SamplingParams
 from frontend.tokenizer import IncrementalDetokenizer, ModelTokenizer
 from frontend.workers import WORKER_LOST, WorkerPool
 from kvstore.hashing import block_hashes

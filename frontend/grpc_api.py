@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.request import SamplingParams
+from runtime.types import SamplingParams
 from frontend.generate import GenerateInput
 from frontend.http_api import FrontendState
 from frontend.tokenizer import ChatTurn

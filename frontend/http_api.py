@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from engine.request import FinishReason
+from runtime.types import FinishReason
 from frontend.generate import Delta, GenerateInput, Generator
 from frontend.schemas import ChatCompletionRequest, CompletionRequest, _Common
 from frontend.tokenizer import ChatTurn, ModelTokenizer

@@ -10,7 +10,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 import uvicorn
 
-from engine.model_config import ModelConfig
+from runtime.model_config import ModelConfig
 from frontend.generate import Generator
 from frontend.grpc_api import start_grpc_server
 from frontend.http_api import FrontendState, create_app

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.request import SamplingParams
+from runtime.types import SamplingParams
 from runtime.errors import InvalidRequest
 
 

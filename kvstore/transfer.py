@@ -48,10 +48,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:   # the module imports without torch (the launcher asks `nixl_available` only)
+    import torch
 
 _HEADER = struct.Struct("!I")  # length of the JSON layout that precedes the NIXL agent metadata
 

@@ -16,7 +16,8 @@ import time
 import grpc
 
 from engine.engine import EngineLoop
-from engine.request import FinishReason, Request, RequestOutput
+from engine.request import Request
+from runtime.types import FinishReason, RequestOutput
 from kvstore.transfer import KvTransferAgent, KvTransferError, TransferState
 from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from runtime.convert import sampling_from_pb

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.request import FinishReason, SamplingParams
+from runtime.types import FinishReason, SamplingParams
 from proto.splitserve.v1 import generation_pb2, worker_pb2
 
 FINISH_TO_PB = {None: generation_pb2.FINISH_REASON_UNSPECIFIED,

@@ -128,9 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="bench_command", required=True)
-    from splitserve import bench_serve
+    from splitserve.bench import serve as bench_serve
     bench_serve.add_arguments(bsub.add_parser("serve", help="load-generate against a running server"))
-    from splitserve import bench_replay
+    from splitserve.bench import replay as bench_replay
     bench_replay.add_arguments(bsub.add_parser("replay", help="replay a trace on a local mock cluster"))
     return parser
 
@@ -142,10 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         from splitserve import tiny_model
         return tiny_model.main(args)
     if cmd == "bench" and args.bench_command == "replay":
-        from splitserve import bench_replay
+        from splitserve.bench import replay as bench_replay
         return bench_replay.main(args)
     if cmd == "bench":
-        from splitserve import bench_serve
+        from splitserve.bench import serve as bench_serve
         return bench_serve.main(args)
     if cmd == "serve":
         from splitserve.serve import serve

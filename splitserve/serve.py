@@ -138,7 +138,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def _frontend_max_len(args) -> list[str]:
     if args.max_model_len is None and args.mock:
-        from engine.mock_runner import DEFAULT_MAX_MODEL_LEN
+        from runtime.profile import DEFAULT_MAX_MODEL_LEN
         return ["--max-model-len", str(DEFAULT_MAX_MODEL_LEN)]
     return _flags(args, ["max_model_len"])
 

@@ -55,8 +55,6 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import (Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors,
                         trainers)
 
@@ -115,6 +113,7 @@ def write_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0) ->
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "config.json", model_config(arch))
+    from safetensors.torch import save_file   # torch only here: the CLI imports this module to parse
     save_file(init_weights(arch, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     build_tokenizer(arch).save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", tokenizer_config(arch))
@@ -153,8 +152,10 @@ def model_config(arch: str) -> dict:
             "max_window_layers": s.num_hidden_layers}
 
 
-def init_weights(arch: str, seed: int) -> dict[str, torch.Tensor]:
+def init_weights(arch: str, seed: int) -> dict[str, "torch.Tensor"]:
     """Seeded float32 weights under HF names; see the module docstring for the scheme."""
+    import torch
+
     s, g = SHAPE, torch.Generator().manual_seed(seed)
     d, q_dim, kv_dim = s.hidden_size, s.num_attention_heads * s.head_dim, s.num_key_value_heads * s.head_dim
 

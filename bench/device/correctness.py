@@ -40,7 +40,8 @@ from common import Emitter  # noqa: E402  (sets sys.path)
 from engine.engine import Engine  # noqa: E402
 from engine.loader import write_arch_dir  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
-from engine.request import Request, SamplingParams  # noqa: E402
+from engine.request import Request  # noqa: E402
+from runtime.types import SamplingParams  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
 from train_small import HD128, MAX_SECONDS, heldout_ids, train  # noqa: E402
 

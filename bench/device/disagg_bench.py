@@ -70,7 +70,8 @@ def run_until(engine, rid: str):
 def decode_side(conn, model_dir: str, num_blocks: int, budget: int, decode_tokens: int, device: str,
                 load_format: str) -> None:
     """D: reserve blocks, receive the push, continue decoding."""
-    from engine.request import Request, SamplingParams
+    from engine.request import Request
+    from runtime.types import SamplingParams
     from kvstore.transfer import KvTransferAgent
     engine = make_engine(model_dir, num_blocks, budget, device, load_format)
     agent = KvTransferAgent("decode", engine.runner.kv_cache)
@@ -121,7 +122,8 @@ def main() -> int:
     args = ap.parse_args()
     dev = args.device
     from engine.loader import write_arch_dir
-    from engine.request import Request, SamplingParams
+    from engine.request import Request
+    from runtime.types import SamplingParams
     from kvstore.transfer import KvTransferAgent, TransferState
 
     lengths = [int(x) for x in args.lengths.split(",")]

@@ -32,7 +32,8 @@ from common import Emitter, cuda_time_ms, graph_us, measure_ceilings  # noqa: E4
 from engine.engine import Engine  # noqa: E402
 from engine.loader import write_arch_dir  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
-from engine.request import Request, SamplingParams  # noqa: E402
+from engine.request import Request  # noqa: E402
+from runtime.types import SamplingParams  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
 
 _uid = iter(range(1 << 30))

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 def bench_serve_args(args: argparse.Namespace) -> list[str]:
     """The `splitserve bench serve` flags, checked by bench serve itself before the cluster starts
     (minutes of GPU time), so that a bad flag fails at once."""
-    from splitserve import bench_serve
+    from splitserve.bench import serve as bench_serve
 
     ratio, out = args.random_range_ratio, Path(args.out)
     tag = f"{args.arch}_{args.scenario}" + ("" if ratio is None else f"_r{ratio:g}") + \

@@ -39,7 +39,7 @@ from tokenizers import Tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from train_corpus import CORPORA, MAX_FILE_BYTES, corpus_files, read_streams  # (its `common` import sets sys.path)
-from engine.model_config import ModelConfig  # noqa: E402
+from runtime.model_config import ModelConfig  # noqa: E402
 from splitserve.tiny_model import BOS_ID, EOS_ID, PAD_ID, build_tokenizer, tokenizer_config  # noqa: E402
 
 MAX_SECONDS = 150.0                     # default time budget of the training loop

@@ -30,7 +30,8 @@ from runtime.config import EngineConfig  # noqa: E402
 
 def _metadata(query_lens, context_lens, bs, num_blocks, device):
     from engine.model_runner import build_host_step
-    from engine.request import Request, SamplingParams
+    from engine.request import Request
+    from runtime.types import SamplingParams
     from engine.scheduler import ScheduledChunk
     g = torch.Generator().manual_seed(0)
     perm = torch.randperm(num_blocks, generator=g).tolist()
@@ -122,7 +123,8 @@ def test_async_scheduling_matches_sync_on_the_gpu(tmp_path, decode_kernel):
     input ids gathered on the device, in graph and eager steps): the same tokens as the synchronous
     engine. Every request ends by length, so both engines run the very same batches."""
     from engine.engine import Engine
-    from engine.request import Request, SamplingParams
+    from engine.request import Request
+    from runtime.types import SamplingParams
     d = write_arch_dir("llama-3.1-8b", tmp_path / "m", hidden_size=512, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=1, head_dim=128, intermediate_size=1024,
                        vocab_size=2048)

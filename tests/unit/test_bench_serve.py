@@ -14,9 +14,9 @@ from concurrent import futures
 import numpy as np
 import pytest
 
-from splitserve import bench_clients as bc
-from splitserve import bench_serve as bs
-from splitserve.bench_serve_plot import frontier_levels, pareto_frontier, plot_pareto
+from splitserve.bench import clients as bc
+from splitserve.bench import serve as bs
+from splitserve.bench.plot import frontier_levels, pareto_frontier, plot_pareto
 
 # ---------------------------------------------------------------------------------------------
 # SSE parsing

@@ -6,7 +6,8 @@ from __future__ import annotations
 import threading
 
 from engine.engine import Engine, EngineLoop
-from engine.request import FinishReason, Request, SamplingParams
+from engine.request import Request
+from runtime.types import FinishReason, SamplingParams
 from runtime.config import EngineConfig
 from splitserve.models import resolve_model
 

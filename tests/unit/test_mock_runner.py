@@ -7,8 +7,10 @@ import json
 import pytest
 
 from engine.engine import Engine
-from engine.mock_runner import CurveTiming, MockModelRunner, ProfileTiming, load_timing
-from engine.request import FinishReason, Request, SamplingParams
+from engine.mock_runner import MockModelRunner
+from runtime.profile import CurveTiming, ProfileTiming, load_timing
+from engine.request import Request
+from runtime.types import FinishReason, SamplingParams
 from runtime.config import EngineConfig
 from splitserve.models import resolve_model
 

@@ -12,9 +12,10 @@ import torch
 
 from engine.engine import Engine
 from engine.loader import ARCHS, write_arch_dir
-from engine.model_config import ModelConfig
+from runtime.model_config import ModelConfig
 from engine.model_runner import ModelRunner, build_host_step
-from engine.request import FinishReason, Request, SamplingParams
+from engine.request import Request
+from runtime.types import FinishReason, SamplingParams
 from engine.scheduler import ScheduledChunk
 from runtime.config import EngineConfig
 from splitserve.tiny_model import write_tiny_model

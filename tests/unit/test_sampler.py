@@ -9,7 +9,7 @@ from collections import Counter
 
 import torch
 
-from engine.request import SamplingParams
+from runtime.types import SamplingParams
 from engine.sampler import sample
 
 V = 32

@@ -17,7 +17,8 @@ import random
 
 import pytest
 
-from engine.request import PENDING_TOKEN, FinishReason, Request, SamplingParams
+from engine.request import PENDING_TOKEN, Request
+from runtime.types import FinishReason, SamplingParams
 from engine.scheduler import Scheduler
 from kvstore.block_pool import BlockPool
 

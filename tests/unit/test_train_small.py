@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from engine.engine import Engine
-from engine.request import Request, SamplingParams
+from engine.request import Request
+from runtime.types import SamplingParams
 from runtime.config import EngineConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "device"))

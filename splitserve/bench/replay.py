@@ -7,11 +7,11 @@ through serve.py's `Cluster` and readiness wait — replays the workload open-lo
 every worker's status, stops the cluster, and prints one JSON line. With several policies a
 summary line comes last; `--plot` draws the TTFT CDF of each.
 
-Workloads: a Mooncake-format trace (prompts rebuilt from hash_ids by bench_serve.trace_prompt,
+Workloads: a Mooncake-format trace (prompts rebuilt from hash_ids by serve.trace_prompt,
 arrivals divided by --speedup), or `--workload shared-prefix` (every request = one long system
 prompt + a unique tail, Poisson arrivals) for the load-balance check.
 
-Definitions (besides bench_serve's TTFT / ITL / throughput):
+Definitions (besides serve.py's TTFT / ITL / throughput):
 
 - prefix_hit_rate: Σ cached prompt tokens / Σ prompt tokens over successful requests, the cached
   count being the server's usage.prompt_tokens_details.cached_tokens (prefix-cache hit on the
@@ -37,7 +37,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from splitserve.bench_serve import (BenchInputError, RequestSpec, _event_loop_factory, emit, git_sha,
+from splitserve.bench.serve import (BenchInputError, RequestSpec, _event_loop_factory, emit, git_sha,
                                     load_trace, random_prompt, run_level, summarize_level, trace_specs)
 
 MODEL_NAME = "mock"
@@ -115,7 +115,7 @@ def make_specs(args: argparse.Namespace) -> tuple[list[RequestSpec], dict]:
 
 def offered_prefill_util(specs: list[RequestSpec], args: argparse.Namespace) -> float | None:
     """No-cache prefill seconds under the mock's timing model / (replay span * workers)."""
-    from engine.mock_runner import load_timing
+    from runtime.profile import load_timing
 
     timing = load_timing(args.mock_profile)
     budget = args.max_num_batched_tokens

@@ -3,7 +3,7 @@
 Owns the throughput-vs-interactivity picture InferenceMAX draws: x = output tokens/s per user
 (how fast one stream decodes), y = output tokens/s per GPU (how much the hardware yields), one
 point per concurrency level. It knows nothing about HTTP, gRPC or how the numbers were measured;
-it takes the per-level summary dicts that `bench_serve.summarize_level` returns.
+it takes the per-level summary dicts that `serve.summarize_level` returns.
 """
 
 from __future__ import annotations

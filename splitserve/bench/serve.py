@@ -4,8 +4,8 @@ Owns the client side of a serving benchmark: building prompts (random token ids,
 fixed or drawn per request as InferenceMAX does, or real prompts rebuilt from a Mooncake trace's
 prefix-block hash ids), driving the OpenAI HTTP API (`/v1/completions`, streamed) or the gRPC
 `Generation.Generate` stream at a sweep of concurrency levels, timing every token, and reducing the
-timings to one JSON line per level plus a summary and a Pareto plot (`bench_serve_plot.py`); the
-clients and the request/result types are in `bench_clients.py`. It knows nothing about the server's
+timings to one JSON line per level plus a summary and a Pareto plot (`plot.py`); the
+clients and the request/result types are in `clients.py`. It knows nothing about the server's
 insides.
 
 Definitions (also in docs/benchmarking.md):
@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from splitserve.bench_clients import RequestResult, RequestSpec, make_client
+from splitserve.bench.clients import RequestResult, RequestSpec, make_client
 
 SCENARIOS = {"1k1k": (1024, 1024), "1k8k": (1024, 8192), "8k1k": (8192, 1024)}
 DEFAULT_CONCURRENCY = "1,4,16,64,256"
@@ -554,7 +554,7 @@ async def run_sweep(args: argparse.Namespace, plan: Plan) -> int:
 
 
 def finish_sweep(args: argparse.Namespace, header: dict, levels: list[dict]) -> int:
-    from splitserve.bench_serve_plot import frontier_levels, plot_pareto
+    from splitserve.bench.plot import frontier_levels, plot_pareto
 
     front = frontier_levels(levels)
     if args.plot:

@@ -1,7 +1,7 @@
 """The client side of `splitserve bench serve`: what one request is (`RequestSpec`), what came back
 (`RequestResult`, every token's arrival time), and the two clients that send it — OpenAI
 `/v1/completions` streaming over HTTP and `Generation.Generate` over gRPC — with the SSE parsing
-they need. The definitions of TTFT, ITL and the rest are in bench_serve.py and docs/benchmarking.md.
+they need. The definitions of TTFT, ITL and the rest are in serve.py and docs/benchmarking.md.
 """
 
 from __future__ import annotations
