@@ -80,7 +80,7 @@ class Generator:
 
     def _remote_prefill(self, rid: str, hashes: list[int], inp: GenerateInput, overlap_blocks: int,
                         migrated: bool) -> worker_pb2.RemotePrefill | None:
-        """Conditional disaggregation (DESIGN.md §2 step 3): a prefill worker computes the prompt
+        """Conditional disaggregation (docs/architecture.md, step 3): a prefill worker computes the prompt
         when the decode worker would have many uncached tokens and the prefill pool has room."""
         to_prefill = len(inp.prompt_token_ids) - overlap_blocks * self.block_size
         local = self.metrics.prefill_local

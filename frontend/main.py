@@ -13,9 +13,11 @@ import uvicorn
 from runtime.model_config import ModelConfig
 from frontend.generate import Generator
 from frontend.grpc_api import start_grpc_server
-from frontend.http_api import FrontendState, create_app
+from frontend.auth import ApiKey
+from frontend.http_api import create_app
 from frontend.metrics_merge import WorkerMetricsScraper
 from frontend.routing import FrontendRouter
+from frontend.state import FrontendState
 from frontend.tokenizer import ModelTokenizer
 from frontend.workers import WorkerPool
 from runtime.config import FrontendConfig
@@ -40,7 +42,7 @@ async def serve_frontend(cfg: FrontendConfig) -> None:
                           remote_prefill_min_tokens=cfg.remote_prefill_min_tokens,
                           max_prefill_queue_tokens=cfg.max_prefill_queue_tokens)
     state = FrontendState(generator=generator, tokenizer=tokenizer, metrics=metrics, model_name=model_name,
-                          max_model_len=max_model_len, api_key=cfg.api_key,
+                          max_model_len=max_model_len, api_key=ApiKey(cfg.api_key),
                           max_body_bytes=cfg.max_body_bytes, extra_metrics=WorkerMetricsScraper(pool).scrape)
     grpc_server, grpc_port = await start_grpc_server(state, cfg.host, cfg.grpc_port)
     http = uvicorn.Server(uvicorn.Config(create_app(state), host=cfg.host, port=cfg.http_port,
