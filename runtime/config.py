@@ -50,7 +50,8 @@ class WorkerConfig:
     engine: EngineConfig
     redis: RedisConfig = field(default_factory=RedisConfig)
     role: str = "aggregated"                # aggregated | decode | prefill
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"                 # bind address
+    advertise_host: str | None = None       # address in the lease; None: host, or this machine's for 0.0.0.0
     port: int = 0                           # gRPC port; 0 picks a free one
     metrics_port: int | None = None         # Prometheus /metrics of this worker; None: off
     worker_id: str | None = None
@@ -69,7 +70,7 @@ class FrontendConfig:
     router_policy: str = "kv"              # kv | round_robin | random | least_loaded
     router_approximate: bool = False        # build the prefix index from routing decisions (no events)
     request_timeout_s: float = 600.0
-    block_size: int = 16
+    block_size: int | None = None           # None: learned from the first worker (disagreeing ones are refused)
     remote_prefill_min_tokens: int = 128    # prefill remotely only when more uncached tokens than this
     max_prefill_queue_tokens: int = 32768   # a prefill worker with more queued is "saturated"
     max_model_len: int | None = None        # None: the model's max_position_embeddings

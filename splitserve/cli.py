@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("frontend", help="the client edge (HTTP + gRPC)")
     p.add_argument("--model", default="tiny")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: learned from the first worker; others are refused)")
     p.add_argument("--max-model-len", type=int, default=None)
     _add_redis_args(p)
     _add_frontend_args(p)
@@ -117,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "decode-worker":
             p.add_argument("--role", default="decode", choices=["aggregated", "decode"])
         p.add_argument("--host", default="127.0.0.1")
+        p.add_argument("--advertise-host", default=None,
+                       help="address in discovery (default: --host, or this machine's when binding 0.0.0.0)")
         p.add_argument("--port", type=int, default=0)
         p.add_argument("--metrics-port", type=int, default=None)
         p.add_argument("--worker-id", default=None)
@@ -172,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"splitserve {cmd}: --redis-url is required", file=sys.stderr)
             return 2
         cfg = WorkerConfig(engine=engine_config(args), redis=redis_config(args),
-                           role=getattr(args, "role", "prefill"), host=args.host, port=args.port,
+                           role=getattr(args, "role", "prefill"), host=args.host,
+                           advertise_host=args.advertise_host, port=args.port,
                            metrics_port=args.metrics_port, worker_id=args.worker_id)
         if cmd == "prefill-worker":
             from prefill_worker.main import serve_prefill_worker

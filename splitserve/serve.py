@@ -25,7 +25,7 @@ from splitserve.models import resolve_model
 
 log = logging.getLogger("splitserve.serve")
 
-_FRONTEND_FLAGS = ("block_size", "max_body_bytes", "router_policy", "remote_prefill_min_tokens",
+_FRONTEND_FLAGS = ("max_body_bytes", "router_policy", "remote_prefill_min_tokens",
                    "max_prefill_queue_tokens")
 _ENGINE_FLAGS = ("device", "dtype", "block_size", "num_blocks", "kv_cpu_mib", "max_model_len", "max_num_seqs",
                  "max_num_batched_tokens", "attention_backend", "load_format", "kv_memory_fraction",
