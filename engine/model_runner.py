@@ -18,7 +18,6 @@ tensor of sampled ids. `execute(chunks)` is launch + result.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -196,7 +195,7 @@ class ModelRunner:
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.model.setup_rope(self.max_model_len, self.device)
-        if self.device.type == "cuda" and os.environ.get("SPLITSERVE_INPUT_MAJOR_WEIGHTS", "1") != "0":
+        if self.device.type == "cuda" and cfg.input_major_weights:
             self.model.use_input_major_weights()
         self.num_blocks = cfg.num_blocks or self._blocks_that_fit()
         self.scratch_block = self.num_blocks
@@ -208,8 +207,8 @@ class ModelRunner:
         if self.backend.name == "flashinfer":
             import flashinfer
             self._fi = flashinfer                    # sampling
-            if os.environ.get("SPLITSERVE_FUSED_KERNELS", "1") != "0":   # 0: the model's torch ops
-                self.model.use_flashinfer_kernels(flashinfer)
+            if cfg.fused_kernels:                    # off: the model's torch ops
+                self.model.use_flashinfer_kernels(flashinfer, fused_rope_kv=cfg.fused_rope_kv)
         self._pinned = self.device.type == "cuda"
         self._staging = torch.zeros(0, dtype=torch.int64)
         self._staging_free = torch.cuda.Event() if self._pinned else None   # the last H2D copy is done
@@ -241,7 +240,7 @@ class ModelRunner:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * self.cfg.kv_memory_fraction) - (1 << 30)  # keep 1 GiB for activations
         else:
-            budget = self.cfg.kv_cpu_bytes
+            budget = self.cfg.kv_cpu_mib << 20
         return max(budget // per_block - 1, 1)
 
     def execute(self, chunks: list[ScheduledChunk]) -> dict[str, int]:

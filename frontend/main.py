@@ -1,4 +1,5 @@
-"""Runs the frontend process: HTTP (uvicorn) and gRPC servers on one event loop, worker discovery."""
+"""Runs the frontend process: HTTP (uvicorn) and gRPC servers on one event loop, worker discovery
+(which admits only workers of this frontend's model and block size: frontend/admission.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 import redis.asyncio as aioredis
 import uvicorn
 
-from runtime.model_config import ModelConfig
+from runtime.model_config import ModelConfig, model_fingerprint
+from frontend.admission import Admission
 from frontend.generate import Generator
 from frontend.grpc_api import start_grpc_server
 from frontend.auth import ApiKey
@@ -33,12 +35,13 @@ async def serve_frontend(cfg: FrontendConfig) -> None:
     model_name = cfg.model_name or Path(cfg.model).resolve().name
     metrics = FrontendMetrics()
     redis = aioredis.Redis.from_url(cfg.redis.url)
-    router = FrontendRouter(cfg.router_policy, cfg.block_size, approximate=cfg.router_approximate)
-    pool = WorkerPool(redis, cfg.redis.namespace, router)
+    fingerprint = model_fingerprint(cfg.model)
+    router = FrontendRouter(cfg.router_policy, approximate=cfg.router_approximate)
+    pool = WorkerPool(redis, cfg.redis.namespace, router, Admission(fingerprint, cfg.block_size))
     await pool.start()
     router.start(redis, cfg.redis.namespace)
     max_model_len = cfg.max_model_len or model_cfg.max_position_embeddings
-    generator = Generator(pool, tokenizer, metrics, max_model_len, cfg.block_size,
+    generator = Generator(pool, tokenizer, metrics, max_model_len,
                           remote_prefill_min_tokens=cfg.remote_prefill_min_tokens,
                           max_prefill_queue_tokens=cfg.max_prefill_queue_tokens)
     state = FrontendState(generator=generator, tokenizer=tokenizer, metrics=metrics, model_name=model_name,
@@ -55,8 +58,8 @@ async def serve_frontend(cfg: FrontendConfig) -> None:
     gc.freeze()
     stop = asyncio.Event()
     install_stop_handlers(stop)
-    log.info("frontend: model %r, HTTP on %s:%d, gRPC on %s:%d", model_name, cfg.host, cfg.http_port,
-             cfg.host, grpc_port)
+    log.info("frontend: model %r (fingerprint %s), HTTP on %s:%d, gRPC on %s:%d", model_name, fingerprint,
+             cfg.host, cfg.http_port, cfg.host, grpc_port)
     done, _ = await asyncio.wait({http_task, asyncio.create_task(stop.wait())},
                                  return_when=asyncio.FIRST_COMPLETED)
     if http_task in done and http_task.exception():

@@ -30,7 +30,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import os
 import statistics
 from pathlib import Path
 
@@ -192,14 +191,6 @@ def check_sampling(emit) -> None:
          outside_top_k=int(freq[4].item() * n), passed=bool(ok_greedy and max_dev < 0.02 and freq[4] == 0))
 
 
-def _runner(cfg: EngineConfig, fused_kernels: bool = True) -> ModelRunner:
-    os.environ["SPLITSERVE_FUSED_KERNELS"] = "1" if fused_kernels else "0"
-    try:
-        return ModelRunner(cfg)
-    finally:
-        del os.environ["SPLITSERVE_FUSED_KERNELS"]
-
-
 def compare(emit, name: str, model_dir: Path, load_format: str, dtype: str, num_prompts: int, tokens: int,
             fp8_kv: bool = False, xqa: bool = False, attention_only: bool = False,
             batch_control: bool = False) -> None:
@@ -232,7 +223,7 @@ def compare(emit, name: str, model_dir: Path, load_format: str, dtype: str, num_
     fi = dataclasses.replace(base, attention_backend="flashinfer", cuda_graphs=True)
     extra = {}
     if attention_only:
-        extra["fi_attn"] = _runner(dataclasses.replace(fi, cuda_graphs=False), fused_kernels=False)
+        extra["fi_attn"] = ModelRunner(dataclasses.replace(fi, cuda_graphs=False, fused_kernels=False))
     if xqa:
         extra["fast_xqa"] = ModelRunner(dataclasses.replace(fi, decode_kernel="xqa"))
     if fp8_kv:

@@ -9,7 +9,8 @@ spends before its launch, decode throughput at batch 8..128 with ~1k-token conte
 4k-token prompts against the GEMM ceiling (2 × matmul params × tokens FLOPs ÷ measured rate), a
 K/V-write micro-benchmark (with RoPE + K/V write: FlashInfer + index_copy_ against the fused Triton
 kernel, eager and inside a CUDA graph), and HF transformers `generate` on the same architecture as
-the baseline. SPLITSERVE_FUSED_ROPE_KV=0 runs the model without the fused kernel (field fused_rope_kv).
+the baseline. --no-fused-rope-kv runs the model without the fused kernel (field fused_rope_kv);
+--no-fused-kernels and --no-input-major-weights turn off the other two (EngineConfig fields all).
 `--kv-cache-dtypes auto,fp8` repeats every section with each KV cache dtype, `--decode-kernels
 flashinfer,xqa` with each decode attention kernel. Not in the default --only: section
 `offline`, the 1k/1k serving workload inside the engine, no HTTP — a closed loop of 128 requests
@@ -34,9 +35,13 @@ from engine.loader import write_arch_dir  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
 from engine.request import Request  # noqa: E402
 from runtime.types import SamplingParams  # noqa: E402
+from runtime.cli_args import add_config_args, flag_values  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
 
 _uid = iter(range(1 << 30))
+# EngineConfig fields this bench takes as flags (as the workers do): --decode-tensor-cores auto|on|off,
+# --no-fused-kernels, --no-fused-rope-kv, --no-input-major-weights
+ENGINE_KNOBS = ("decode_tensor_cores", "fused_kernels", "fused_rope_kv", "input_major_weights")
 
 
 def _req(prompt_len: int, max_tokens: int, gen: torch.Generator, vocab: int) -> Request:
@@ -505,8 +510,6 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--only", default="b1,batches,prefill,kv,profile,hf")
     ap.add_argument("--num-blocks", type=int, default=16000)   # 32 GB for the 8B: batch 128 at 1.5k context
-    ap.add_argument("--decode-tensor-cores", default="auto", choices=["auto", "on", "off"],
-                    help="FlashInfer decode on tensor cores (auto: the engine's default, on for GQA >= 4)")
     ap.add_argument("--kv-cache-dtypes", default="auto", help="comma list of auto|fp8: each runs every section")
     ap.add_argument("--decode-kernels", default="auto", help="comma list of auto|flashinfer|xqa: each runs every section")
     ap.add_argument("--offline-budget", type=int, default=2048, help="offline: max_num_batched_tokens per step")
@@ -514,7 +517,9 @@ def main() -> None:
                     help="offline: then rerun with the torch profiler over this many steps (kernel families, GPU idle)")
     ap.add_argument("--offline-profile-start", type=int, default=1200,
                     help="offline: the first profiled step (~950: the first wave's requests finish, mixed steps)")
+    add_config_args(ap, EngineConfig, only=ENGINE_KNOBS, config_file=False)
     args = ap.parse_args()
+    knobs = flag_values(EngineConfig, args)
     emit = Emitter("engine_bench", args.out)
     ceil = measure_ceilings()
     emit(metric="ceilings", **ceil)
@@ -525,8 +530,7 @@ def main() -> None:
         model_dir = write_arch_dir(arch, f"/tmp/splitserve-models/{arch}")
         cfg = EngineConfig(model=str(model_dir), load_format="dummy", num_blocks=args.num_blocks,
                            max_model_len=8192, max_num_seqs=256, max_num_batched_tokens=8192,
-                           enable_prefix_caching=False, kv_cache_dtype=kv_dtype, decode_kernel=decode_kernel,
-                           decode_tensor_cores={"auto": None, "on": True, "off": False}[args.decode_tensor_cores])
+                           enable_prefix_caching=False, kv_cache_dtype=kv_dtype, decode_kernel=decode_kernel, **knobs)
         t0 = time.perf_counter()
         runner = ModelRunner(cfg)
         sizes = model_sizes(runner)
@@ -534,6 +538,7 @@ def main() -> None:
                   "decode_tensor_cores": getattr(runner.backend, "decode_tensor_cores", None),
                   "decode_kernel": getattr(runner.backend, "decode_kernel", None),
                   "fused_rope_kv": runner.model.layers[0].self_attn.rope_kv is not None,
+                  "fused_kernels": cfg.fused_kernels, "input_major_weights": cfg.input_major_weights,
                   "kv_cache_dtype": str(runner.kv_cache.dtype).removeprefix("torch."),
                   "block_size": cfg.block_size, "num_blocks": cfg.num_blocks}
         emit(**common, metric="model", load_and_capture_s=round(time.perf_counter() - t0, 2),
