@@ -27,6 +27,8 @@ import pytest
 
 pytest.importorskip("nixl")
 
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+
 from proto.splitserve.v1 import admin_pb2, admin_pb2_grpc  # noqa: E402
 from runtime.admin_auth import read_token_file  # noqa: E402
 from tests.integration.cluster import own_cluster, until  # noqa: E402
@@ -106,6 +108,18 @@ async def when_all_busy(cluster, role: str, n: int, then) -> None:
     await asyncio.to_thread(then)
 
 
+def probe(address: str) -> tuple[str, str] | None:
+    """The two probes Kubernetes runs on a worker's gRPC port: liveness ("") and readiness."""
+    try:
+        with grpc.insecure_channel(address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            names = health_pb2.HealthCheckResponse.ServingStatus.Name
+            return tuple(names(stub.Check(health_pb2.HealthCheckRequest(service=svc), timeout=2).status)
+                         for svc in ("", "splitserve.v1.Worker"))
+    except grpc.RpcError:
+        return None
+
+
 def test_status_and_workers_list_through_the_cli(cluster):
     table = cluster.cli("pools", "status").stdout
     assert re.search(r"^POOL\s+ROLE\s+DESIRED\s+READY\s+STARTING\s+DRAINING\s+RUNNING\s+QUEUED\s+KV USE\s+"
@@ -120,6 +134,7 @@ def test_status_and_workers_list_through_the_cli(cluster):
         ("decode-0", admin_pb2.WORKER_STATE_READY, True), ("prefill-0", admin_pb2.WORKER_STATE_READY, True)]
     health = httpx.get(f"{cluster.url}/health").json()
     assert (health["status"], health["decode"], health["prefill"], health["degraded"]) == ("ok", 1, 1, False)
+    assert [probe(w.address) for w in cluster.workers()] == [("SERVING", "SERVING")] * 2
     banner = cluster.log()
     assert f"Admin        {cluster.admin_url}" in banner
     assert read_token_file(cluster.admin_port) not in banner          # the path is printed, never the token
@@ -142,6 +157,9 @@ def test_the_admin_api_refuses_calls_without_the_token(cluster):
 
 def test_decode_scale_up_takes_traffic_and_scale_down_drains_under_load(cluster, reference):
     cluster.cli("pools", "scale", "--decode", "3")
+    # a new worker is visible while it loads its model: alive, not ready
+    starting = until(lambda: [w for w in cluster.workers() if w.state == "starting"], 60, 0.05, "a starting worker")
+    assert probe(starting[0].address) == ("SERVING", "NOT_SERVING")
     until(lambda: settled(cluster, "decode", 3), 90, 0.2, "three ready decode workers")
     old = {w.worker_id for w in cluster.workers() if w.role == "decode" and w.name == "decode-0"}
     streams = asyncio.run(stream_all(cluster.url, PROMPTS, MAX_TOKENS))
@@ -151,13 +169,22 @@ def test_decode_scale_up_takes_traffic_and_scale_down_drains_under_load(cluster,
     assert len(new) == 2 and all(served[w] > 0 for w in new), served      # the new workers took traffic
 
     moved = metric(cluster.url, "splitserve_request_migrations_total", reason="drain")
+    decode = [w for w in cluster.workers() if w.role == "decode"]
+    probes: list = []
+
+    def scale_down_and_probe():
+        scale(cluster, decode=1)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and ("SERVING", "NOT_SERVING") not in probes:
+            probes.extend(probe(w.address) for w in decode)
+
     streams = asyncio.run(stream_all(cluster.url, PROMPTS, MAX_TOKENS,
-                                     during=lambda: when_all_busy(cluster, "decode", 3,
-                                                                  lambda: scale(cluster, decode=1))))
+                                     during=lambda: when_all_busy(cluster, "decode", 3, scale_down_and_probe)))
     assert failures(streams, MAX_TOKENS) == []                             # none failed, none truncated
     assert [s.tokens for s in streams] == reference                        # the same greedy tokens
     until(lambda: settled(cluster, "decode", 1), 30, 0.2, "one decode worker left")
     assert len([w for w in cluster.workers() if w.role == "decode"]) == 1
+    assert ("SERVING", "NOT_SERVING") in probes, probes        # draining: alive, not ready
     # the long requests outlived the drain timeout and continued on the survivor
     assert metric(cluster.url, "splitserve_request_migrations_total", reason="drain") > moved
     assert re.search(r"decode-\d+\[\d+\] runtime.worker_host: drain timeout \(\d s\): handed [1-9]", cluster.log())
