@@ -51,7 +51,9 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
                    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     loaded: set[str] = set()
     for path in _shard_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
+        # straight to the device: the fused q|k|v and gate|up concatenations then run there, not on
+        # one host core
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
             for name in f.keys():
                 tensor = f.get_tensor(name)
                 target = _target_name(name, fused_parts)

@@ -11,6 +11,7 @@ nothing about the engine itself: stats come from a callable, events through `eve
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import uuid
@@ -26,7 +27,7 @@ from runtime.discovery import Lease, WorkerInfo
 from runtime.kv_events import KvEventPublisher
 from runtime.metrics import WorkerMetrics, start_metrics_server
 from runtime.model_config import model_fingerprint
-from runtime.process import install_stop_handlers
+from runtime.process import install_stop_handlers, process_age_s
 
 log = logging.getLogger(__name__)
 
@@ -133,12 +134,16 @@ class WorkerHost:
         await self._lease.start()
         return info
 
-    async def serve(self, loop, describe: str, agent=None) -> None:
+    async def serve(self, loop, describe: str, agent=None, startup_s: dict | None = None) -> None:
         """A worker's whole life once its services are on `server`: take the lease, serve until
         SIGTERM/SIGINT, then leave the pool, stop the engine `loop` (an engine.EngineLoop) and close
-        the NIXL `agent` if there is one, in that order. `describe` names the worker in logs."""
+        the NIXL `agent` if there is one, in that order. `describe` names the worker in logs;
+        `startup_s` (phase -> seconds) is logged with the time from process start to the lease."""
         info = await self.start(loop.engine.pool.num_blocks, lambda: loop.stats)
         log.info("%s serving on %s (%d blocks)", describe, info.address, info.num_blocks)
+        phases = {**(startup_s or {}), **getattr(loop.engine.runner, "startup_s", {}),
+                  "process_start_to_lease": round(process_age_s(), 3)}
+        log.info("startup phases: %s", json.dumps(phases))
         try:
             stop = asyncio.Event()
             install_stop_handlers(stop)

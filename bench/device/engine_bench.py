@@ -33,8 +33,7 @@ from common import Emitter, cuda_time_ms, graph_us, measure_ceilings  # noqa: E4
 from engine.engine import Engine  # noqa: E402
 from engine.loader import write_arch_dir  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
-from engine.request import Request  # noqa: E402
-from runtime.types import SamplingParams  # noqa: E402
+from runtime.types import EngineRequest, SamplingParams  # noqa: E402
 from runtime.cli_args import add_config_args, flag_values  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
 
@@ -44,9 +43,9 @@ _uid = iter(range(1 << 30))
 ENGINE_KNOBS = ("decode_tensor_cores", "fused_kernels", "fused_rope_kv", "input_major_weights")
 
 
-def _req(prompt_len: int, max_tokens: int, gen: torch.Generator, vocab: int) -> Request:
+def _req(prompt_len: int, max_tokens: int, gen: torch.Generator, vocab: int) -> EngineRequest:
     prompt = torch.randint(10, vocab - 10, (prompt_len,), generator=gen).tolist()
-    return Request.new(f"r{next(_uid)}", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+    return EngineRequest(f"r{next(_uid)}", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                                 ignore_eos=True))
 
 
@@ -122,7 +121,7 @@ def bench_decode_batches(emit, runner, common, batches=(8, 16, 32, 64, 128), ctx
         _drain(eng)
 
 
-def _steady_batch(eng: Engine, b: int, c: int, steps: int, g, vocab: int) -> list[Request]:
+def _steady_batch(eng: Engine, b: int, c: int, steps: int, g, vocab: int) -> list[EngineRequest]:
     """b requests of c-token prompts, all decoding, none finishing within the next 2 x steps steps.
     Chunked prefill lets the first requests decode while the last ones prefill, so by the time
     every request has a few tokens the first have one per prefill step: max_tokens covers that."""
@@ -155,15 +154,16 @@ class StepClock:
         self.rows: list[tuple] = []       # (rows, prefill tokens, context tokens, start, end, host s, prepare s)
         runner.launch = self
 
-    def __call__(self, chunks, prev=None):
+    def __call__(self, plan, prev=None):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         t = time.perf_counter()
-        out = type(self.runner).launch(self.runner, chunks, prev)
+        out = type(self.runner).launch(self.runner, plan, prev)
         host = time.perf_counter() - t
         end.record()
-        self.rows.append((len(chunks), sum(c.num_tokens for c in chunks if c.num_tokens > 1),
-                          sum(c.start + c.num_tokens for c in chunks), start, end, host, self.runner.last_prepare_s))
+        rows = plan.rows
+        self.rows.append((len(rows), sum(r.num_tokens for r in rows if r.num_tokens > 1),
+                          sum(r.start + r.num_tokens for r in rows), start, end, host, self.runner.last_prepare_s))
         return out
 
     def close(self) -> None:
@@ -317,7 +317,7 @@ def bench_offline(emit, runner, common, concurrency=128, num_requests=384, isl=1
                 eng.add_request(_req(*queue.pop(), g, vocab))
                 live += 1
             t = time.perf_counter()
-            for o in eng.step():
+            for o in eng.step().outputs:
                 tokens += len(o.new_token_ids)
                 live -= o.finish_reason is not None
             times.append(time.perf_counter() - t)
