@@ -121,14 +121,16 @@ def bench_decode_batches(emit, runner, common, batches=(8, 16, 32, 64, 128), ctx
         _drain(eng)
 
 
-def _steady_batch(eng: Engine, b: int, c: int, steps: int, g, vocab: int) -> list[EngineRequest]:
-    """b requests of c-token prompts, all decoding, none finishing within the next 2 x steps steps.
-    Chunked prefill lets the first requests decode while the last ones prefill, so by the time
-    every request has a few tokens the first have one per prefill step: max_tokens covers that."""
+def _steady_batch(eng: Engine, b: int, c: int, steps: int, g, vocab: int) -> list:
+    """b requests of c-token prompts, all decoding, none finishing within the next 2 x steps steps;
+    returns the engine's live requests (to count their tokens). Chunked prefill lets the first
+    requests decode while the last ones prefill, so by the time every request has a few tokens the
+    first have one per prefill step: max_tokens covers that."""
     prefill_steps = -(-b * c // eng.scheduler.budget) + 2
-    reqs = [_req(c, prefill_steps + 4 + 2 * steps + 8, g, vocab) for _ in range(b)]
-    for r in reqs:
+    specs = [_req(c, prefill_steps + 4 + 2 * steps + 8, g, vocab) for _ in range(b)]
+    for r in specs:
         eng.add_request(r)
+    reqs = [eng.scheduler.requests[r.request_id] for r in specs]
     while min(r.num_output_tokens for r in reqs) < 4:
         eng.step()
     torch.cuda.synchronize()
@@ -289,10 +291,10 @@ def bench_offline(emit, runner, common, concurrency=128, num_requests=384, isl=1
     schedule, kinds = eng.scheduler.schedule, []
 
     def recording_schedule():
-        chunks = schedule()
-        prefill = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
-        kinds.append((len(chunks), prefill))
-        return chunks
+        plan = schedule()
+        prefill = sum(r.num_tokens for r in plan.rows if r.num_tokens > 1)
+        kinds.append((len(plan.rows), prefill))
+        return plan
     # warm-up, untimed: a prefill-only step, then a step mixing a decode row into a prefill (each
     # attention kernel's first use JIT-compiles on a fresh machine: ~110 s, once polluting the wall)
     eng.add_request(_req(64, 8, g, vocab))

@@ -13,11 +13,12 @@ OUT=${OUT:-/tmp/splitserve-out}
 mkdir -p "$OUT"
 DEADLINE=$(( $(date +%s) + ${TOTAL_S:-570} ))   # every stage ends before this
 left() { local l=$(( DEADLINE - $(date +%s) - ${1:-0} )); [ "$l" -lt "$2" ] && echo "$l" || echo "$2"; }
-if [ ! -f .site/.done ]; then
-  whls=(); for d in ${WHL_DIRS:-.whl .whl_web}; do [ -d "$d" ] && whls+=("$d"/*.whl); done   # absent dirs skipped
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site "${whls[@]}" \
-    && touch .site/.done || exit 1
-fi
+# each wheel directory installs once (a later call may carry another while the machine is warm)
+for d in ${WHL_DIRS:-.whl .whl_web}; do
+  [ -d "$d" ] && [ ! -f ".site/.done-${d#.}" ] || continue     # absent or installed: skipped
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site "$d"/*.whl \
+    && touch ".site/.done-${d#.}" || exit 1
+done
 ROOT_SITE=$PWD/.site
 export PYTHONPATH=$PWD/.site:$PWD FLASHINFER_WORKSPACE_BASE=$PWD/.fiws MAX_JOBS=${MAX_JOBS:-16}
 export SPLITSERVE_CACHE=$PWD/.sscache
