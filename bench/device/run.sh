@@ -47,7 +47,7 @@ for stage in "$@"; do
                ${KERNELS_ARGS:-} 2>&1 | tee "$OUT/decode_kernels.log" | grep -v Warning ;;
     compare) # HEAD against the baseline tree carried in .base (git archive of the commit before a change),
              # one after the other in this call, same machine: the "within 2%" check of a refactor
-             for side in .base . .base .; do
+             for side in ${CMP_SIDES:-.base . .base .}; do
                [ -d "$side/engine" ] || { echo "no $side tree"; continue; }
                ( cd "$side" && PYTHONPATH=$ROOT_SITE:$PWD SPLITSERVE_GIT_SHA=$(cat GIT_SHA 2>/dev/null || echo head) \
                  timeout "$(left 0 "${T_CMP:-200}")" python3 bench/device/engine_bench.py --out "$OUT/compare.jsonl" \
