@@ -521,7 +521,7 @@ def main() -> None:
                     help="offline: the first profiled step (~950: the first wave's requests finish, mixed steps)")
     add_config_args(ap, EngineConfig, only=ENGINE_KNOBS, config_file=False)
     args = ap.parse_args()
-    knobs = flag_values(EngineConfig, args)
+    knobs = {k: v for k, v in flag_values(EngineConfig, args).items() if k in ENGINE_KNOBS}
     emit = Emitter("engine_bench", args.out)
     ceil = measure_ceilings()
     emit(metric="ceilings", **ceil)
