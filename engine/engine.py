@@ -153,8 +153,12 @@ def _mock_runner(cfg: EngineConfig):
 
 
 def _model_runner(cfg: EngineConfig):
+    t0 = time.perf_counter()
     from engine.model_runner import ModelRunner
-    return ModelRunner(cfg)
+    imported_s = time.perf_counter() - t0
+    runner = ModelRunner(cfg)
+    runner.startup_s = {"runner_imports": round(imported_s, 3), **runner.startup_s}
+    return runner
 
 
 class EngineLoop:

@@ -271,3 +271,28 @@ def test_torch_backend_attends_over_fp8_values_exactly():
         outs.append(backend.forward(0, q, kk, vv, cache))
     assert torch.equal(cache8.float(), cache32)         # the new K/V landed rounded in both
     assert torch.equal(outs[0], outs[1])
+
+
+def test_the_streaming_weight_reader_matches_safetensors(tiny_dir, tmp_path):
+    """engine/weights_io.py reads the same tensors as safetensors' own reader, in every dtype the
+    loader meets, and refuses a truncated file."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from engine.weights_io import iter_tensors
+    path = tmp_path / "mixed.safetensors"
+    g = torch.Generator().manual_seed(0)
+    save_file({"a": torch.randn(3, 5, generator=g).to(torch.bfloat16), "b": torch.randn(7, generator=g),
+               "c": torch.arange(6, dtype=torch.int64).view(2, 3), "d": torch.tensor(2.5, dtype=torch.float16)},
+              str(path))
+    for file in [path, tiny_dir / "model.safetensors"]:
+        ours = dict(iter_tensors(file, torch.device("cpu")))
+        with safe_open(str(file), framework="pt") as f:
+            assert sorted(ours) == sorted(f.keys())
+            for name in f.keys():
+                ref = f.get_tensor(name)
+                assert ours[name].dtype == ref.dtype and torch.equal(ours[name], ref), name
+    data = path.read_bytes()
+    path.write_bytes(data[:-8])
+    with pytest.raises(ValueError, match="truncated"):
+        list(iter_tensors(path, torch.device("cpu")))
