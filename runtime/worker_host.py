@@ -17,6 +17,7 @@ leaves (the lease is deleted: stopped). A second SIGTERM stops at once.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import socket
@@ -36,6 +37,7 @@ from runtime.lifecycle import WORKER_HEALTH_SERVICE, WorkerState
 from runtime.logging import Throttled
 from runtime.metrics import WorkerMetrics, start_metrics_server
 from runtime.model_config import model_fingerprint
+from runtime.process import process_age_s
 
 log = logging.getLogger(__name__)
 
@@ -204,17 +206,22 @@ class WorkerHost:
         log.info("draining (%s)", why)
         self._drain.set()
 
-    async def serve(self, loop, describe: str, agent=None, drainer: Drainable | None = None) -> None:
+    async def serve(self, loop, describe: str, agent=None, startup_s: dict | None = None,
+                    drainer: Drainable | None = None) -> None:
         """A worker's whole life once its engine runs: ready, then wait for SIGTERM/SIGINT or
         Worker.Drain, drain through `drainer`, leave the pool (the lease goes), stop the engine
         `loop` (an engine.EngineLoop) and close the NIXL `agent` if there is one, in that order.
-        `describe` names the worker in logs."""
+        `describe` names the worker in logs; `startup_s` (phase -> seconds) is logged with the time
+        from process start to ready."""
         aio = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             aio.add_signal_handler(sig, self.request_drain, f"signal {signal.Signals(sig).name}")
         try:
             info = await self.start(loop.engine.pool.num_blocks, lambda: loop.stats)
             log.info("%s serving on %s (%d blocks)", describe, info.address, info.num_blocks)
+            phases = {**(startup_s or {}), **getattr(loop.engine.runner, "startup_s", {}),
+                      "process_start_to_ready": round(process_age_s(), 3)}
+            log.info("startup phases: %s", json.dumps(phases))
             await _first(self._drain.wait(), self._stop_now.wait())
             if drainer is not None and not self._stop_now.is_set():
                 await self._run_drain(drainer)

@@ -33,8 +33,7 @@ from common import Emitter, cuda_time_ms, graph_us, measure_ceilings  # noqa: E4
 from engine.engine import Engine  # noqa: E402
 from engine.loader import write_arch_dir  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
-from engine.request import Request  # noqa: E402
-from runtime.types import SamplingParams  # noqa: E402
+from runtime.types import EngineRequest, SamplingParams  # noqa: E402
 from runtime.cli_args import add_config_args, flag_values  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
 
@@ -44,9 +43,9 @@ _uid = iter(range(1 << 30))
 ENGINE_KNOBS = ("decode_tensor_cores", "fused_kernels", "fused_rope_kv", "input_major_weights")
 
 
-def _req(prompt_len: int, max_tokens: int, gen: torch.Generator, vocab: int) -> Request:
+def _req(prompt_len: int, max_tokens: int, gen: torch.Generator, vocab: int) -> EngineRequest:
     prompt = torch.randint(10, vocab - 10, (prompt_len,), generator=gen).tolist()
-    return Request.new(f"r{next(_uid)}", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+    return EngineRequest(f"r{next(_uid)}", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                                 ignore_eos=True))
 
 
@@ -122,14 +121,16 @@ def bench_decode_batches(emit, runner, common, batches=(8, 16, 32, 64, 128), ctx
         _drain(eng)
 
 
-def _steady_batch(eng: Engine, b: int, c: int, steps: int, g, vocab: int) -> list[Request]:
-    """b requests of c-token prompts, all decoding, none finishing within the next 2 x steps steps.
-    Chunked prefill lets the first requests decode while the last ones prefill, so by the time
-    every request has a few tokens the first have one per prefill step: max_tokens covers that."""
+def _steady_batch(eng: Engine, b: int, c: int, steps: int, g, vocab: int) -> list:
+    """b requests of c-token prompts, all decoding, none finishing within the next 2 x steps steps;
+    returns the engine's live requests (to count their tokens). Chunked prefill lets the first
+    requests decode while the last ones prefill, so by the time every request has a few tokens the
+    first have one per prefill step: max_tokens covers that."""
     prefill_steps = -(-b * c // eng.scheduler.budget) + 2
-    reqs = [_req(c, prefill_steps + 4 + 2 * steps + 8, g, vocab) for _ in range(b)]
-    for r in reqs:
+    specs = [_req(c, prefill_steps + 4 + 2 * steps + 8, g, vocab) for _ in range(b)]
+    for r in specs:
         eng.add_request(r)
+    reqs = [eng.scheduler.requests[r.request_id] for r in specs]
     while min(r.num_output_tokens for r in reqs) < 4:
         eng.step()
     torch.cuda.synchronize()
@@ -155,15 +156,16 @@ class StepClock:
         self.rows: list[tuple] = []       # (rows, prefill tokens, context tokens, start, end, host s, prepare s)
         runner.launch = self
 
-    def __call__(self, chunks, prev=None):
+    def __call__(self, plan, prev=None):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         t = time.perf_counter()
-        out = type(self.runner).launch(self.runner, chunks, prev)
+        out = type(self.runner).launch(self.runner, plan, prev)
         host = time.perf_counter() - t
         end.record()
-        self.rows.append((len(chunks), sum(c.num_tokens for c in chunks if c.num_tokens > 1),
-                          sum(c.start + c.num_tokens for c in chunks), start, end, host, self.runner.last_prepare_s))
+        rows = plan.rows
+        self.rows.append((len(rows), sum(r.num_tokens for r in rows if r.num_tokens > 1),
+                          sum(r.start + r.num_tokens for r in rows), start, end, host, self.runner.last_prepare_s))
         return out
 
     def close(self) -> None:
@@ -289,10 +291,10 @@ def bench_offline(emit, runner, common, concurrency=128, num_requests=384, isl=1
     schedule, kinds = eng.scheduler.schedule, []
 
     def recording_schedule():
-        chunks = schedule()
-        prefill = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
-        kinds.append((len(chunks), prefill))
-        return chunks
+        plan = schedule()
+        prefill = sum(r.num_tokens for r in plan.rows if r.num_tokens > 1)
+        kinds.append((len(plan.rows), prefill))
+        return plan
     # warm-up, untimed: a prefill-only step, then a step mixing a decode row into a prefill (each
     # attention kernel's first use JIT-compiles on a fresh machine: ~110 s, once polluting the wall)
     eng.add_request(_req(64, 8, g, vocab))
@@ -317,7 +319,7 @@ def bench_offline(emit, runner, common, concurrency=128, num_requests=384, isl=1
                 eng.add_request(_req(*queue.pop(), g, vocab))
                 live += 1
             t = time.perf_counter()
-            for o in eng.step():
+            for o in eng.step().outputs:
                 tokens += len(o.new_token_ids)
                 live -= o.finish_reason is not None
             times.append(time.perf_counter() - t)
@@ -519,7 +521,7 @@ def main() -> None:
                     help="offline: the first profiled step (~950: the first wave's requests finish, mixed steps)")
     add_config_args(ap, EngineConfig, only=ENGINE_KNOBS, config_file=False)
     args = ap.parse_args()
-    knobs = flag_values(EngineConfig, args)
+    knobs = {k: v for k, v in flag_values(EngineConfig, args).items() if k in ENGINE_KNOBS}
     emit = Emitter("engine_bench", args.out)
     ceil = measure_ceilings()
     emit(metric="ceilings", **ceil)
