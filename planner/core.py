@@ -47,9 +47,11 @@ from runtime.profile import Profile
 
 BURST_INTERVALS = 10         # burstiness is pooled over this many recent intervals
 WAIT_FLOOR_SHARE = 0.05      # waits below 5% of the TTFT target are noise to the wait correction
-MIN_BURST_ARRIVALS = 20
-NOISE_DECISIONS = 20         # the planned work's noise is measured over this many decisions
-NOISE_RANGE_SD = 4.0         # the expected range of 30 normal draws, in standard deviations      # fewer arrivals in an interval say nothing about burstiness
+MIN_BURST_ARRIVALS = 20      # fewer arrivals in an interval say nothing about burstiness
+NOISE_DECISIONS = 20         # the planned work's noise: its scatter over this many decisions, ...
+NOISE_LAG = 3                # ... in differences this many decisions apart, ...
+MAX_NOISE_HYSTERESIS = 0.25  # a transition inside the window still reads partly as noise: bound its cost
+NOISE_RANGE_SD = 4.0         # ... times the expected range of 30 normal draws, in standard deviations
 
 
 class Planner:
@@ -120,21 +122,24 @@ class Planner:
         return self.last
 
     def _hysteresis(self, pool: Pool, work: float) -> float:
-        """The scale-down margin: the configured hysteresis, or the expected range of the noise
-        of the pool's planned work (rate x work per request: the forecast's and the length
-        window's noise together) over about 30 decisions, 4 standard deviations, whichever is
-        larger; the noise is what the last decisions scatter around their own trend line. So
-        noise alone cannot walk a pool up a step and back down it."""
+        """The scale-down margin: the configured hysteresis, or the expected range of the noise of
+        the pool's planned work (rate x work per request: the forecast's and the length window's
+        noise together) over about 30 decisions, 4 standard deviations, whichever is larger.
+
+        The noise is read from differences NOISE_LAG decisions apart (the forecast and the length
+        window remember about that long, so closer differences would hide their noise), by their
+        median absolute deviation: a ramp shifts all differences alike and a step moves only a few,
+        so neither reads as noise and neither holds a pool up after the load has really changed."""
         history = self._work[pool]
         if work > 0:
             history.append(math.log(work))
-        if len(history) < 4:
+        if len(history) < NOISE_LAG + 4:
             return self.config.hysteresis
         y = np.array(history)
-        x = np.arange(len(y))
-        residuals = y - np.polyval(np.polyfit(x, y, 1), x)
-        noise = math.sqrt(float((residuals ** 2).sum()) / (len(y) - 2))
-        return max(self.config.hysteresis, NOISE_RANGE_SD * noise)
+        diffs = y[NOISE_LAG:] - y[:-NOISE_LAG]
+        mad = float(np.median(np.abs(diffs - np.median(diffs))))
+        noise = 1.4826 * mad / math.sqrt(2)       # normal sd; a difference holds two draws
+        return max(self.config.hysteresis, min(NOISE_RANGE_SD * noise, MAX_NOISE_HYSTERESIS))
 
     def _rate_forecast(self, steps: int) -> Forecast:
         """The predictor's forecast of the count, less the count's own sampling noise: given the
