@@ -190,6 +190,9 @@ class BacktestResult:
     mae_h: float          # the same `horizon` intervals ahead
     peak_coverage: float  # share of times the planned count covered the peak of the next h
     overprovision: float  # mean planned count / realised peak - 1, over the same windows
+    pinball: float        # quantile loss of the plan against the realised peak, / the series mean:
+                          # what the default is chosen by (it weighs a shortfall q / (1 - q) times
+                          # an excess, as planning on the q quantile means)
 
 
 def backtest(series: Sequence[float], make: Callable[[], Predictor], horizon: int,
@@ -198,7 +201,7 @@ def backtest(series: Sequence[float], make: Callable[[], Predictor], horizon: in
     `horizon` intervals ahead, and plan as the planner does (the worst quantile over 1..horizon)."""
     p = make()
     p.warm_start(series[:warmup])
-    err1, errh, covered, over = [], [], [], []
+    err1, errh, covered, over, loss = [], [], [], [], []
     for t in range(warmup, len(series)):
         err1.append(abs(p.forecast(1).mean - series[t]))
         if t + horizon - 1 < len(series):
@@ -206,6 +209,7 @@ def backtest(series: Sequence[float], make: Callable[[], Predictor], horizon: in
             plan = max(p.forecast(h).quantile(quantile) for h in range(1, horizon + 1))
             peak = max(series[t:t + horizon])
             covered.append(plan >= peak)
+            loss.append(quantile * (peak - plan) if peak > plan else (1 - quantile) * (plan - peak))
             if peak > 0:
                 over.append(plan / peak - 1)
         p.observe(series[t])
@@ -214,4 +218,5 @@ def backtest(series: Sequence[float], make: Callable[[], Predictor], horizon: in
     def avg(xs: list) -> float:
         return sum(xs) / len(xs) if xs else float("nan")
 
-    return BacktestResult(p.name, len(err1), avg(err1) / mean, avg(errh) / mean, avg(covered), avg(over))
+    return BacktestResult(p.name, len(err1), avg(err1) / mean, avg(errh) / mean, avg(covered), avg(over),
+                          avg(loss) / mean)

@@ -124,7 +124,7 @@ def run_backtest(args: argparse.Namespace, workload, startup_s: float) -> int:
         emit({"bench": "plan_backtest", "trace": workload.name, "interval_s": args.interval_s,
               "horizon": horizon, "predictor": r.predictor, "points": r.points, "mae_1": round(r.mae_1, 4),
               "mae_h": round(r.mae_h, 4), "peak_coverage": round(r.peak_coverage, 4),
-              "overprovision": round(r.overprovision, 4)}, args.output)
+              "overprovision": round(r.overprovision, 4), "pinball": round(r.pinball, 4)}, args.output)
     return 0
 
 
