@@ -155,19 +155,20 @@ def ideal_cached_tokens(w: Workload) -> np.ndarray:
 
 
 def synthetic_workload(kind: str, seed: int = 0, duration_s: float = 3600.0) -> Workload:
-    """A workload no constant was chosen on: Poisson arrivals whose rate follows a compressed
-    day (diurnal: 1 to 4 req/s over one hour, two peaks) or steps through bursts (bursty: 2 req/s
-    with 3-minute bursts to 6 req/s every 12 minutes); lognormal lengths (prompt median 1,500,
-    output median 200 tokens), unrelated to either trace."""
+    """A workload no constant was chosen on: Poisson arrivals (no copies, so no bursts within a
+    second) whose rate follows a compressed day (diurnal: 10 to 40 req/s over one hour, two
+    peaks) or steps through bursts (bursty: 20 req/s with 3-minute bursts to 60 req/s every 12
+    minutes); lognormal lengths (prompt median 1,500, output median 200 tokens), unrelated to
+    either trace."""
     if kind not in SYNTHETIC_KINDS:
         raise WorkloadError(f"unknown synthetic workload {kind!r}; use one of {', '.join(SYNTHETIC_KINDS)}")
     rng = np.random.default_rng([seed, 23])
     if kind == "diurnal":
-        def rate(t): return 2.5 - 1.5 * np.cos(4 * np.pi * t / duration_s)
-        peak = 4.0
+        def rate(t): return 25.0 - 15.0 * np.cos(4 * np.pi * t / duration_s)
+        peak = 40.0
     else:
-        def rate(t): return np.where((t % 720.0) >= 540.0, 6.0, 2.0)
-        peak = 6.0
+        def rate(t): return np.where((t % 720.0) >= 540.0, 60.0, 20.0)
+        peak = 60.0
     n = rng.poisson(peak * duration_s)
     t = np.sort(rng.uniform(0, duration_s, n))
     t = t[rng.random(n) < rate(t) / peak]              # thinning: a Poisson process of rate(t)
