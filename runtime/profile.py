@@ -40,10 +40,10 @@ from typing import Callable, Protocol, Sequence
 # activations) / 128 KiB of KV per token (32 layers * 8 KV heads * 128 dims * K,V * 2 bytes).
 DEFAULT_KV_TOKENS = 450_000
 DEFAULT_MAX_MODEL_LEN = 131_072     # Llama-3.1's context
-# Start-to-ready of one 8B worker on the H100 (process start to serving), measured before the
-# fast-start work of issue 17 (~50 s of it capturing 15 CUDA graphs). The one place this default
-# lives: replace it with the measured value when the fast-start benchmark lands.
-DEFAULT_STARTUP_S = 66.0
+# Start-to-ready of one 8B worker on the H100 (process start to its ready lease, weights in the page
+# cache): the mean of the two runs in bench/results/startup-h100-02d2b6e.jsonl (19.58 s, 21.4 s),
+# after the fast-start work (66 s before it). The one place this default lives.
+DEFAULT_STARTUP_S = 20.5
 DEFAULT_MAX_NUM_SEQS = 256            # EngineConfig's defaults, which the default profile assumes
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_PROFILE_PATH = Path(__file__).parent / "profiles" / "h100-llama-3.1-8b-curve.json"

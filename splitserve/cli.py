@@ -17,7 +17,7 @@ import dataclasses
 import sys
 
 from runtime.cli_args import add_config_args, config_from_args
-from runtime.config import EngineConfig, FrontendConfig, ServeConfig, WorkerConfig
+from runtime.config import EngineConfig, FrontendConfig, PlannerComponentConfig, ServeConfig, WorkerConfig
 from runtime.config_fields import ConfigError
 from runtime.errors import InvalidRequest
 from runtime.logging import setup_logging
@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in WORKERS.items():
         p = sub.add_parser(name, help=text)
         add_config_args(p, WorkerConfig, skip=("role",) if name == "prefill-worker" else ())
+
+    p = sub.add_parser("planner", help="the SLA planner, driving a pool controller's admin API")
+    add_config_args(p, PlannerComponentConfig)
 
     from splitserve import admin_cli
     admin_cli.add_arguments(sub)
@@ -86,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         from splitserve.serve import serve
         setup_logging("serve")
         return serve(cfg)
+    if cmd == "planner":
+        setup_logging("planner")
+        from planner.live import run_planner
+        return asyncio.run(run_planner(cfg))
     if cmd == "frontend":
         setup_logging("frontend")
         from frontend.main import serve_frontend
@@ -101,14 +108,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def component_config(args: argparse.Namespace) -> ServeConfig | FrontendConfig | WorkerConfig:
+def component_config(args: argparse.Namespace) -> ServeConfig | FrontendConfig | WorkerConfig | PlannerComponentConfig:
     """The config of the command in `args`, its model resolved (tiny → the generated directory)."""
     from splitserve.models import resolve_model
     cmd = args.command
     if cmd == "serve":        # serve resolves the model itself, to report a bad one its own way
         engine = config_from_args(EngineConfig, args, prefix="engine.")
         return config_from_args(ServeConfig, args, given={"frontend.model": engine.model})
-    if cmd == "frontend":
+    if cmd == "planner":
+        cfg = config_from_args(PlannerComponentConfig, args)
+        from planner.live import check_sla
+        try:
+            check_sla(cfg)
+        except (ValueError, OSError) as e:
+            raise ConfigError(str(e)) from None
+    elif cmd == "frontend":
         cfg = config_from_args(FrontendConfig, args)
         cfg = dataclasses.replace(cfg, model=resolve_model(cfg.model))
     else:

@@ -4,9 +4,11 @@ plot, through the real argument parser."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 
+from runtime.profile import DEFAULT_STARTUP_S
 from splitserve.cli import build_parser, main
 
 
@@ -49,7 +51,8 @@ def test_backtest_mode_and_bad_input(tmp_path, capsys):
     assert main(["bench", "plan", "--trace", str(trace), "--ttft-ms", "2000", "--itl-ms", "50", "--backtest",
                  "--interval-s", "30"]) == 0
     rows = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
-    assert {r["predictor"] for r in rows} >= {"constant", "holt(0.5,0.2,0.9)"} and rows[0]["horizon"] == 4
+    horizon = math.ceil((DEFAULT_STARTUP_S + 30) / 30)        # start-up plus one interval, in intervals
+    assert {r["predictor"] for r in rows} >= {"constant", "holt(0.5,0.2,0.9)"} and rows[0]["horizon"] == horizon
     assert main(["bench", "plan", "--trace", str(tmp_path / "missing.csv"), "--ttft-ms", "1", "--itl-ms", "1"]) == 2
     assert main(["bench", "plan", "--trace", str(trace), "--ttft-ms", "0", "--itl-ms", "1"]) == 2
     args = build_parser().parse_args(["bench", "plan", "--trace", "x", "--ttft-ms", "1", "--itl-ms", "1"])

@@ -47,7 +47,7 @@ from kvstore.events import KvEventBatch
 from planner import (Decision, DecodeStats, Observation, Planner, PoolState, PrefillRecord,
                      RequestSample)
 from router import NoWorkerAvailable, Router, RouterConfig, WorkerRole
-from runtime.profile import Profile
+from runtime.profile import DEFAULT_STARTUP_S, Profile
 from splitserve.bench.plansim.pools import DecodeWorker, PrefillWorker, State
 from splitserve.bench.plansim.workload import TRACE_BLOCK_TOKENS, Workload, ideal_cached_tokens
 
@@ -60,7 +60,7 @@ class SimConfig:
     ttft_target_s: float
     itl_target_s: float
     interval_s: float = 30.0
-    startup_s: float = 66.0
+    startup_s: float = DEFAULT_STARTUP_S
     seed: int = 0
 
 
