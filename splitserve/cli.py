@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     from splitserve import tiny_model
     tiny_model.add_arguments(msub.add_parser("tiny", help="write the tiny seeded-random model"))
 
+    from splitserve import profiler
+    profiler.add_arguments(sub.add_parser("profile", help="measure the engine: a performance profile for the "
+                                          "planner and the mock (format 2)"))
+
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="bench_command", required=True)
     from splitserve.bench import serve as bench_serve
@@ -68,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     if cmd in ("pools", "workers"):
         from splitserve import admin_cli
         return admin_cli.main(args)
+    if cmd == "profile":
+        from splitserve import profiler
+        setup_logging("profile")
+        return profiler.main(args)
     if cmd == "model":
         from splitserve import tiny_model
         return tiny_model.main(args)
