@@ -1,7 +1,7 @@
 """`splitserve bench plan`: replay an arrival trace through the planner core on a virtual clock,
 and compare its GPU-hours with the cheapest static split that reaches the same attainment.
 
-The trace (an Azure CSV, a Mooncake JSONL, or `synthetic:diurnal|bursty`) is scaled by
+The trace (an Azure CSV, a Mooncake JSONL, or `synthetic:diurnal|bursty|flash`) is scaled by
 --load-scale (plansim/workload.py), its first --warm-start-s seconds become the history the
 planner is warm-started with, and the rest is replayed through simulated pools that run the
 profile's timing and the real router (plansim/simulator.py says what is modelled and what not).

@@ -25,7 +25,7 @@ from datetime import datetime
 import numpy as np
 
 TRACE_BLOCK_TOKENS = 512     # Mooncake's prefix blocks (splitserve.bench.serve.TRACE_BLOCK_TOKENS)
-SYNTHETIC_KINDS = ("diurnal", "bursty")
+SYNTHETIC_KINDS = ("diurnal", "bursty", "flash")
 
 
 class WorkloadError(ValueError):
@@ -159,19 +159,31 @@ def synthetic_workload(kind: str, seed: int = 0, duration_s: float = 3600.0) -> 
     second) whose rate follows a compressed day (diurnal: 10 to 40 req/s over one hour, two
     peaks) or steps through bursts (bursty: 20 req/s with 3-minute bursts to 60 req/s every 12
     minutes); lognormal lengths (prompt median 1,500, output median 200 tokens), unrelated to
-    either trace."""
+    either trace.
+
+    flash: a flash crowd, held out: added after every constant and the predictor were chosen, and
+    used only to evaluate (docs/planner.md). 8 req/s; at 20 minutes it climbs to 48 req/s in 2
+    minutes, holds 10, and decays back over 15; other lengths (prompt median 600 tokens with a
+    long tail, output median 350)."""
     if kind not in SYNTHETIC_KINDS:
         raise WorkloadError(f"unknown synthetic workload {kind!r}; use one of {', '.join(SYNTHETIC_KINDS)}")
     rng = np.random.default_rng([seed, 23])
     if kind == "diurnal":
         def rate(t): return 25.0 - 15.0 * np.cos(4 * np.pi * t / duration_s)
         peak = 40.0
-    else:
+    elif kind == "bursty":
         def rate(t): return np.where((t % 720.0) >= 540.0, 60.0, 20.0)
         peak = 60.0
+    else:
+        def rate(t):
+            up = np.clip((t - 1200.0) / 120.0, 0.0, 1.0)
+            down = np.clip((t - 2040.0) / 900.0, 0.0, 1.0)
+            return 8.0 + 40.0 * up * (1.0 - down)
+        peak = 48.0
     n = rng.poisson(peak * duration_s)
     t = np.sort(rng.uniform(0, duration_s, n))
     t = t[rng.random(n) < rate(t) / peak]              # thinning: a Poisson process of rate(t)
-    prompt = np.clip(rng.lognormal(np.log(1500), 0.9, len(t)), 16, 32000).astype(np.int64)
-    output = np.clip(rng.lognormal(np.log(200), 0.8, len(t)), 2, 4000).astype(np.int64)
+    p_med, p_sd, o_med = (600, 1.2, 350) if kind == "flash" else (1500, 0.9, 200)
+    prompt = np.clip(rng.lognormal(np.log(p_med), p_sd, len(t)), 16, 32000).astype(np.int64)
+    output = np.clip(rng.lognormal(np.log(o_med), 0.8, len(t)), 2, 4000).astype(np.int64)
     return Workload(f"synthetic:{kind}", t - t[0], prompt, output, None)
