@@ -157,8 +157,11 @@ class Planner:
         self.predictor.observe(obs.num_arrivals * cfg.interval_s / obs.interval_s)
         self._add_samples(obs.requests)
         if obs.requests and obs.num_arrivals:
-            self._record_arrivals([r.arrival_s for r in obs.requests], obs.now_s - obs.interval_s, obs.now_s,
-                                  len(obs.requests) / obs.num_arrivals)
+            # only the arrivals inside the interval (a live loop's requests are those that finished
+            # in it, some of which arrived before it), as the sampled share of the interval's arrivals
+            start = obs.now_s - obs.interval_s
+            inside = [r.arrival_s for r in obs.requests if start < r.arrival_s <= obs.now_s]
+            self._record_arrivals(inside, start, obs.now_s, min(len(inside) / obs.num_arrivals, 1.0))
         self._update_burst()
         self._correct_prefill(obs)
         st = obs.decode_stats

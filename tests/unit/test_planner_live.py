@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from planner.live import AdminTarget, LoadReader, PlannerLoop, PoolView, check_sla, direction
+from planner.live import AdminTarget, LoadReader, PlannerLoop, PoolView, check_sla, direction, sla_planner_config
 from runtime.config import SlaConfig
 from runtime.metrics import PlannerMetrics
 from runtime.pool_record import LatencyRecord, read_latencies, write_latency
@@ -157,3 +157,14 @@ def test_splitserve_planner_refuses_bad_settings(capsys):
     from splitserve.cli import main
     assert main(["planner", "--ttft-ms", "0", "--redis-url", "redis://127.0.0.1:1"]) == 2
     assert "positive" in capsys.readouterr().err
+
+
+def test_requests_that_arrived_before_the_interval_do_not_break_a_decision():
+    """Live, an interval's requests are those that finished in it: many arrived earlier."""
+    from planner import Observation, Planner, PoolState, RequestSample
+    sla = SlaConfig(ttft_ms=2000, itl_ms=50, interval_s=10.0)
+    profile = check_sla(sla)
+    planner = Planner(sla_planner_config(sla, profile), profile)
+    reqs = tuple(RequestSample(95.0 + i * 0.1, 500, 100) for i in range(100))    # 95..105 s, interval 100..110
+    d = planner.decide(Observation(110.0, 10.0, 60, PoolState(1), PoolState(1), reqs))
+    assert d.decode.desired >= 1 and d.load.num_samples == 100
