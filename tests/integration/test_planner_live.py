@@ -107,3 +107,33 @@ def test_the_planner_scales_decode_up_and_down_with_no_failed_request(tmp_path):
         until(lambda: pool(c, "decode").desired == 1, 20, 0.5, "the planner's size after the release")
     log = c.log()
     assert "planner: t=" in log and "Traceback" not in log and " ERROR " not in log, log[-3000:]
+
+
+def test_splitserve_planner_drives_a_serve_through_its_admin_api(tmp_path):
+    """`splitserve planner` as its own process: it reads the frontends' load from Redis, decides,
+    and sets the pools through serve's admin API (token from the file serve wrote); its decisions
+    show in `pools status` and on its own /metrics; SIGTERM stops it cleanly."""
+    import signal
+    import subprocess
+    import sys
+
+    from runtime.redis_embedded import free_port
+    from tests.integration.cluster import ROOT
+
+    with own_cluster("--mock", "--prefill-workers", "0", "--decode-workers", "1", tmp_dir=tmp_path) as c:
+        mport = free_port()
+        log = open(tmp_path / "planner.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", "splitserve", "planner", "--redis-url", c.redis_url,
+                                 "--admin-address", c.admin_url, "--ttft-ms", "2000", "--itl-ms", "50",
+                                 "--planner-interval-s", "1", "--metrics-port", str(mport)],
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            until(lambda: "need" in pool(c, "decode").last_decision, 30, 0.5, "the planner's first decision")
+            assert pool(c, "decode").desired == 1                  # no load: it holds what there is
+            assert metric(f"http://127.0.0.1:{mport}", "splitserve_planner_decisions_total", pool="decode") >= 1
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=20)
+            log.close()
+        text = (tmp_path / "planner.log").read_text()
+        assert code == 0 and "planner: t=" in text and "Traceback" not in text, text[-3000:]
