@@ -8,7 +8,8 @@ go to Redis under this frontend's own key (runtime/pool_record.py), expiring if 
 For the SLA planner it adds the load: a running count of arrivals, the running sum and count of
 inter-token gaps (so that the planner takes the mean ITL of its own interval from differences), and
 the last requests that finished with their lengths (arrival time, prompt, output and cached tokens,
-each with a sequence number, so that the planner takes each one once).
+each with a sequence number, so that the planner takes each one once), and the last arrivals' times
+(the newest is arrival number `arrivals`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from runtime.pool_record import LatencyRecord, write_latency
 
 log = logging.getLogger(__name__)
 
-RECENT_REQUESTS = 512        # finished requests each record carries (the planner reads every few seconds)
+RECENT_REQUESTS = 512        # finished requests each record carries (the planner reads every second)
+RECENT_ARRIVALS = 2048       # arrival times each record carries
 
 
 class LatencyPublisher:
@@ -44,9 +46,11 @@ class LatencyPublisher:
         self.itl_count = 0
         self._seq = 0
         self._recent: deque[list[float]] = deque(maxlen=RECENT_REQUESTS)
+        self._arrival_times: deque[float] = deque(maxlen=RECENT_ARRIVALS)
 
     def arrival(self) -> None:
         self.arrivals += 1
+        self._arrival_times.append(round(time.time(), 3))
 
     def done(self, arrived_at: float, prompt_tokens: int, output_tokens: int, cached_tokens: int) -> None:
         self._seq += 1
@@ -67,7 +71,7 @@ class LatencyPublisher:
         now = time.monotonic()
         return LatencyRecord(self.window_s, {p: h.counts(now) for p, h in self.ttft.items()},
                              {p: h.counts(now) for p, h in self.itl.items()}, self.frontend_id, self.arrivals,
-                             self.itl_sum_s, self.itl_count, list(self._recent))
+                             self.itl_sum_s, self.itl_count, list(self._recent), list(self._arrival_times))
 
     async def run(self) -> None:
         while True:

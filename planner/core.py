@@ -156,11 +156,12 @@ class Planner:
         cfg = self.config
         self.predictor.observe(obs.num_arrivals * cfg.interval_s / obs.interval_s)
         self._add_samples(obs.requests)
-        if obs.requests and obs.num_arrivals:
-            # only the arrivals inside the interval (a live loop's requests are those that finished
-            # in it, some of which arrived before it), as the sampled share of the interval's arrivals
+        times = obs.arrival_times if obs.arrival_times is not None else [r.arrival_s for r in obs.requests]
+        if times and obs.num_arrivals:
+            # only the arrivals inside the interval (requests that finished in it may have arrived
+            # before it), as the sampled share of the interval's arrivals
             start = obs.now_s - obs.interval_s
-            inside = [r.arrival_s for r in obs.requests if start < r.arrival_s <= obs.now_s]
+            inside = [t for t in times if start < t <= obs.now_s]
             self._record_arrivals(inside, start, obs.now_s, min(len(inside) / obs.num_arrivals, 1.0))
         self._update_burst()
         self._correct_prefill(obs)

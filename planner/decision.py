@@ -73,6 +73,9 @@ class Observation:
     requests: tuple[RequestSample, ...] = ()
     prefills: tuple[PrefillRecord, ...] = ()
     decode_stats: DecodeStats = field(default_factory=DecodeStats)
+    # the interval's arrival times (all, or a uniform sample), when `requests` are not the
+    # interval's arrivals (live: they are the requests that finished in it); None: theirs
+    arrival_times: tuple[float, ...] | None = None
 
 
 # ---- out ----------------------------------------------------------------------------------------

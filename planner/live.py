@@ -7,11 +7,11 @@ Every `interval_s` the loop builds one `Observation`:
   controller (in process under `serve --planner`; through the admin API's GetStatus for
   `splitserve planner`);
 - the load, from what each frontend publishes in Redis (runtime/pool_record.py,
-  frontend/latency_publisher.py): the arrivals since the last decision (differences of each
-  frontend's running count), the requests that finished since then with their prompt, output and
-  cached lengths (the length distribution and the prefix-hit rate), and the mean inter-token gap
-  of the interval (differences of the running sum and count) with the decode pool's mean batch,
-  which feed the decode correction.
+  frontend/latency_publisher.py), read every second and summed over the interval: the arrivals
+  (differences of each frontend's running count) and their times (the burstiness), the requests
+  that finished with their prompt, output and cached lengths (the length distribution and the
+  prefix-hit rate), and the mean inter-token gap (differences of the running sum and count) with
+  the decode pool's mean batch, which feed the decode correction.
 
 It then asks the core for a `Decision`, logs it with its reasons (one INFO line), counts it in
 `splitserve_planner_decisions_total{pool,direction}`, exports what it planned on as gauges, and
@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import redis.asyncio as aioredis
@@ -44,6 +44,8 @@ from runtime.pool_record import LatencyRecord, read_latencies
 from runtime.profile import Profile, load_profile
 
 log = logging.getLogger(__name__)
+
+POLL_S = 1.0                 # the frontends' records are read this often (they are rewritten every second)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,19 +108,35 @@ def check_sla(sla: SlaConfig) -> Profile:
     return profile
 
 
+@dataclass(slots=True)
+class Load:
+    """The load seen since the last decision."""
+    arrivals: int = 0
+    requests: list[RequestSample] = field(default_factory=list)
+    arrival_times: list[float] = field(default_factory=list)
+    itl_sum_s: float = 0.0
+    itl_count: int = 0
+
+    def add(self, other: "Load") -> None:
+        self.arrivals += other.arrivals
+        self.requests += other.requests
+        self.arrival_times += other.arrival_times
+        self.itl_sum_s += other.itl_sum_s
+        self.itl_count += other.itl_count
+
+
 class LoadReader:
-    """The load since the last read, from every frontend's published record: arrivals, finished
-    requests (each taken once, by its sequence number) and inter-token gaps. A frontend seen for
-    the first time counts from then on (its past is not this interval's); one that restarted
-    (counts went down) counts from zero."""
+    """The load since the last read, from every frontend's published record: arrivals and their
+    times, finished requests (each taken once, by its sequence number) and inter-token gaps. A
+    frontend seen for the first time counts from then on (its past is not this interval's); one
+    that restarted (counts went down) counts from zero. Read often (every second): a record holds
+    only its last RECENT_REQUESTS requests and RECENT_ARRIVALS arrival times."""
 
     def __init__(self) -> None:
         self._seen: dict[str, tuple[int, float, int, int]] = {}   # id -> (arrivals, itl sum, itl count, seq)
 
-    def take(self, records: list[LatencyRecord]) -> tuple[int, list[RequestSample], float, int]:
-        arrivals = itl_count = 0
-        itl_sum = 0.0
-        requests: list[RequestSample] = []
+    def take(self, records: list[LatencyRecord]) -> Load:
+        load = Load()
         seen = {}
         for r in records:
             last_seq = max((int(q[0]) for q in r.requests), default=0)
@@ -128,14 +146,19 @@ class LoadReader:
                 continue
             if r.arrivals < prev[0] or r.itl_count < prev[2] or last_seq < prev[3]:
                 prev = (0, 0.0, 0, 0)                    # it restarted
-            arrivals += r.arrivals - prev[0]
-            itl_sum += r.itl_sum_s - prev[1]
-            itl_count += r.itl_count - prev[2]
-            requests += [RequestSample(q[1], int(q[2]), int(q[3]), int(q[4])) for q in r.requests if q[0] > prev[3]]
+            new_arrivals = r.arrivals - prev[0]
+            load.arrivals += new_arrivals
+            if new_arrivals:
+                load.arrival_times += r.arrival_times[-new_arrivals:]
+            load.itl_sum_s += r.itl_sum_s - prev[1]
+            load.itl_count += r.itl_count - prev[2]
+            load.requests += [RequestSample(q[1], int(q[2]), int(q[3]), int(q[4])) for q in r.requests
+                              if q[0] > prev[3]]
             seen[r.frontend_id] = (r.arrivals, r.itl_sum_s, r.itl_count, last_seq)
         self._seen = seen             # a frontend gone from Redis is forgotten
-        requests.sort(key=lambda q: q.arrival_s)
-        return arrivals, requests, itl_sum, itl_count
+        load.requests.sort(key=lambda q: q.arrival_s)
+        load.arrival_times.sort()
+        return load
 
 
 def direction(d: PoolDecision) -> str:
@@ -159,6 +182,7 @@ class PlannerLoop:
         self.redis = aioredis.Redis.from_url(redis_url)
         self.namespace = namespace
         self.load = LoadReader()
+        self.pending = Load()              # read since the last decision
         self.last: Decision | None = None
         self._last_s: float | None = None
         self._warn = Throttled(log)
@@ -175,15 +199,20 @@ class PlannerLoop:
 
     async def _run(self) -> None:
         await self.prime()
+        next_s = time.monotonic() + self.sla.interval_s
         while True:
-            await asyncio.sleep(self.sla.interval_s)
+            await asyncio.sleep(max(min(POLL_S, next_s - time.monotonic()), 0.0))
             try:
-                await self.step()
+                if time.monotonic() >= next_s:
+                    next_s += self.sla.interval_s
+                    await self.step()
+                else:
+                    await self.collect()
                 self._warn.clear("step")
             except asyncio.CancelledError:
                 raise
-            except Exception as e:          # Redis or the admin API away: retry next interval
-                self._warn.warning("step", "planner step failed (retrying next interval): %s", e)
+            except Exception as e:          # Redis or the admin API away: retry next time
+                self._warn.warning("step", "planner step failed (retrying): %s", e)
 
     async def prime(self) -> None:
         """Take the frontends' counts as they are now: the first interval counts from here."""
@@ -193,15 +222,21 @@ class PlannerLoop:
             self._warn.warning("step", "reading the frontends' load failed: %s", e)
         self._last_s = time.time()
 
+    async def collect(self) -> None:
+        """Read the frontends' records (every POLL_S) into the pending interval."""
+        self.pending.add(self.load.take(await read_latencies(self.redis, self.namespace)))
+
     async def step(self) -> Decision:
         pools = await self.target.pools()
-        records = await read_latencies(self.redis, self.namespace)
+        await self.collect()
         now = time.time()
         interval = max(now - (self._last_s or now - self.sla.interval_s), 1e-3)
         self._last_s = now
-        arrivals, requests, itl_sum, itl_count = self.load.take(records)
+        load, self.pending = self.pending, Load()
+        arrivals, requests = load.arrivals, load.requests
         obs = Observation(now, interval, arrivals, self._state(pools, "prefill"), self._state(pools, "decode"),
-                          tuple(requests), (), self._decode_stats(pools, requests, itl_sum, itl_count))
+                          tuple(requests), (), self._decode_stats(pools, requests, load.itl_sum_s, load.itl_count),
+                          tuple(load.arrival_times))
         self.planner.config = sla_planner_config(self.sla, self.profile, pools)   # limits may have changed
         decision = self.planner.decide(obs)
         self.last = decision

@@ -18,21 +18,25 @@ from runtime.redis_embedded import EmbeddedRedis
 
 def rec(fid: str, arrivals: int, seqs: range, itl=(0.0, 0)) -> LatencyRecord:
     now = time.time()
+    times = [1000.0 + i for i in range(max(arrivals - 50, 0), arrivals)]      # the last 50 arrivals' times
     return LatencyRecord(60.0, {}, {}, fid, arrivals, itl[0], itl[1],
-                         [[s, now - 1, 100 + s, 50, 10] for s in seqs])
+                         [[s, now - 1, 100 + s, 50, 10] for s in seqs], times)
 
 
 def test_the_load_reader_takes_each_interval_once():
     r = LoadReader()
-    assert r.take([rec("a", 100, range(1, 11))])[0] == 0          # first sight: its past is not ours
-    n, reqs, s, c = r.take([rec("a", 130, range(5, 21), (3.0, 100))])
-    assert n == 30 and [q.prompt_tokens for q in reqs] == [100 + i for i in range(11, 21)]
-    assert reqs[0].cached_tokens == 10 and reqs[0].output_tokens == 50
-    n, reqs, _, _ = r.take([rec("a", 130, range(5, 21), (3.0, 100)), rec("b", 7, range(1, 3))])
-    assert n == 0 and reqs == []                                   # nothing new; b counts from now
-    n, reqs, s, c = r.take([rec("a", 5, range(1, 3), (0.5, 20)), rec("b", 9, range(1, 4))])
-    assert n == 5 + 2 and len(reqs) == 2 + 1                       # a restarted: counted from zero
-    assert (s, c) == (0.5, 20)
+    assert r.take([rec("a", 100, range(1, 11))]).arrivals == 0    # first sight: its past is not ours
+    load = r.take([rec("a", 130, range(5, 21), (3.0, 100))])
+    assert load.arrivals == 30 and [q.prompt_tokens for q in load.requests] == [100 + i for i in range(11, 21)]
+    assert load.arrival_times == [1000.0 + i for i in range(100, 130)]        # arrivals 101..130
+    assert load.requests[0].cached_tokens == 10 and load.requests[0].output_tokens == 50
+    load = r.take([rec("a", 130, range(5, 21), (3.0, 100)), rec("b", 7, range(1, 3))])
+    assert load.arrivals == 0 and load.requests == [] and load.arrival_times == []   # nothing new; b from now
+    load = r.take([rec("a", 5, range(1, 3), (0.5, 20)), rec("b", 9, range(1, 4))])
+    assert load.arrivals == 5 + 2 and len(load.requests) == 2 + 1             # a restarted: counted from zero
+    assert (load.itl_sum_s, load.itl_count) == (0.5, 20) and len(load.arrival_times) == 7
+    load = r.take([rec("a", 205, range(1, 3), (0.5, 20)), rec("b", 9, range(1, 4))])
+    assert load.arrivals == 200 and len(load.arrival_times) == 50             # the record holds the last 50
 
 
 class FakePools:
@@ -65,7 +69,8 @@ def test_a_step_sizes_decode_from_the_published_load_and_reports_why():
             # 400 requests of 2,000 prompt / 1,000 output tokens in one second: far past one worker
             now = time.time()
             big = LatencyRecord(60.0, {}, {}, "fe", 400, 4.0, 400,
-                                [[i + 1, now - 0.5, 2000, 1000, 0] for i in range(400)])
+                                [[i + 1, now - 0.5, 2000, 1000, 0] for i in range(400)],
+                                [now - 1 + i / 400 for i in range(400)])
             await write_latency(client, "t", "fe", big)
             assert len((await read_latencies(client, "t"))[0].requests) == 400
             d = await loop.step()
@@ -168,3 +173,8 @@ def test_requests_that_arrived_before_the_interval_do_not_break_a_decision():
     reqs = tuple(RequestSample(95.0 + i * 0.1, 500, 100) for i in range(100))    # 95..105 s, interval 100..110
     d = planner.decide(Observation(110.0, 10.0, 60, PoolState(1), PoolState(1), reqs))
     assert d.decode.desired >= 1 and d.load.num_samples == 100
+    # the burstiness comes from the arrival times when they are given (all 60 in one burst here)
+    burst = tuple(100.5 + i * 0.001 for i in range(60))
+    planner = Planner(sla_planner_config(sla, profile), profile)
+    d = planner.decide(Observation(110.0, 10.0, 60, PoolState(1), PoolState(1), reqs, arrival_times=burst))
+    assert d.load.burst_prefill > 5
