@@ -46,6 +46,7 @@ from runtime.profile import Profile, load_profile
 log = logging.getLogger(__name__)
 
 POLL_S = 1.0                 # the frontends' records are read this often (they are rewritten every second)
+MAX_PENDING = 100_000        # requests and arrival times held between two decisions
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +58,7 @@ class PoolView:
     min: int
     max: int
     override: int | None = None
-    num_running: int = 0
+    num_running: int = 0           # requests running on its workers (in their batches, not queued)
 
 
 class PoolsTarget(Protocol):
@@ -77,7 +78,7 @@ class ControllerTarget:
 
     async def pools(self) -> dict[str, PoolView]:
         return {str(p.pool): PoolView(p.ready, p.starting, p.draining, p.spec.min, p.spec.max, p.spec.override,
-                                      p.num_running + p.num_waiting)
+                                      p.num_running)
                 for p in self.controller.pools()}
 
     async def set_targets(self, targets: dict[str, tuple[int, str]]) -> None:
@@ -118,9 +119,11 @@ class Load:
     itl_count: int = 0
 
     def add(self, other: "Load") -> None:
+        """Sum two reads; the lists keep their newest MAX_PENDING entries (a planner that cannot
+        decide for a long while, its controller away, does not grow without bound)."""
         self.arrivals += other.arrivals
-        self.requests += other.requests
-        self.arrival_times += other.arrival_times
+        self.requests = (self.requests + other.requests)[-MAX_PENDING:]
+        self.arrival_times = (self.arrival_times + other.arrival_times)[-MAX_PENDING:]
         self.itl_sum_s += other.itl_sum_s
         self.itl_count += other.itl_count
 
@@ -293,7 +296,7 @@ class AdminTarget:
     async def pools(self) -> dict[str, PoolView]:
         r = await self._stub.GetStatus(self._pb.GetStatusRequest(), metadata=self._md, timeout=5.0)
         return {p.pool: PoolView(p.ready, p.starting, p.draining, p.min, p.max,
-                                 p.override if p.HasField("override") else None, p.num_running + p.num_waiting)
+                                 p.override if p.HasField("override") else None, p.num_running)
                 for p in r.pools}
 
     async def set_targets(self, targets: dict[str, tuple[int, str]]) -> None:
