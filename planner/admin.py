@@ -1,6 +1,6 @@
 """The admin API (proto/splitserve/v1/admin.proto) over a PoolController, behind the admin token.
 
-Served by the process that owns the desired sizes (`splitserve serve`; the planner process later)
+Served by the process that owns the desired sizes (`splitserve serve`; a planner process hosting a controller later)
 on --admin-host:--admin-port. Every call must carry `authorization: Bearer <token>`; the check is
 an interceptor, so no method can forget it, and it compares in constant time
 (runtime/admin_auth.py). The token is never logged; calls that change something are logged with
