@@ -62,6 +62,8 @@ class Generator:
         self.shutting_down = False
         self.on_first_token = None     # (ttft_s, prefilled_remotely) -> None: the latency window
         self.on_itl = None             # seconds per token -> None
+        self.on_arrival = None         # () -> None: a request arrived (the planner's load)
+        self.on_done = None            # (arrival unix time, prompt, output, cached tokens) -> None
 
     def begin_shutdown(self) -> None:
         """Refuse new requests (503); those in flight go on."""
@@ -123,6 +125,9 @@ class Generator:
         rid = inp.request_id or uuid.uuid4().hex
         m = self.metrics
         start = time.perf_counter()
+        arrived_at = time.time()
+        if self.on_arrival is not None:
+            self.on_arrival()
         last = None
         detok = IncrementalDetokenizer(self.tokenizer, inp.stop)
         output: list[int] = []
@@ -219,6 +224,8 @@ class Generator:
                 else:
                     conn.cancel(rid)   # client went away or an error: free the worker's blocks
             m.e2e.observe(time.perf_counter() - start)
+            if self.on_done is not None and output:
+                self.on_done(arrived_at, len(inp.prompt_token_ids), len(output), cached)
             m.prompt_tokens.inc(len(inp.prompt_token_ids))
             m.generation_tokens.inc(len(output))
             m.cached_tokens.inc(cached)

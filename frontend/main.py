@@ -70,6 +70,7 @@ async def serve_frontend(cfg: FrontendConfig) -> None:
                           max_prefill_queue_tokens=cfg.max_prefill_queue_tokens)
     latency = LatencyPublisher(redis, cfg.redis.namespace)
     generator.on_first_token, generator.on_itl = latency.first_token, latency.inter_token
+    generator.on_arrival, generator.on_done = latency.arrival, latency.done
     latency_task = asyncio.create_task(latency.run(), name="latency-publisher")
     state = FrontendState(generator=generator, tokenizer=tokenizer, metrics=metrics, model_name=model_name,
                           max_model_len=max_model_len, api_key=ApiKey(cfg.api_key),

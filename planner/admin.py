@@ -1,6 +1,6 @@
 """The admin API (proto/splitserve/v1/admin.proto) over a PoolController, behind the admin token.
 
-Served by the process that owns the desired sizes (`splitserve serve`; the planner process later)
+Served by the process that owns the desired sizes (`splitserve serve`; a planner process hosting a controller later)
 on --admin-host:--admin-port. Every call must carry `authorization: Bearer <token>`; the check is
 an interceptor, so no method can forget it, and it compares in constant time
 (runtime/admin_auth.py). The token is never logged; calls that change something are logged with
@@ -16,12 +16,15 @@ import time
 import grpc
 
 from planner.controller import PoolController, PoolRow, WorkerRow
+from planner.pools import HARD_MAX_WORKERS
 from proto.splitserve.v1 import admin_pb2, admin_pb2_grpc
 from runtime.admin_auth import token_matches
 from runtime.errors import InvalidRequest, SplitserveError
 from runtime.lifecycle import WorkerState
 
 log = logging.getLogger(__name__)
+
+MAX_DECISION_CHARS = 2000
 
 STATE_TO_PB = {WorkerState.STARTING: admin_pb2.WORKER_STATE_STARTING, WorkerState.READY: admin_pb2.WORKER_STATE_READY,
                WorkerState.DRAINING: admin_pb2.WORKER_STATE_DRAINING,
@@ -82,6 +85,22 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             row = await self.c.drain_worker(request.worker_id.strip())
             return admin_pb2.DrainWorkerResponse(worker_id=row.worker_id or row.name,
                                                  message=f"{row.name} is draining")
+        return await _call(context, go)
+
+    async def SetPoolTargets(self, request, context):
+        async def go():
+            targets = list(request.targets)
+            if not targets or len(targets) > len(self.c.book.pools):
+                raise InvalidRequest(f"give one target per pool ({', '.join(self.c.book.pools)})")
+            for t in targets:
+                self.c.book.spec(t.pool)                      # NotFound for an unknown pool
+                if not 0 <= t.desired <= HARD_MAX_WORKERS:
+                    raise InvalidRequest(f"a target must be in [0, {HARD_MAX_WORKERS}] (got {t.desired})")
+                if len(t.decision) > MAX_DECISION_CHARS:
+                    raise InvalidRequest(f"a decision is at most {MAX_DECISION_CHARS} characters")
+            for t in targets:
+                self.c.set_target(t.pool, t.desired, t.decision)
+            return admin_pb2.SetPoolTargetsResponse(pools=await self._pools())
         return await _call(context, go)
 
     async def _status(self) -> admin_pb2.GetStatusResponse:

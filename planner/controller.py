@@ -8,7 +8,7 @@ frontend's /health reports a pool below its size as degraded) and its gauges
 (`splitserve_pool_*_workers{pool}`). A Redis outage does not stop it: decisions rest on the
 connector's handles; discovery only refines their states, and the last view is kept meanwhile.
 
-The admin API (planner/admin.py) and the planner (later) act through its methods: `scale`,
+The admin API (planner/admin.py) and the SLA planner (planner/live.py) act through its methods: `scale`,
 `release`, `set_limits`, `drain_worker`, `set_target`, and read `rows()` / `pools()`.
 """
 

@@ -143,6 +143,47 @@ class ControllerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SlaConfig:
+    """sla: the SLA planner's targets and control loop (planner/; docs/planner.md)"""
+    ttft_ms: float = arg(1000.0, "time-to-first-token target, milliseconds")
+    itl_ms: float = arg(50.0, "target for each request's mean inter-token latency, milliseconds")
+    attainment_goal: float = arg(0.99, "share of requests that must meet both targets")
+    interval_s: float = arg(30.0, "one planner decision per interval", flag="--planner-interval-s")
+    profile: str | None = arg(None, "JSON performance profile the planner sizes pools with (format 2, "
+                              "`splitserve profile`); none: the shipped H100 Llama-3.1-8B one",
+                              flag="--planner-profile")
+    startup_s: float | None = arg(None, "a new worker's start-to-ready, the planning horizon; none: the "
+                                  "profile's", flag="--planner-startup-s")
+    predictor: str | None = arg(None, "load predictor: constant, ewma[(a)], holt[(a,b,phi)]; none: the "
+                                "default damped Holt")
+    arrival_quantile: float = arg(0.9, "plan on this quantile of the predicted arrivals")
+    hysteresis: float = arg(0.1, "scale down only to what the load times (1 + this) needs")
+    down_delay_s: float | None = arg(None, "scale down only to what was needed all along this window; "
+                                     "none: the start-up time")
+    gpu_budget: int | None = arg(None, "workers of both pools at most (draining ones included); none: only "
+                                 "the pools' limits")
+
+
+@dataclass(frozen=True, slots=True)
+class ServePlannerConfig(SlaConfig):
+    """sla: the SLA planner's targets and control loop (planner/; docs/planner.md)"""
+    enabled: bool = arg(False, "run the SLA planner: it sets the pools' sizes from measured load and the "
+                        "targets (`pools scale` overrides it until `pools release`)", flag="--planner")
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerComponentConfig(SlaConfig):
+    """planner: the SLA planner as its own process, driving a pool controller's admin API"""
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    admin_address: str = arg("127.0.0.1:50052", "the pool controller's admin API (host:port) the "
+                             "decisions go to")
+    admin_token: str | None = arg(None, "the admin API's bearer token; none: the one `serve` wrote for "
+                                  "that port", env="SPLITSERVE_ADMIN_TOKEN", secret=True)
+    metrics_host: str = arg("127.0.0.1", "address /metrics binds")
+    metrics_port: int = arg(9090, "Prometheus /metrics port (decisions, targets); 0: none")
+
+
+@dataclass(frozen=True, slots=True)
 class ServeConfig:
     """serve: a whole cluster on this machine"""
     engine: EngineConfig              # every worker's engine
@@ -154,3 +195,4 @@ class ServeConfig:
     prefill_lease_s: float = arg(15.0, "how long a prefill worker may take to compute and push a prompt "
                                  "before the decode worker computes it itself")
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+    planner: ServePlannerConfig = field(default_factory=ServePlannerConfig)

@@ -105,3 +105,17 @@ class PoolMetrics:
                                    pool, registry=r)
         self.component_restarts = Counter("splitserve_component_restarts", "serve's own children restarted after "
                                           "they died", ["component"], registry=r)
+
+
+class PlannerMetrics:
+    """The SLA planner's (planner/live.py): each decision, and what it planned on. `registry`: share
+    the pool controller's (under `serve`), or its own (`splitserve planner`)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry if registry is not None else CollectorRegistry()
+        self.decisions = Counter("splitserve_planner_decisions", "Planner decisions per pool, by direction: "
+                                 "up | down | hold (desired against ready + starting)", ["pool", "direction"],
+                                 registry=r)
+        self.estimate = Gauge("splitserve_planner_estimate", "What the last decision planned on and predicted "
+                              "(rate_rps, plan_rate_rps, prefix_hit_rate, POOL_desired, POOL_required, "
+                              "POOL_correction, POOL_predicted, ...)", ["name"], registry=r)

@@ -20,6 +20,8 @@ import redis.asyncio as aioredis
 log = logging.getLogger(__name__)
 
 RECORD_TTL_S = 10.0
+MAX_REQUESTS = 1024          # a record's finished requests read at most (a bound on what one key costs)
+MAX_ARRIVALS = 4096          # ... and arrival times
 
 
 @dataclass(slots=True)
@@ -32,10 +34,19 @@ class PoolsRecord:
 
 @dataclass(slots=True)
 class LatencyRecord:
-    """One frontend's last minute, per pool: histogram counts (bucket index -> samples)."""
+    """One frontend's last minute, per pool: histogram counts (bucket index -> samples); and for
+    the planner its load since it started: running counts (arrivals, inter-token gaps and their
+    sum), its last finished requests as [seq, arrival unix s, prompt, output, cached tokens] and its
+    last arrivals' times (the last one is arrival number `arrivals`)."""
     window_s: float
     ttft: dict[str, dict[int, int]] = field(default_factory=dict)
     itl: dict[str, dict[int, int]] = field(default_factory=dict)
+    frontend_id: str = ""
+    arrivals: int = 0
+    itl_sum_s: float = 0.0
+    itl_count: int = 0
+    requests: list[list[float]] = field(default_factory=list)
+    arrival_times: list[float] = field(default_factory=list)    # the last arrivals' unix times, oldest first
 
 
 def pools_key(namespace: str) -> str:
@@ -73,8 +84,12 @@ async def read_latencies(client: aioredis.Redis, namespace: str) -> list[Latency
             continue
         try:
             d = json.loads(raw)
+            requests = [[float(x) for x in r[:5]] for r in d.get("requests", [])[:MAX_REQUESTS] if len(r) >= 5]
             out.append(LatencyRecord(d["window_s"], {p: {int(b): n for b, n in c.items()} for p, c in d["ttft"].items()},
-                                     {p: {int(b): n for b, n in c.items()} for p, c in d["itl"].items()}))
+                                     {p: {int(b): n for b, n in c.items()} for p, c in d["itl"].items()},
+                                     str(d.get("frontend_id", "")), int(d.get("arrivals", 0)),
+                                     float(d.get("itl_sum_s", 0.0)), int(d.get("itl_count", 0)), requests,
+                                     [float(x) for x in d.get("arrival_times", [])[-MAX_ARRIVALS:]]))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             log.warning("ignoring a malformed latency record: %s", e)
     return out

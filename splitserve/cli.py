@@ -17,7 +17,7 @@ import dataclasses
 import sys
 
 from runtime.cli_args import add_config_args, config_from_args
-from runtime.config import EngineConfig, FrontendConfig, ServeConfig, WorkerConfig
+from runtime.config import EngineConfig, FrontendConfig, PlannerComponentConfig, ServeConfig, WorkerConfig
 from runtime.config_fields import ConfigError
 from runtime.errors import InvalidRequest
 from runtime.logging import setup_logging
@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         add_config_args(p, WorkerConfig, skip=("role",) if name == "prefill-worker" else ())
 
+    p = sub.add_parser("planner", help="the SLA planner, driving a pool controller's admin API")
+    add_config_args(p, PlannerComponentConfig)
+
     from splitserve import admin_cli
     admin_cli.add_arguments(sub)
 
@@ -48,12 +51,18 @@ def build_parser() -> argparse.ArgumentParser:
     from splitserve import tiny_model
     tiny_model.add_arguments(msub.add_parser("tiny", help="write the tiny seeded-random model"))
 
+    from splitserve import profiler
+    profiler.add_arguments(sub.add_parser("profile", help="measure the engine: a performance profile for the "
+                                          "planner and the mock (format 2)"))
+
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="bench_command", required=True)
     from splitserve.bench import serve as bench_serve
     bench_serve.add_arguments(bsub.add_parser("serve", help="load-generate against a running server"))
     from splitserve.bench import replay as bench_replay
     bench_replay.add_arguments(bsub.add_parser("replay", help="replay a trace on a local mock cluster"))
+    from splitserve.bench import plan as bench_plan
+    bench_plan.add_arguments(bsub.add_parser("plan", help="simulate the SLA planner on a trace (virtual clock)"))
     return parser
 
 
@@ -63,9 +72,16 @@ def main(argv: list[str] | None = None) -> int:
     if cmd in ("pools", "workers"):
         from splitserve import admin_cli
         return admin_cli.main(args)
+    if cmd == "profile":
+        from splitserve import profiler
+        setup_logging("profile")
+        return profiler.main(args)
     if cmd == "model":
         from splitserve import tiny_model
         return tiny_model.main(args)
+    if cmd == "bench" and args.bench_command == "plan":
+        from splitserve.bench import plan as bench_plan
+        return bench_plan.main(args)
     if cmd == "bench" and args.bench_command == "replay":
         from splitserve.bench import replay as bench_replay
         return bench_replay.main(args)
@@ -81,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         from splitserve.serve import serve
         setup_logging("serve")
         return serve(cfg)
+    if cmd == "planner":
+        setup_logging("planner")
+        from planner.live import run_planner
+        return asyncio.run(run_planner(cfg))
     if cmd == "frontend":
         setup_logging("frontend")
         from frontend.main import serve_frontend
@@ -96,14 +116,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def component_config(args: argparse.Namespace) -> ServeConfig | FrontendConfig | WorkerConfig:
+def component_config(args: argparse.Namespace) -> ServeConfig | FrontendConfig | WorkerConfig | PlannerComponentConfig:
     """The config of the command in `args`, its model resolved (tiny → the generated directory)."""
     from splitserve.models import resolve_model
     cmd = args.command
     if cmd == "serve":        # serve resolves the model itself, to report a bad one its own way
         engine = config_from_args(EngineConfig, args, prefix="engine.")
         return config_from_args(ServeConfig, args, given={"frontend.model": engine.model})
-    if cmd == "frontend":
+    if cmd == "planner":
+        cfg = config_from_args(PlannerComponentConfig, args)
+        from planner.live import check_sla
+        try:
+            check_sla(cfg)
+        except (ValueError, OSError) as e:
+            raise ConfigError(str(e)) from None
+    elif cmd == "frontend":
         cfg = config_from_args(FrontendConfig, args)
         cfg = dataclasses.replace(cfg, model=resolve_model(cfg.model))
     else:

@@ -4,7 +4,9 @@ Starts the embedded Redis (unless --redis-url), the frontend, and a pool control
 (planner/controller.py) that starts the workers through the local-process connector
 (planner/local_connector.py) and keeps each pool at its desired size: it restarts crashed workers
 with backoff, reports crash loops, and scales on `splitserve pools scale` through the admin API
-(planner/admin.py, on --admin-port), which this process serves. Waits until the frontend reports
+(planner/admin.py, on --admin-port), which this process serves. With --planner the SLA planner
+(planner/live.py) sets the pools' sizes from the measured load and --ttft-ms/--itl-ms once every
+worker is ready (an override from `pools scale` still wins). Waits until the frontend reports
 every worker healthy; prints where to connect. It also supervises its own children: a Redis or a
 frontend that dies is started again on the same port (docs/operations.md).
 
@@ -125,12 +127,22 @@ def serve(cfg: ServeConfig) -> int:
         print("splitserve serve: NIXL is not installed (pip install 'splitserve[nixl]'); serving aggregated",
               file=sys.stderr)
         cfg = dataclasses.replace(cfg, prefill_workers=0)
+    profile = None
+    if cfg.planner.enabled:
+        try:
+            from planner.live import check_sla
+            profile = check_sla(cfg.planner)
+        except (InvalidRequest, ValueError, OSError) as e:
+            print(f"splitserve serve: --planner: {getattr(e, 'message', e)}", file=sys.stderr)
+            return 2
     try:
         book = pool_book(cfg)
     except InvalidRequest as e:
         print(f"splitserve serve: {e.message}", file=sys.stderr)
         return 2
-    return asyncio.run(Launcher(cfg, model_dir, book).run())
+    launcher = Launcher(cfg, model_dir, book)
+    launcher.planner_profile = profile
+    return asyncio.run(launcher.run())
 
 
 def pool_book(cfg: ServeConfig) -> PoolBook:
@@ -167,6 +179,8 @@ class Launcher:
                                                            crash_loop_restarts=cfg.controller.crash_loop_restarts))
         self.connector: LocalProcessConnector | None = None
         self.controller: PoolController | None = None
+        self.planner = None                           # planner.live.PlannerLoop with --planner
+        self.planner_profile = None
         self.admin = None
         self.token_path: Path | None = None
         self.admin_address = ""
@@ -207,6 +221,8 @@ class Launcher:
         if not await self._wait_ready():
             return 0 if self.stop.is_set() else 1     # stopped on request while starting: not a failure
         self.connector.restart_crashed = True
+        if cfg.planner.enabled:
+            self._start_planner()
         print(self._banner(), flush=True)
         while not self.stop.is_set():
             if not await self._supervise():
@@ -310,7 +326,20 @@ class Launcher:
             self.metrics.component_restarts.labels("frontend").inc()
 
     # ---- stopping ---------------------------------------------------------------------------
+    def _start_planner(self) -> None:
+        from planner.live import ControllerTarget, PlannerLoop
+        from runtime.metrics import PlannerMetrics
+        cfg = self.cfg
+        self.planner = PlannerLoop(cfg.planner, ControllerTarget(self.controller), cfg.frontend.redis.url,
+                                   cfg.frontend.redis.namespace, PlannerMetrics(self.metrics.registry),
+                                   self.planner_profile)
+        self.planner.start()
+        log.info("SLA planner: TTFT %.0f ms, ITL %.0f ms, a decision every %.0f s (profile %s)",
+                 cfg.planner.ttft_ms, cfg.planner.itl_ms, cfg.planner.interval_s, self.planner_profile.name)
+
     async def _shutdown(self) -> None:
+        if self.planner is not None:
+            await self.planner.close()
         if self.controller is not None:
             await self.controller.close()            # no restarts, no scaling from here on
         if self.frontend is not None and self.frontend.poll() is None:

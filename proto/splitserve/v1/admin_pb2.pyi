@@ -177,3 +177,25 @@ class DrainWorkerResponse(_message.Message):
     worker_id: str
     message: str
     def __init__(self, worker_id: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class PoolTarget(_message.Message):
+    __slots__ = ("pool", "desired", "decision")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    DESIRED_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    desired: int
+    decision: str
+    def __init__(self, pool: _Optional[str] = ..., desired: _Optional[int] = ..., decision: _Optional[str] = ...) -> None: ...
+
+class SetPoolTargetsRequest(_message.Message):
+    __slots__ = ("targets",)
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    targets: _containers.RepeatedCompositeFieldContainer[PoolTarget]
+    def __init__(self, targets: _Optional[_Iterable[_Union[PoolTarget, _Mapping]]] = ...) -> None: ...
+
+class SetPoolTargetsResponse(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ...) -> None: ...

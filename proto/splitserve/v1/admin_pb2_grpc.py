@@ -59,6 +59,11 @@ class AdminStub:
                 request_serializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.DrainWorkerRequest.SerializeToString,
                 response_deserializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.DrainWorkerResponse.FromString,
                 _registered_method=True)
+        self.SetPoolTargets = channel.unary_unary(
+                '/splitserve.v1.Admin/SetPoolTargets',
+                request_serializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.SetPoolTargetsRequest.SerializeToString,
+                response_deserializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.SetPoolTargetsResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -94,6 +99,12 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetPoolTargets(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +132,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.DrainWorker,
                     request_deserializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.DrainWorkerRequest.FromString,
                     response_serializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.DrainWorkerResponse.SerializeToString,
+            ),
+            'SetPoolTargets': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPoolTargets,
+                    request_deserializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.SetPoolTargetsRequest.FromString,
+                    response_serializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.SetPoolTargetsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +274,33 @@ class Admin:
             '/splitserve.v1.Admin/DrainWorker',
             proto_dot_splitserve_dot_v1_dot_admin__pb2.DrainWorkerRequest.SerializeToString,
             proto_dot_splitserve_dot_v1_dot_admin__pb2.DrainWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPoolTargets(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Admin/SetPoolTargets',
+            proto_dot_splitserve_dot_v1_dot_admin__pb2.SetPoolTargetsRequest.SerializeToString,
+            proto_dot_splitserve_dot_v1_dot_admin__pb2.SetPoolTargetsResponse.FromString,
             options,
             channel_credentials,
             insecure,
