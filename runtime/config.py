@@ -143,6 +143,21 @@ class ControllerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RayConfig:
+    """ray: run the frontend and the workers as Ray actors (docs/ray.md)"""
+    address: str | None = arg(None, "run on Ray: a cluster's address (HOST:PORT of its GCS, or auto), or, "
+                              "given alone, a new local Ray cluster; none: local processes", flag="--ray",
+                              const="local")
+    worker_gpus: float | None = arg(None, "GPUs each worker actor asks Ray for; none: 1 when the engine runs on "
+                                    "cuda (--device cuda, or auto on a cluster with GPUs, and not --mock), else 0",
+                                    flag="--ray-worker-gpus")
+    worker_cpus: float = arg(1.0, "CPUs each worker actor asks Ray for", flag="--ray-worker-cpus")
+    frontend_cpus: float = arg(1.0, "CPUs the frontend actor asks Ray for", flag="--ray-frontend-cpus")
+    local_cpus: int | None = arg(None, "CPUs of a new local Ray cluster (`--ray` alone); none: this machine's",
+                                 flag="--ray-local-cpus")
+
+
+@dataclass(frozen=True, slots=True)
 class ServeConfig:
     """serve: a whole cluster on this machine"""
     engine: EngineConfig              # every worker's engine
@@ -154,3 +169,4 @@ class ServeConfig:
     prefill_lease_s: float = arg(15.0, "how long a prefill worker may take to compute and push a prompt "
                                  "before the decode worker computes it itself")
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)

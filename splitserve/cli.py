@@ -77,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, InvalidRequest) as e:
         print(f"splitserve {cmd}: {e}", file=sys.stderr)
         return 2
+    if cmd == "serve" and cfg.ray.address:
+        from splitserve.ray_serve import serve_ray
+        setup_logging("serve")
+        return serve_ray(cfg)
     if cmd == "serve":
         from splitserve.serve import serve
         setup_logging("serve")
