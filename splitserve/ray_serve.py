@@ -34,7 +34,7 @@ from splitserve.serve import STOP_MARGIN_S, Launcher, frontend_config, serve, wo
 
 log = logging.getLogger("splitserve.serve")
 
-PASSED_ENV_PREFIX = "SPLITSERVE_"          # settings an actor's process reads (cache dir, ...), never secrets
+X
 SECRET_ENV = ("SPLITSERVE_API_KEY", "SPLITSERVE_ADMIN_TOKEN")
 
 
@@ -106,7 +106,7 @@ class RayLauncher(Launcher):
         # actors on other nodes resolve a tiny model there; any other model must lie at the same path on each node
         self.actor_model = cfg.engine.model if cfg.engine.model.startswith("tiny") else model_dir
         self.actor_env = {k: v for k, v in os.environ.items()
-                          if k.startswith(PASSED_ENV_PREFIX) and k not in SECRET_ENV}
+                          if k.startswith(PASSED_ENV_PREFIXES) and k not in SECRET_ENV}
 
     def redis_host(self) -> str:
         return self.node
