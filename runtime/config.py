@@ -143,6 +143,29 @@ class ControllerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class KubernetesConfig:
+    """kubernetes: the worker Deployments `splitserve controller` scales (the Helm chart fills these in)"""
+    namespace: str = arg("default", "namespace of the worker Deployments", flag="--kube-namespace")
+    decode_deployment: str = arg("splitserve-decode", "the decode pool's Deployment")
+    prefill_deployment: str | None = arg(None, "the prefill pool's Deployment; none: aggregated serving "
+                                         "(the decode pool prefills its own prompts)")
+    api_url: str | None = arg(None, "the Kubernetes API's URL; none: the in-cluster config (the pod's "
+                              "ServiceAccount)", flag="--kube-api-url")
+    api_token: str | None = arg(None, "bearer token for --kube-api-url", flag="--kube-api-token",
+                                env="SPLITSERVE_KUBE_TOKEN", secret=True)
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerComponentConfig:
+    """component: the pool controller and its admin API on their own, scaling worker Deployments"""
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
+    metrics_host: str = arg("0.0.0.0", "address the Prometheus /metrics server binds")
+    metrics_port: int = arg(9090, "Prometheus /metrics port (pool sizes); 0 picks a free one")
+
+
+@dataclass(frozen=True, slots=True)
 class RayConfig:
     """ray: run the frontend and the workers as Ray actors (docs/ray.md)"""
     address: str | None = arg(None, "run on Ray: a cluster's address (HOST:PORT of its GCS, or auto), or, "

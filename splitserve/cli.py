@@ -17,7 +17,7 @@ import dataclasses
 import sys
 
 from runtime.cli_args import add_config_args, config_from_args
-from runtime.config import EngineConfig, FrontendConfig, ServeConfig, WorkerConfig
+from runtime.config import ControllerComponentConfig, EngineConfig, FrontendConfig, ServeConfig, WorkerConfig
 from runtime.config_fields import ConfigError
 from runtime.errors import InvalidRequest
 from runtime.logging import setup_logging
@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in WORKERS.items():
         p = sub.add_parser(name, help=text)
         add_config_args(p, WorkerConfig, skip=("role",) if name == "prefill-worker" else ())
+
+    p = sub.add_parser("controller", help="the pool controller and admin API alone, scaling Kubernetes "
+                                          "worker Deployments")
+    add_config_args(p, ControllerComponentConfig)
 
     from splitserve import admin_cli
     admin_cli.add_arguments(sub)
@@ -85,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         from splitserve.serve import serve
         setup_logging("serve")
         return serve(cfg)
+    if cmd == "controller":
+        setup_logging("controller")
+        from planner.k8s_controller import run_controller
+        return asyncio.run(run_controller(cfg))
     if cmd == "frontend":
         setup_logging("frontend")
         from frontend.main import serve_frontend
@@ -100,14 +108,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def component_config(args: argparse.Namespace) -> ServeConfig | FrontendConfig | WorkerConfig:
+def component_config(args: argparse.Namespace) -> ServeConfig | FrontendConfig | WorkerConfig | ControllerComponentConfig:
     """The config of the command in `args`, its model resolved (tiny → the generated directory)."""
     from splitserve.models import resolve_model
     cmd = args.command
     if cmd == "serve":        # serve resolves the model itself, to report a bad one its own way
         engine = config_from_args(EngineConfig, args, prefix="engine.")
         return config_from_args(ServeConfig, args, given={"frontend.model": engine.model})
-    if cmd == "frontend":
+    if cmd == "controller":
+        cfg = config_from_args(ControllerComponentConfig, args)
+    elif cmd == "frontend":
         cfg = config_from_args(FrontendConfig, args)
         cfg = dataclasses.replace(cfg, model=resolve_model(cfg.model))
     else:

@@ -34,8 +34,10 @@ from splitserve.serve import STOP_MARGIN_S, Launcher, frontend_config, serve, wo
 
 log = logging.getLogger("splitserve.serve")
 
-X
-SECRET_ENV = ("SPLITSERVE_API_KEY", "SPLITSERVE_ADMIN_TOKEN")
+# what an actor's process gets from this one's environment (cache dir, UCX transports), never a secret;
+# the rest, node-specific settings included, it inherits from `ray start` on its node
+PASSED_ENV_PREFIXES = ("SPLITSERVE_", "UCX_")
+SECRET_ENV = ("SPLITSERVE_API_KEY", "SPLITSERVE_ADMIN_TOKEN", "SPLITSERVE_KUBE_TOKEN")
 
 
 def serve_ray(cfg: ServeConfig) -> int:

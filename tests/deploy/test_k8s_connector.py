@@ -172,3 +172,60 @@ def test_the_chart_role_allows_exactly_the_calls_the_connector_makes(setup):
                for v in r["verbs"] for n in (r.get("resourceNames") or ["*"])}
     used = {(g, res, v, n if (g, res) == ("apps", "deployments/scale") else "*") for g, res, v, n in made}
     assert granted == used                                            # and nothing it does not
+
+
+def test_splitserve_controller_scales_the_chart_deployments_through_pools_scale(tmp_path):
+    """The component end to end: `splitserve controller` (real Redis, admin API, CLI) against the
+    stand-in API server, set up as the chart names things. No worker pods run, so no lease: every
+    pod is a starting worker, and the drain RPC finds no address (the preStop drain remains)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from runtime.redis_embedded import EmbeddedRedis, free_port
+    from tests.deploy.k8s_stand_in import TOKEN
+    from tests.integration.cluster import ROOT, until
+
+    ns, deployments, labels, _ = chart_setup()
+    api = StandInApi(ns, labels, replicas=2)
+    port = free_port()
+    env = {**os.environ, "SPLITSERVE_KUBE_TOKEN": TOKEN, "SPLITSERVE_ADMIN_TOKEN": "t0ken-for-the-test"}
+    log = tmp_path / "controller.log"
+    with EmbeddedRedis() as redis, open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "splitserve", "controller", "--kube-api-url", api.url, "--kube-namespace", ns,
+             "--decode-deployment", deployments[PoolName.DECODE], "--prefill-deployment",
+             deployments[PoolName.PREFILL], "--redis-url", redis.url, "--admin-port", str(port),
+             "--metrics-port", "0"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+        def cli(*args):
+            r = subprocess.run([sys.executable, "-m", "splitserve", *args, "--admin-url", f"127.0.0.1:{port}"],
+                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, r.stdout + r.stderr + log.read_text()
+            return r.stdout
+        try:
+            until(lambda: proc.poll() is not None or "admin API on" in log.read_text(), 30, 0.1, "the controller")
+            assert proc.poll() is None, log.read_text()
+            decode = deployments[PoolName.DECODE]
+            assert api.deployments[decode].replicas == 2          # it started from the current replicas
+            cli("pools", "scale", "--decode", "4")
+            until(lambda: api.deployments[decode].replicas == 4, 15, 0.1, "decode scaled to 4")
+            assert len(api.pods(decode)) == 4
+            status = cli("pools", "status")
+            assert any(line.split()[:3] == ["decode", "decode", "4"] for line in status.splitlines()), status
+            cli("pools", "scale", "--decode", "1")
+            until(lambda: api.deployments[decode].replicas == 1, 15, 0.1, "decode scaled to 1")
+            gone = [p for p in api.pods(decode) if "deletionTimestamp" in p["metadata"]]
+            assert len(gone) == 3
+            assert all(p["metadata"]["annotations"].get(DELETION_COST) == DRAINED_COST for p in gone)
+            assert api.deployments[deployments[PoolName.PREFILL]].replicas == 2        # untouched
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(20) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            api.close()
+    text = log.read_text()
+    assert "Traceback" not in text, text
