@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 
@@ -85,7 +86,9 @@ async def run_controller(cfg: ControllerComponentConfig) -> int:
 
     metrics = PoolMetrics()
     mport = start_metrics_server(cfg.metrics_host, cfg.metrics_port, metrics.registry)
-    mhost = "127.0.0.1" if cfg.metrics_host in ("0.0.0.0", "::", "") else cfg.metrics_host
+    mhost = cfg.metrics_host
+    if mhost in ("0.0.0.0", "::", ""):     # the frontends merge this /metrics: this pod's address
+        mhost = os.environ.get("POD_IP") or "127.0.0.1"
     controller = PoolController(book, connector, roles, cfg.redis.url, cfg.redis.namespace, metrics,
                                 metrics_url=f"http://{mhost}:{mport}/metrics", name="controller")
     holder["c"] = controller

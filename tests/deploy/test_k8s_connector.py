@@ -29,7 +29,7 @@ VALUE_SET = "default-values.yaml"        # prefill + decode pools, planner on
 
 def chart_setup() -> tuple[str, dict[PoolName, str], dict[str, dict[str, str]], dict]:
     objs = manifests(VALUE_SET)
-    k8s = component_configs(objs)["planner"]["kubernetes"]
+    k8s = component_configs(objs)["controller"]["kubernetes"]
     deployments = {PoolName.DECODE: k8s["decode_deployment"], PoolName.PREFILL: k8s["prefill_deployment"]}
     found = by_kind(objs, "Deployment")
     labels = {name: found[name]["spec"]["selector"]["matchLabels"] for name in deployments.values()}
@@ -229,3 +229,22 @@ def test_splitserve_controller_scales_the_chart_deployments_through_pools_scale(
             api.close()
     text = log.read_text()
     assert "Traceback" not in text, text
+
+
+@pytest.mark.parametrize("value_set", ["default-values.yaml", "external-redis-values.yaml"])
+def test_the_chart_runs_splitserve_controller_with_a_config_it_reads(value_set):
+    from runtime.config import ControllerComponentConfig
+    from runtime.config_file import config_from_dict
+    from splitserve.cli import build_parser
+    from tests.deploy.chart import pod_specs
+    objs = manifests(value_set)
+    pod = pod_specs(objs)["splitserve-planner"]
+    (controller,) = [c for c in pod["containers"] if c["name"] == "controller"]
+    assert build_parser().parse_args(controller["args"]).command == "controller"
+    cfg = config_from_dict(ControllerComponentConfig, component_configs(objs)["controller"], "controller.json")
+    deployments = sorted(n for n in by_kind(objs, "Deployment") if n.endswith(("-prefill", "-decode")))
+    assert sorted(filter(None, (cfg.kubernetes.decode_deployment, cfg.kubernetes.prefill_deployment))) == deployments
+    assert cfg.kubernetes.namespace == "serving" and cfg.controller.admin_host == "0.0.0.0"
+    assert cfg.kubernetes.api_url is None             # in the cluster: the pod's ServiceAccount
+    env = {e["name"] for e in controller["env"]}
+    assert {"SPLITSERVE_ADMIN_TOKEN", "POD_IP"} <= env
