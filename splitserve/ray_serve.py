@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -45,12 +46,28 @@ def serve_ray(cfg: ServeConfig) -> int:
 
 
 def _connect(cfg: ServeConfig) -> bool:
+    problem = unreachable(cfg.ray.address)
+    if problem:      # Ray itself retries a wrong address for minutes
+        print(f"splitserve serve: cannot reach the Ray cluster at {cfg.ray.address}: {problem}", file=sys.stderr)
+        return False
     try:
         connect_ray(cfg.ray)
         return True
     except (ConnectionError, RuntimeError, ValueError) as e:
         print(f"splitserve serve: cannot reach the Ray cluster at {cfg.ray.address}: {e}", file=sys.stderr)
         return False
+
+
+def unreachable(address: str, timeout_s: float = 5.0) -> str:
+    """Why HOST:PORT takes no TCP connection ("" if it does, or if `address` is not HOST:PORT)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "/" in address:
+        return ""                     # local, auto, ray://: Ray's own checks
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        return ""
+    except OSError as e:
+        return f"{e.strerror or e} (is `ray start --head --port {port}` running there?)"
 
 
 def connect_ray(cfg: RayConfig) -> None:
