@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from engine.engine import Engine, EngineLoop
@@ -28,7 +29,9 @@ async def serve_prefill_worker(cfg: WorkerConfig) -> None:
     await host.open()              # liveness and a `starting` lease while the model loads
     t0 = time.perf_counter()
     try:
-        engine = await asyncio.to_thread(Engine, cfg.engine)
+        # a prefill worker computes prompts and their first token, never a decode step: decode CUDA
+        # graphs would cost start-up time and memory for nothing
+        engine = await asyncio.to_thread(Engine, dataclasses.replace(cfg.engine, cuda_graphs=False))
     except BaseException:
         await host.close()
         raise

@@ -76,8 +76,11 @@ def pool(cluster, name: str) -> admin_pb2.PoolStatus:
 
 
 def settled(cluster, name: str, n: int) -> bool:
+    """The pool has n ready workers and no others, and the frontend routes to all n of them (it
+    learns of a ready worker on its next discovery poll, a moment after the controller does)."""
     p = pool(cluster, name)
-    return p.desired == n and p.ready == n and p.starting == 0 and p.draining == 0
+    return (p.desired == n and p.ready == n and p.starting == 0 and p.draining == 0
+            and httpx.get(f"{cluster.url}/health", timeout=10).json().get(name) == n)
 
 
 def busy(cluster, role: str) -> dict[str, int]:
