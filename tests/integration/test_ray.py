@@ -61,6 +61,7 @@ def ray_head(tmp_path_factory):
     with open(log, "wb") as out:
         head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--port", str(port),
                                  "--num-cpus", "4", "--num-gpus", "0", "--include-dashboard=false",
+                                 "--object-store-memory", str(100 << 20),      # lean: no object is stored
                                  "--temp-dir", temp_dir, "--block"], env=env, stdout=out,
                                 stderr=subprocess.STDOUT)
     try:
