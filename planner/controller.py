@@ -121,7 +121,11 @@ class PoolController:
             await asyncio.sleep(self.tick_s)
 
     async def tick(self) -> None:
-        await self.connector.refresh()
+        try:
+            await self.connector.refresh()
+        except ConnectorError as e:          # e.g. the Kubernetes API is away: keep the last view, retry
+            self._warn.warning("refresh", "the connector could not refresh (retrying next tick): %s", e)
+            return
         await self._read_discovery()
         await self._poll_status()
         self._rows = self._join(self.connector.list(), time.time())

@@ -184,6 +184,44 @@ class PlannerComponentConfig(SlaConfig):
 
 
 @dataclass(frozen=True, slots=True)
+class KubernetesConfig:
+    """kubernetes: the worker Deployments `splitserve controller` scales (the Helm chart fills these in)"""
+    namespace: str = arg("default", "namespace of the worker Deployments", flag="--kube-namespace")
+    decode_deployment: str = arg("splitserve-decode", "the decode pool's Deployment")
+    prefill_deployment: str | None = arg(None, "the prefill pool's Deployment; none: aggregated serving "
+                                         "(the decode pool prefills its own prompts)")
+    api_url: str | None = arg(None, "the Kubernetes API's URL; none: the in-cluster config (the pod's "
+                              "ServiceAccount)", flag="--kube-api-url")
+    api_token: str | None = arg(None, "bearer token for --kube-api-url", flag="--kube-api-token",
+                                env="SPLITSERVE_KUBE_TOKEN", secret=True)
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerComponentConfig:
+    """component: the pool controller and its admin API on their own, scaling worker Deployments"""
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
+    metrics_host: str = arg("0.0.0.0", "address the Prometheus /metrics server binds")
+    metrics_port: int = arg(9090, "Prometheus /metrics port (pool sizes); 0 picks a free one")
+
+
+@dataclass(frozen=True, slots=True)
+class RayConfig:
+    """ray: run the frontend and the workers as Ray actors (docs/ray.md)"""
+    address: str | None = arg(None, "run on Ray: a cluster's address (HOST:PORT of its GCS, or auto), or, "
+                              "given alone, a new local Ray cluster; none: local processes", flag="--ray",
+                              const="local")
+    worker_gpus: float | None = arg(None, "GPUs each worker actor asks Ray for; none: 1 when the engine runs on "
+                                    "cuda (--device cuda, or auto on a cluster with GPUs, and not --mock), else 0",
+                                    flag="--ray-worker-gpus")
+    worker_cpus: float = arg(1.0, "CPUs each worker actor asks Ray for", flag="--ray-worker-cpus")
+    frontend_cpus: float = arg(1.0, "CPUs the frontend actor asks Ray for", flag="--ray-frontend-cpus")
+    local_cpus: int | None = arg(None, "CPUs of a new local Ray cluster (`--ray` alone); none: this machine's",
+                                 flag="--ray-local-cpus")
+
+
+@dataclass(frozen=True, slots=True)
 class ServeConfig:
     """serve: a whole cluster on this machine"""
     engine: EngineConfig              # every worker's engine
@@ -196,3 +234,4 @@ class ServeConfig:
                                  "before the decode worker computes it itself")
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     planner: ServePlannerConfig = field(default_factory=ServePlannerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)

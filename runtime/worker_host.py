@@ -159,6 +159,7 @@ class WorkerHost:
         self._lease: Lease | None = None
         self._drain = asyncio.Event()
         self._stop_now = asyncio.Event()
+        self._drain_by_signal = False          # whether a signal (not Worker.Drain) started the drain
         self._warn = Throttled(log)
 
     def events_sink(self, events) -> None:
@@ -197,13 +198,18 @@ class WorkerHost:
         return self._lease.info
 
     def request_drain(self, why: str) -> None:
-        """Start draining (idempotent); a second request by signal stops at once."""
+        """Start draining (idempotent); a second signal stops at once. A first signal after a
+        Worker.Drain is not a second one: it is how Kubernetes deletes the pod a planner drained
+        (the preStop hook's SIGTERM), and the drain goes on."""
+        by_signal = why.startswith("signal")
         if self._drain.is_set():
-            if why.startswith("signal"):
+            if by_signal and self._drain_by_signal:
                 log.warning("%s during the drain: stopping now", why)
                 self._stop_now.set()
+            self._drain_by_signal = self._drain_by_signal or by_signal
             return
         log.info("draining (%s)", why)
+        self._drain_by_signal = by_signal
         self._drain.set()
 
     async def serve(self, loop, describe: str, agent=None, startup_s: dict | None = None,

@@ -17,7 +17,8 @@ import dataclasses
 import sys
 
 from runtime.cli_args import add_config_args, config_from_args
-from runtime.config import EngineConfig, FrontendConfig, PlannerComponentConfig, ServeConfig, WorkerConfig
+from runtime.config import (ControllerComponentConfig, EngineConfig, FrontendConfig, PlannerComponentConfig,
+                            ServeConfig, WorkerConfig)
 from runtime.config_fields import ConfigError
 from runtime.errors import InvalidRequest
 from runtime.logging import setup_logging
@@ -42,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("planner", help="the SLA planner, driving a pool controller's admin API")
     add_config_args(p, PlannerComponentConfig)
+    p = sub.add_parser("controller", help="the pool controller and admin API alone, scaling Kubernetes "
+                                          "worker Deployments")
+    add_config_args(p, ControllerComponentConfig)
 
     from splitserve import admin_cli
     admin_cli.add_arguments(sub)
@@ -93,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, InvalidRequest) as e:
         print(f"splitserve {cmd}: {e}", file=sys.stderr)
         return 2
+    if cmd == "serve" and cfg.ray.address:
+        from splitserve.ray_serve import serve_ray
+        setup_logging("serve")
+        return serve_ray(cfg)
     if cmd == "serve":
         from splitserve.serve import serve
         setup_logging("serve")
@@ -101,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging("planner")
         from planner.live import run_planner
         return asyncio.run(run_planner(cfg))
+    if cmd == "controller":
+        setup_logging("controller")
+        from planner.k8s_controller import run_controller
+        return asyncio.run(run_controller(cfg))
     if cmd == "frontend":
         setup_logging("frontend")
         from frontend.main import serve_frontend
@@ -116,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def component_config(args: argparse.Namespace) -> ServeConfig | FrontendConfig | WorkerConfig | PlannerComponentConfig:
+def component_config(args: argparse.Namespace) -> (ServeConfig | FrontendConfig | WorkerConfig | PlannerComponentConfig
+                                                     | ControllerComponentConfig):
     """The config of the command in `args`, its model resolved (tiny → the generated directory)."""
     from splitserve.models import resolve_model
     cmd = args.command
@@ -130,6 +143,8 @@ def component_config(args: argparse.Namespace) -> ServeConfig | FrontendConfig |
             check_sla(cfg)
         except (ValueError, OSError) as e:
             raise ConfigError(str(e)) from None
+    elif cmd == "controller":
+        cfg = config_from_args(ControllerComponentConfig, args)
     elif cmd == "frontend":
         cfg = config_from_args(FrontendConfig, args)
         cfg = dataclasses.replace(cfg, model=resolve_model(cfg.model))

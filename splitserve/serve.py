@@ -113,7 +113,10 @@ class Cluster:
             shutil.rmtree(self._config_dir, ignore_errors=True)
 
 
-def serve(cfg: ServeConfig) -> int:
+def serve(cfg: ServeConfig, launcher: type[Launcher] | None = None, connect=None) -> int:
+    """Run the cluster `cfg` describes until stopped. `serve --ray` passes its launcher and how it
+    connects to Ray (splitserve/ray_serve.py); `connect(cfg)` False: exit 2."""
+    launcher = launcher or Launcher
     try:
         model_dir = resolve_model(cfg.engine.model)
     except InvalidRequest as e:
@@ -140,9 +143,11 @@ def serve(cfg: ServeConfig) -> int:
     except InvalidRequest as e:
         print(f"splitserve serve: {e.message}", file=sys.stderr)
         return 2
-    launcher = Launcher(cfg, model_dir, book)
-    launcher.planner_profile = profile
-    return asyncio.run(launcher.run())
+    if connect is not None and not connect(cfg):
+        return 2
+    runner = launcher(cfg, model_dir, book)
+    runner.planner_profile = profile
+    return asyncio.run(runner.run())
 
 
 def pool_book(cfg: ServeConfig) -> PoolBook:
@@ -207,7 +212,7 @@ class Launcher:
     async def _run(self) -> int:
         cfg = self.cfg
         if not cfg.frontend.redis.url:
-            self.redis = EmbeddedRedis(own_group=True)
+            self.redis = EmbeddedRedis(own_group=True, host=self.redis_host())
             cfg = self.cfg = dataclasses.replace(cfg, frontend=dataclasses.replace(
                 cfg.frontend, redis=dataclasses.replace(cfg.frontend.redis, url=self.redis.url)))
         self.env = {k: v for k, v in os.environ.items() if k not in SECRETS_ENV}
@@ -236,10 +241,7 @@ class Launcher:
         mhost = "127.0.0.1" if cfg.frontend.host in ("0.0.0.0", "::", "") else cfg.frontend.host
         mport = start_metrics_server(cfg.frontend.host, 0, self.metrics.registry)
         policy = RestartPolicy(backoff_s=c.restart_backoff_s, crash_loop_restarts=c.crash_loop_restarts)
-        self.connector = LocalProcessConnector(
-            self._spawn_worker, self.roles, policy,
-            on_restart=lambda pool: self.metrics.restarts.labels(pool).inc(),
-            on_crash_loop=lambda pool: self.metrics.crash_loops.labels(pool).inc())
+        self.connector = self.make_connector(policy)
         self.connector.restart_crashed = False        # during start-up a crash fails serve
         self.controller = PoolController(self.book, self.connector, self.roles, cfg.frontend.redis.url,
                                          cfg.frontend.redis.namespace, self.metrics,
@@ -255,6 +257,16 @@ class Launcher:
         if not c.admin_token:
             self.token_path = write_token_file(port, token)
         return True
+
+    # ---- what `serve --ray` replaces (splitserve/ray_serve.py) -------------------------------
+    def redis_host(self) -> str:
+        return "127.0.0.1"
+
+    def make_connector(self, policy: RestartPolicy):
+        return LocalProcessConnector(
+            self._spawn_worker, self.roles, policy,
+            on_restart=lambda pool: self.metrics.restarts.labels(pool).inc(),
+            on_crash_loop=lambda pool: self.metrics.crash_loops.labels(pool).inc())
 
     def _spawn_worker(self, pool: PoolName, name: str) -> subprocess.Popen:
         role = self.roles[pool]

@@ -95,3 +95,22 @@ def test_the_admin_token_must_come_as_a_bearer_and_match_exactly():
     assert token_matches("Bearer s3cret", "s3cret") and token_matches("bearer s3cret", "s3cret")
     for header in (None, "", "s3cret", "Bearer", "Bearer s3cre", "Bearer s3cret2", "Basic s3cret"):
         assert not token_matches(header, "s3cret"), header
+
+
+async def test_a_signal_after_worker_drain_continues_the_drain_and_a_second_signal_stops_at_once():
+    from runtime.config import EngineConfig, RedisConfig, WorkerConfig
+    from runtime.worker_host import WorkerHost
+    cfg = WorkerConfig(engine=EngineConfig(model="tiny"), redis=RedisConfig(url="redis://127.0.0.1:1/0"))  # never dialled
+    host = WorkerHost(cfg, "w")            # the Kubernetes path: the planner's RPC, then the preStop SIGTERM
+    host.request_drain("Worker.Drain")
+    host.request_drain("signal SIGTERM")
+    assert host._drain.is_set() and not host._stop_now.is_set()
+    host.request_drain("signal SIGTERM")    # an operator's second signal: now
+    assert host._stop_now.is_set()
+    await host.redis.aclose()
+    host = WorkerHost(cfg, "w")            # Ctrl-C twice
+    host.request_drain("signal SIGINT")
+    assert not host._stop_now.is_set()
+    host.request_drain("signal SIGINT")
+    assert host._stop_now.is_set()
+    await host.redis.aclose()
