@@ -12,7 +12,8 @@ slots and the bytes behind them. A slot is in one of three states:
 A READY slot with a pin count of zero sits in the LRU (least recently used first). Reserving a
 slot when none is free evicts the LRU head: its hash is forgotten and a BlockRemoved event says so.
 A pin protects a READY slot that is being copied *out* (to the device, or to disk) from reuse until
-the copy lands; pinned slots leave the LRU and rejoin its tail when the last pin goes.
+the copy lands; pinned slots leave the LRU and rejoin it when the last pin goes: at the tail after
+a use, at the head after a copy that only saved it elsewhere (write-back to disk).
 
 Events carry the table's tier (BlockStored when a filled slot is committed, BlockRemoved when a
 block is evicted or dropped), buffered until `take_events()`. BlockStored groups committed blocks
@@ -153,12 +154,17 @@ class SlotTable:
                 del self._lru[slot]
             self._pins[slot] += 1
 
-    def unpin(self, slots: Iterable[int]) -> None:
-        for slot in slots:
+    def unpin(self, slots: Sequence[int], oldest: bool = False) -> None:
+        """Drop a pin; a slot whose last pin goes rejoins the LRU at its tail (just used), or with
+        ``oldest`` at its head, in the given order (a block copied out only to be kept elsewhere,
+        e.g. written to disk, goes back where it was: first in line for eviction)."""
+        for slot in (reversed(slots) if oldest else slots):
             assert self._pins[slot] > 0, f"slot {slot} is not pinned"
             self._pins[slot] -= 1
             if self._pins[slot] == 0:
                 self._lru[slot] = None
+                if oldest:
+                    self._lru.move_to_end(slot, last=False)
 
     def touch(self, slots: Iterable[int]) -> None:
         """A hit: unpinned READY slots move to the LRU tail (used last-first, so a prefix's head
