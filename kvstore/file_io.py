@@ -29,7 +29,7 @@ import itertools
 import os
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -49,8 +49,10 @@ class FileIo(Protocol):
 
     def remove_file(self, fd: int) -> None: ...
 
-    def write(self, addrs: Sequence[int], fds: Sequence[int], offsets: Sequence[int], nbytes: int) -> None:
-        """Host memory -> files; returns when every byte is written (not yet synced)."""
+    def write(self, addrs: Sequence[int], fds: Sequence[int], offsets: Sequence[int], nbytes: int,
+              during: Callable[[], None] | None = None) -> None:
+        """Host memory -> files; returns when every byte is written (not yet synced). ``during``
+        runs while the I/O is in flight where the backend is asynchronous (else before it)."""
 
     def read(self, addrs: Sequence[int], fds: Sequence[int], offsets: Sequence[int], nbytes: int) -> None:
         """Files -> host memory; returns when every byte is read."""
@@ -83,7 +85,9 @@ class OsFileIo:
     def remove_file(self, fd: int) -> None:
         pass
 
-    def write(self, addrs, fds, offsets, nbytes) -> None:
+    def write(self, addrs, fds, offsets, nbytes, during=None) -> None:
+        if during is not None:
+            during()
         for a, f, o, n in merge_extents(addrs, fds, offsets, nbytes):
             view = _view(a, n)
             done = 0
@@ -136,8 +140,8 @@ class NixlFileIo:
         if reg is not None:
             self._agent.deregister_memory(reg)
 
-    def write(self, addrs, fds, offsets, nbytes) -> None:
-        self._transfer("WRITE", addrs, fds, offsets, nbytes)
+    def write(self, addrs, fds, offsets, nbytes, during=None) -> None:
+        self._transfer("WRITE", addrs, fds, offsets, nbytes, during)
 
     def read(self, addrs, fds, offsets, nbytes) -> None:
         self._transfer("READ", addrs, fds, offsets, nbytes)
@@ -150,9 +154,11 @@ class NixlFileIo:
         self._agent.deregister_memory(self._host_reg)
         self._agent = None
 
-    def _transfer(self, op: str, addrs, fds, offsets, nbytes) -> None:
+    def _transfer(self, op: str, addrs, fds, offsets, nbytes, during=None) -> None:
         ext = np.array(merge_extents(addrs, fds, offsets, nbytes), dtype=np.uint64).reshape(-1, 4)
         if not len(ext):
+            if during is not None:
+                during()
             return
         mem = np.stack([ext[:, 0], ext[:, 3], np.zeros(len(ext), np.uint64)], axis=1)
         files = np.stack([ext[:, 2], ext[:, 3], ext[:, 1]], axis=1)
@@ -162,6 +168,8 @@ class NixlFileIo:
             xfer = agent.initialize_xfer(op, agent.get_xfer_descs(mem, "DRAM"),
                                          agent.get_xfer_descs(files, "FILE"), agent.name)
             state = agent.transfer(xfer)
+            if during is not None:
+                during()
             pause = self._poll_s
             while state == "PROC":     # polling submits the rest (64 I/Os per poll) and reaps
                 time.sleep(pause)

@@ -100,7 +100,7 @@ def main() -> None:
         write_blocks(host, disk, [1, 2, 3, 4])
         real = disk.file_io.write
 
-        def torn(addrs, fds, offsets, nbytes):
+        def torn(addrs, fds, offsets, nbytes, **kw):
             real(addrs[:2], fds[:2], offsets[:2], nbytes)
             os._exit(9)
         disk.file_io.write = torn
