@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command on the GPU machine, from the repository root there:
-#   bench/device/run.sh [jit] [pytest] [bench] [bench_cc] [kernels] [correctness] [serve] [gemv] ...
+#   bench/device/run.sh [jit] [pytest] [bench] [bench_cc] [kernels] [correctness] [serve] [gemv] [tiers] ...
 # (jit: FlashInfer's JIT modules built in the background, all at once, for the stages after it;
 #  bench: the engine's defaults; bench_cc: the same with the CUDA-core decode kernel, to compare)
 # Installs the wheels from $WHL_DIRS (default: .whl .whl_web, carried beside the tree) into .site once,
@@ -44,6 +44,13 @@ for stage in "$@"; do
     kernels) timeout "$(left 0 "${T_KERNELS:-300}")" python3 bench/device/decode_kernels.py --out "$OUT/decode_kernels.jsonl" \
                ${KERNELS_ARGS:-} 2>&1 | tee "$OUT/decode_kernels.log" | grep -v Warning ;;
     gemv) timeout "$(left 0 120)" python3 bench/device/gemv_layouts.py --out "$OUT/gemv_layouts.jsonl" 2>&1 | grep -v Warning ;;
+    tiers) # KV tiers: GPU tests of the G1<->G2 movers, then bench/kv_tiers_bench.py on the machine's disk
+           # (needs only nixl and xxhash: WHL_DIRS=.whl_nixl with those wheels is enough)
+           timeout "$(left 0 120)" python3 -m pytest tests/gpu/test_kv_tiers_gpu.py -q -p no:cacheprovider --tb=short \
+             2>&1 | tee "$OUT/pytest_kv_tiers.log" | tail -15
+           timeout "$(left 0 "${T_TIERS:-300}")" python3 bench/kv_tiers_bench.py --device cuda --dir "${TIERS_DIR:-/tmp/kvtiers}" \
+             ${TIERS_ARGS:---shape 8b --blocks 1,4,16,64,256 --disk-mib 1024} > "$OUT/kv_tiers.jsonl" 2> "$OUT/kv_tiers.log"
+           cat "$OUT/kv_tiers.log" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
