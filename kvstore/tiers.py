@@ -44,20 +44,17 @@ errors by reason), the router's ``lower_tier_weight``, and the mock engine's tie
 
 from __future__ import annotations
 
-import collections
 import logging
-import queue
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from kvstore.admission import FrequencySketch, SecondHitAdmission
 from kvstore.block_format import BlockFormat
 from kvstore.disk_pool import DiskConfig, DiskError, DiskPool, ReadItem, WriteItem
+from kvstore.disk_worker import DiskJob, DiskJobKind, DiskWorker
 from kvstore.events import KvEvent, Tier
 from kvstore.host_copy import CopyDirection
 from kvstore.host_pool import HostPool
@@ -110,14 +107,17 @@ class Onboarding:
 
 
 @dataclass(slots=True)
-class _Job:
-    kind: str                        # "write" | "read" | "probe"
-    items: list
-    host_slots: list[int]
-    onboarding: Onboarding | None = None
-    result: Any = None
-    seconds: float = 0.0
-    done: threading.Event | None = None
+class TierStats:
+    """What the worker exports as metrics (the exporter names them; tiers are "host" / "disk")."""
+    blocks: dict[Tier, int]                  # blocks held (occupancy)
+    capacity_blocks: dict[Tier, int]
+    loaded_blocks: dict[Tier, int]           # lower-tier hits loaded (splitserve_kv_hits_total{tier})
+    recomputed_blocks: dict[Tier, int]       # lower-tier hits recomputed instead
+    path_bytes: dict[TierPath, int]          # bytes moved per path ...
+    path_seconds: dict[TierPath, float]      # ... and the seconds they took
+    path_rate_bytes_per_s: dict[TierPath, float]   # the cost model's current rates
+    errors: dict[DiskError, int]             # splitserve_kv_tier_errors_total{reason}
+    disk_full: bool
 
 
 class TierManager:
@@ -128,12 +128,9 @@ class TierManager:
         self.disk: DiskPool | None = None
         self.meters = {p: RateMeter(r) for p, r in DEFAULT_RATES.items()}
         self.counters = OnboardCounters()
-        self._disk_done: collections.deque[_Job] = collections.deque()
-        self._disk_jobs: queue.Queue[_Job | None] = queue.Queue()
         self._inflight_writes = 0
-        self._outstanding = 0            # disk jobs submitted and not yet applied
         self._disk_paused_until = 0.0    # write-back pauses after a full disk
-        self._thread: threading.Thread | None = None
+        self._worker: DiskWorker | None = None
         if cfg.disk is not None:
             try:
                 self.disk = DiskPool(fmt, cfg.disk, self.host, emit_events)
@@ -141,8 +138,7 @@ class TierManager:
                 self.host.close()
                 raise
             self.admission = SecondHitAdmission(FrequencySketch.for_capacity(self.disk.num_slots), cfg.disk_min_count)
-            self._thread = threading.Thread(target=self._disk_loop, name="kv-disk-io", daemon=True)
-            self._thread.start()
+            self._worker = DiskWorker(self.disk)
 
     # ---- lookups and decisions (step loop) --------------------------------------------------
     def lookup(self, hashes: Sequence[int]) -> list[Tier]:
@@ -222,7 +218,7 @@ class TierManager:
         ob.hashes, ob.parents = ob.hashes[:ob.num_ok], ob.parents[:ob.num_ok]
         if reads:
             ob.num_pending = len(reads)
-            self._submit(_Job("read", reads, read_slots, onboarding=ob))
+            self._worker.submit(DiskJob(DiskJobKind.READ, reads, read_slots, owner=ob))
         return ob
 
     def onboard_copy(self, ob: Onboarding, g1_blocks: Sequence[int]) -> BlockCopy:
@@ -242,15 +238,14 @@ class TierManager:
     # ---- the step loop's poll -----------------------------------------------------------------------
     def poll(self) -> None:
         """Apply finished disk work and queue more write-back. Never blocks; call once per step."""
-        while self._disk_done:
-            job = self._disk_done.popleft()
-            self._outstanding -= 1
-            if job.kind == "write":
+        if self._worker is None:
+            return
+        for job in self._worker.take_done():
+            if job.kind == DiskJobKind.WRITE:
                 self._write_done(job)
-            elif job.kind == "read":
+            else:
                 self._read_done(job)
-        if self.disk is not None:
-            self._write_back()
+        self._write_back()
 
     def _write_back(self) -> None:
         """Queue disk writes of admitted blocks at G2's LRU tail (step 2 of the module docstring)."""
@@ -274,11 +269,12 @@ class TierManager:
                 break
         if items:
             self.host.slots.pin(host_slots)
+            self._inflight_writes += len(items)
             for i in range(0, len(items), self.cfg.disk_batch_blocks):
                 chunk = slice(i, i + self.cfg.disk_batch_blocks)
-                self._submit(_Job("write", items[chunk], host_slots[chunk]))
+                self._worker.submit(DiskJob(DiskJobKind.WRITE, items[chunk], host_slots[chunk]))
 
-    def _write_done(self, job: _Job) -> None:
+    def _write_done(self, job: DiskJob) -> None:
         self._inflight_writes -= len(job.items)
         self.host.slots.unpin(job.host_slots, oldest=True)    # saved on disk: first to go from RAM
         ok = [it.slot for it, r in zip(job.items, job.result) if r is None]
@@ -291,8 +287,8 @@ class TierManager:
         if ok:
             self.meters[TierPath.G2_TO_G3].observe(len(ok) * self.fmt.block_bytes, job.seconds)
 
-    def _read_done(self, job: _Job) -> None:
-        ob = job.onboarding
+    def _read_done(self, job: DiskJob) -> None:
+        ob: Onboarding = job.owner
         good, bad = [], []
         for it, r in zip(job.items, job.result):
             self.disk.slots.unpin([it.slot])
@@ -317,37 +313,42 @@ class TierManager:
 
     # ---- probes (start-up) ---------------------------------------------------------------------------
     def probe_disk(self, probe_bytes: int = 64 << 20, timeout_s: float = 60.0) -> tuple[PathRate, PathRate] | None:
-        """Measure G2 -> G3 and G3 -> G2 with a short write + read of scratch slots (blocks until
-        done: call at start-up). Returns the rates set, or None without a disk tier or room."""
+        """Measure G2 -> G3 and G3 -> G2 (synced write, uncached read) of scratch slots: bandwidth
+        from ``probe_bytes``, latency from one block. Blocks until done: call at start-up. Returns
+        the rates set, or None without a disk tier, room, or success."""
         if self.disk is None:
             return None
         n = max(1, min(probe_bytes // self.fmt.block_bytes, self.host.slots.num_free, self.disk.slots.num_free))
         # scratch slots under hashes no block has (chained hashes are unsigned): never indexed, aborted after
         hslots = [s for s in (self.host.slots.reserve(-1 - i, None) for i in range(n)) if s is not None]
         dslots = [s for s in (self.disk.slots.reserve(-1 - i, None) for i in range(len(hslots))) if s is not None]
-        try:
-            if not dslots:
+        hslots, extra = hslots[:len(dslots)], hslots[len(dslots):]
+        self.host.slots.abort(extra)
+        if not dslots:
+            return None
+        self.host.data[hslots] = np.random.default_rng(0).integers(0, 256, (len(hslots), self.fmt.block_bytes),
+                                                                  dtype=np.uint8)
+        timings = []
+        for k in (len(dslots), 1):
+            job = DiskJob(DiskJobKind.PROBE, dslots[:k], hslots[:k])
+            if not self._worker.run(job, timeout_s):
+                log.warning("disk tier probe timed out after %.0f s; its scratch slots stay reserved", timeout_s)
                 return None
-            used = hslots[:len(dslots)]
-            self.host.data[used] = np.random.default_rng(0).integers(0, 256, (len(used), self.fmt.block_bytes),
-                                                                    dtype=np.uint8)
-            job = _Job("probe", dslots, used, done=threading.Event())
-            self._submit(job)
-            finished = job.done.wait(timeout_s)
-            if finished:
-                self._outstanding -= 1
-            if not finished or isinstance(job.result, BaseException):
+            if isinstance(job.result, BaseException):
                 log.warning("disk tier probe failed: %r", job.result)
-                return None
-            write_s, read_s = job.result
-        finally:
-            self.host.slots.abort(hslots)
-            self.disk.slots.abort(dslots)
-        nbytes = len(dslots) * self.fmt.block_bytes
-        rates = PathRate(nbytes / write_s, 0.0), PathRate(nbytes / read_s, 0.0)
+                break
+            timings.append(job.result)
+        self.host.slots.abort(hslots)
+        self.disk.slots.abort(dslots)
+        if len(timings) < 2:
+            return None
+        nbytes, one = len(dslots) * self.fmt.block_bytes, self.fmt.block_bytes
+        rates = tuple(PathRate(nbytes / t, max(0.0, t1 - one * t / nbytes))
+                      for t, t1 in zip(timings[0], timings[1]))
         self.meters[TierPath.G2_TO_G3].rate, self.meters[TierPath.G3_TO_G2].rate = rates
-        log.info("disk tier probe: %d MiB, write %.2f GB/s, read %.2f GB/s", nbytes >> 20,
-                 rates[0].bytes_per_s / 1e9, rates[1].bytes_per_s / 1e9)
+        log.info("disk tier probe: %d MiB, write %.2f GB/s (+%.2f ms), read %.2f GB/s (+%.2f ms)", nbytes >> 20,
+                 rates[0].bytes_per_s / 1e9, rates[0].latency_s * 1e3, rates[1].bytes_per_s / 1e9,
+                 rates[1].latency_s * 1e3)
         return rates
 
     def set_rate(self, path: TierPath, rate: PathRate) -> None:
@@ -367,27 +368,24 @@ class TierManager:
             out.append((Tier.DISK, self.disk.slots.snapshot()))
         return out
 
-    def stats(self) -> dict[str, Any]:
-        """What the worker exports as metrics (names and labels are the exporter's)."""
-        tiers = {Tier.HOST: self.host.slots}
+    def stats(self) -> TierStats:
+        tables = {Tier.HOST: self.host.slots}
         if self.disk is not None:
-            tiers[Tier.DISK] = self.disk.slots
-        return {
-            "blocks": {t.name.lower(): s.num_ready for t, s in tiers.items()},
-            "capacity_blocks": {t.name.lower(): s.num_usable for t, s in tiers.items()},
-            "loaded_blocks": {t.name.lower(): n for t, n in self.counters.loaded.items()},
-            "recomputed_blocks": {t.name.lower(): n for t, n in self.counters.recomputed.items()},
-            "path_bytes": {p.value: m.total_bytes for p, m in self.meters.items()},
-            "path_seconds": {p.value: m.total_s for p, m in self.meters.items()},
-            "path_rate_bytes_per_s": {p.value: m.rate.bytes_per_s for p, m in self.meters.items()},
-            "errors": {e.value: n for e, n in (self.disk.errors.items() if self.disk else ())},
-            "disk_full": bool(self.disk and self.disk.full),
-        }
+            tables[Tier.DISK] = self.disk.slots
+        return TierStats(
+            blocks={t: s.num_ready for t, s in tables.items()},
+            capacity_blocks={t: s.num_usable for t, s in tables.items()},
+            loaded_blocks=dict(self.counters.loaded), recomputed_blocks=dict(self.counters.recomputed),
+            path_bytes={p: m.total_bytes for p, m in self.meters.items()},
+            path_seconds={p: m.total_s for p, m in self.meters.items()},
+            path_rate_bytes_per_s={p: m.rate.bytes_per_s for p, m in self.meters.items()},
+            errors=dict(self.disk.errors) if self.disk is not None else {},   # a copy: the I/O thread counts
+            disk_full=bool(self.disk and self.disk.full))
 
     def drain(self, timeout_s: float = 30.0) -> None:
         """Wait for queued disk work and apply it (tests, shutdown): never on a step loop."""
         deadline = time.monotonic() + timeout_s
-        while self._outstanding:
+        while self._worker is not None and self._worker.num_outstanding:
             if time.monotonic() > deadline:
                 raise TimeoutError("disk tier still busy")
             time.sleep(1e-3)
@@ -395,41 +393,9 @@ class TierManager:
         self.poll()
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._disk_jobs.put(None)
-            self._thread.join()
-            self._thread = None
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
         if self.disk is not None:
             self.disk.close()
         self.host.close()
-
-    # ---- the disk I/O thread ------------------------------------------------------------------------
-    def _submit(self, job: _Job) -> None:
-        self._outstanding += 1
-        if job.kind == "write":
-            self._inflight_writes += len(job.items)
-        self._disk_jobs.put(job)
-
-    def _disk_loop(self) -> None:
-        while (job := self._disk_jobs.get()) is not None:
-            t0 = time.perf_counter()
-            try:
-                if job.kind == "write":
-                    job.result = self.disk.write(job.items)
-                elif job.kind == "read":
-                    job.result = self.disk.read(job.items)
-                else:
-                    job.result = self.disk.probe(job.items, job.host_slots)
-            except BaseException as e:   # an unexpected failure must not kill the thread
-                log.exception("disk tier %s job failed", job.kind)
-                if job.kind == "write":
-                    job.result = [DiskError.WRITE_ERROR] * len(job.items)
-                elif job.kind == "read":
-                    job.result = [DiskError.READ_ERROR] * len(job.items)
-                else:
-                    job.result = e
-            job.seconds = time.perf_counter() - t0
-            if job.done is not None:
-                job.done.set()
-            else:
-                self._disk_done.append(job)

@@ -113,7 +113,7 @@ def test_blocks_used_twice_go_to_disk_before_host_ram_evicts_them_and_come_back(
     assert eng.tiers.lookup(hot) == [Tier.HOST] * 4     # promoted on the way up
     assert eng.tiers.counters.loaded[Tier.DISK] == 4
     s = eng.tiers.stats()
-    assert s["path_bytes"]["g3_to_g2"] == 4 * eng.fmt.block_bytes and s["blocks"]["disk"] == 4
+    assert s.path_bytes[TierPath.G3_TO_G2] == 4 * eng.fmt.block_bytes and s.blocks[Tier.DISK] == 4
 
 
 def test_a_corrupted_disk_block_ends_the_usable_prefix_there(eng):
@@ -131,7 +131,7 @@ def test_a_corrupted_disk_block_ends_the_usable_prefix_there(eng):
         f.write(b"\xff\xfe")
     assert eng.onboard(hot, list(range(30, 36))) == 3   # blocks 0-2 load; 3 failed; 4-5 recompute
     assert torch.equal(eng.kv[:, 30:33], eng.ref[:, 0:3])
-    assert disk.errors[DiskError.CHECKSUM] == 1 and eng.tiers.stats()["errors"] == {"checksum": 1}
+    assert disk.errors[DiskError.CHECKSUM] == 1 and eng.tiers.stats().errors == {DiskError.CHECKSUM: 1}
     assert eng.tiers.lookup(hot) == [Tier.HOST] * 3     # 3 is gone from disk; 4-5 sit in host RAM unused
     assert BlockRemoved((hot[3],), Tier.DISK) in eng.tiers.take_events()
 
