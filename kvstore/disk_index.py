@@ -127,4 +127,18 @@ class _Txn:
         self._db.execute("BEGIN IMMEDIATE")
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self._db.execute("ROLLBACK" if exc_type else "COMMIT")
+        if exc_type is None:
+            try:
+                self._db.execute("COMMIT")
+                return
+            except sqlite3.Error:
+                self._rollback()        # a failed COMMIT (disk full) may leave the transaction open
+                raise
+        self._rollback()
+
+    def _rollback(self) -> None:
+        if self._db.in_transaction:
+            try:
+                self._db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass

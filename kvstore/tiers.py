@@ -18,7 +18,8 @@ The lifecycle of a block (numbers match the phase-2 wiring below):
     twice: kvstore/admission.py) and that are not on disk yet are pinned in G2 and written to
     disk in batches on the I/O thread (BlockStored DISK when indexed). Eviction from G2 never
     waits for the disk; a block evicted before its turn is simply not on disk. At most
-    ``max_disk_inflight_blocks`` are in flight; a full disk stops this quietly.
+    ``max_disk_inflight_blocks`` are in flight; a full disk pauses it quietly (for
+    ``disk_full_retry_s``, then on in the slabs that exist).
  3. A prompt arrives: the scheduler looks up G1 first (BlockPool.lookup), then calls
     ``record_use`` once for the prompt's hashes (admission counts) and ``decide`` for the rest:
     which of the following blocks are in G2 or G3 (``lookup``) and how many of them to load
@@ -160,7 +161,8 @@ class TierManager:
 
     def decide(self, hashes: Sequence[int], first_block: int, prefill: PrefillSpeed) -> OnboardDecision:
         """How many leading blocks of ``hashes`` (the prompt's blocks after its G1 hit, the first
-        being block ``first_block``) to load rather than recompute; counted for the metrics."""
+        being block ``first_block``) to load rather than recompute. Counted for the metrics: call
+        it once per request admitted, not per scheduling attempt."""
         hit = self.lookup(hashes)
         d = decide_onboard(hit, first_block, self.fmt.block_bytes, self.fmt.block_size, self.rates(),
                            prefill, self.cfg.onboard)
@@ -289,27 +291,25 @@ class TierManager:
 
     def _read_done(self, job: DiskJob) -> None:
         ob: Onboarding = job.owner
-        good, bad = [], []
+        position = {h: i for i, h in enumerate(ob.hashes)}
+        good: set[int] = set()
         for it, r in zip(job.items, job.result):
             self.disk.slots.unpin([it.slot])
             if r is None:
                 self.disk.slots.touch([it.slot])
-                self.host.slots.commit([it.host_slot])
-                good.append(it.host_slot)
+                self.host.slots.commit([it.host_slot])       # promoted: a host hit from now on
+                good.add(position[it.block_hash])
             else:
-                self.disk.slots.drop([it.slot])
+                self.disk.slots.drop([it.slot])               # damaged or gone: never served
                 self.host.slots.abort([it.host_slot])
-                bad.append(ob.hashes.index(it.block_hash))
-        if bad:
-            ob.num_ok = min(ob.num_ok, min(bad))
-        for i, slot in enumerate(ob.host_slots):
-            if slot in good and i < ob.num_ok:
-                self.host.slots.pin([slot])
+                ob.num_ok = min(ob.num_ok, position[it.block_hash])
+        for i in good:
+            if i < ob.num_ok:
+                self.host.slots.pin([ob.host_slots[i]])
                 ob._pinned[i] = True
         ob.num_pending = 0
-        ok_bytes = len(good) * self.fmt.block_bytes
-        if ok_bytes:
-            self.meters[TierPath.G3_TO_G2].observe(ok_bytes, job.seconds)
+        if good:
+            self.meters[TierPath.G3_TO_G2].observe(len(good) * self.fmt.block_bytes, job.seconds)
 
     # ---- probes (start-up) ---------------------------------------------------------------------------
     def probe_disk(self, probe_bytes: int = 64 << 20, timeout_s: float = 60.0) -> tuple[PathRate, PathRate] | None:

@@ -118,10 +118,13 @@ def main() -> None:
             results.append([None if r is None else r.value for r in res])
         filler(d, 0, name="filler2")        # now not even the index can grow
         last = write_blocks(host, disk, [200, 201, 202, 203])
+        os.unlink(os.path.join(d, "filler2"))     # room again: the index works on (no stuck transaction)
+        again = write_blocks(host, disk, [300, 301, 302, 303])
         print(json.dumps({"results": results, "last": [None if r is None else r.value for r in last],
+                          "again": [None if r is None else r.value for r in again],
                           "full": disk.full, "usable": disk.slots.num_usable,
                           "errors": {k.value: v for k, v in disk.errors.items()},
-                          "read": read_blocks(host, disk, list(range(100, 132)) + [200])}))
+                          "read": read_blocks(host, disk, list(range(100, 132)) + [200] + list(range(300, 304)))}))
     elif mode == "open":                    # start-up only: report the error, if any
         try:
             open_pool(d, int(sys.argv[3]))
