@@ -7,7 +7,8 @@ both and the worker picks the faster (DEPENDENCIES.md: NIXL where it measures at
   chunks into a device staging buffer with one ``index_select`` (output already block-major, the
   host layout), then one device-to-host copy per run of contiguous host slots (one copy when the
   slots were reserved together). Onboard is the reverse: host-to-device copies into staging, one
-  ``index_copy_`` into the cache. Staging holds at most ``max_staging_blocks`` blocks at a time.
+  ``index_copy_`` into the cache. Staging is one device buffer of ``max_staging_blocks`` blocks
+  (128 MiB for the 8B at 64), allocated once: the engine budgets it beside the cache.
   Rows are viewed as 8-byte words (the gather/scatter kernels move one element per thread).
   Offload waits (on the device) for the work already queued on the compute stream, so it copies
   what the last step wrote; onboard's final ``index_copy_`` waits for it too. On a CPU-only run
@@ -121,6 +122,10 @@ class TorchHostCopy:
         self.staged = self._cuda if staged is None else staged
         assert self.staged or not self._cuda, "a device cache is copied through staging"
         self.max_staging_blocks = max_staging_blocks
+        # one buffer, allocated once (the engine budgets it beside the cache): every use is queued
+        # on the side stream, so a chunk never overwrites one that is still being copied
+        self._staging = torch.empty((max_staging_blocks * num_layers, width), dtype=word,
+                                    device=self._device) if self.staged else None
 
     def offload(self, g1_blocks: Sequence[int], g2_slots: Sequence[int]) -> CopyHandle:
         blocks, slots = _pairs(g1_blocks, g2_slots)
@@ -137,10 +142,11 @@ class TorchHostCopy:
             for c0 in range(0, blocks.size, self.max_staging_blocks):
                 cb, cs = blocks[c0:c0 + self.max_staging_blocks], slots[c0:c0 + self.max_staging_blocks]
                 idx = self._upload(self._rows(cb))
-                staging = torch.index_select(self._kv, 0, idx)            # (n*L, layer_bytes), block-major
+                staging = self._staging[:cb.size * L]
+                torch.index_select(self._kv, 0, idx, out=staging)        # (n*L, words), block-major
                 for pos, s0, n in slot_runs(cs):
                     self._host[s0 * L:(s0 + n) * L].copy_(staging[pos * L:(pos + n) * L], non_blocking=self._cuda)
-                h._keep += [idx, staging]
+                h._keep.append(idx)
             return self._recorded(h)
 
     def onboard(self, g2_slots: Sequence[int], g1_blocks: Sequence[int]) -> CopyHandle:
@@ -156,14 +162,14 @@ class TorchHostCopy:
         with self._on_side_stream():
             for c0 in range(0, blocks.size, self.max_staging_blocks):
                 cb, cs = blocks[c0:c0 + self.max_staging_blocks], slots[c0:c0 + self.max_staging_blocks]
-                staging = torch.empty((cb.size * L, self._width), dtype=self._word, device=self._device)
+                staging = self._staging[:cb.size * L]
                 for pos, s0, n in slot_runs(cs):
                     staging[pos * L:(pos + n) * L].copy_(self._host[s0 * L:(s0 + n) * L], non_blocking=self._cuda)
                 idx = self._upload(self._rows(cb))
                 if main is not None:
                     self._stream.wait_stream(main)   # the host copies overlap the running step; the scatter does not
                 self._kv.index_copy_(0, idx, staging)
-                h._keep += [idx, staging]
+                h._keep.append(idx)
             return self._recorded(h)
 
     def _on_side_stream(self):
@@ -320,6 +326,29 @@ def make_host_copy(kind: str, kv_cache: torch.Tensor, host: HostPool) -> HostCop
     if kind == "nixl":
         return NixlHostCopy(kv_cache, host)
     raise ValueError(f"host copy must be torch or nixl, got {kind!r}")
+
+
+def choose(kv_cache: torch.Tensor, host: HostPool, g1_blocks: Sequence[int], g2_slots: Sequence[int],
+           kinds: Sequence[str] = ("torch", "nixl")) -> tuple[HostCopy, dict[str, tuple[float, float]]]:
+    """Probe each mover on these blocks (start-up: it blocks) and keep the fastest over both
+    directions; returns it and every mover's (offload_s, onboard_s), which the worker exports.
+    Use scratch host slots (FILLING) and blocks no request owns yet."""
+    from kvstore.transfer import nixl_available
+    best, best_s, seen = None, float("inf"), {}
+    for kind in kinds:
+        if kind == "nixl" and not nixl_available():
+            continue
+        mover = make_host_copy(kind, kv_cache, host)
+        probe(mover, g1_blocks, g2_slots)                 # warm-up: first-use costs are not bandwidth
+        seen[kind] = probe(mover, g1_blocks, g2_slots)
+        if sum(seen[kind]) < best_s:
+            if best is not None:
+                best.close()
+            best, best_s = mover, sum(seen[kind])
+        else:
+            mover.close()
+    assert best is not None
+    return best, seen
 
 
 def wait(mover: HostCopy, handle: CopyHandle, timeout_s: float = 60.0) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from kvstore.block_format import BlockFormat
 from kvstore.file_io import FileIoError, NixlFileIo, OsFileIo, merge_extents
-from kvstore.host_copy import CopyDirection, NixlHostCopy, TorchHostCopy, slot_runs, wait
+from kvstore.host_copy import CopyDirection, NixlHostCopy, TorchHostCopy, choose, slot_runs, wait
 from kvstore.host_pool import HostPool
 from kvstore.transfer import nixl_available
 
@@ -142,3 +142,14 @@ def test_nixl_host_copy_needs_no_remote_agent_for_a_loopback_copy():
     wait(m, m.offload([3], [1]))
     assert torch.equal(host_block(host, 1, kv), kv[:, 3].reshape(L, -1))
     m.close()
+
+
+def test_choose_probes_every_mover_keeps_one_and_leaves_the_blocks_as_they_were():
+    kv = cache()
+    ref = kv.clone()
+    host = HostPool(BlockFormat.of(kv, "m"), 8 * BlockFormat.of(kv, "m").block_bytes)
+    mover, seen = choose(kv, host, [2, 9, 15, 16], [0, 1, 2, 3])
+    assert set(seen) == ({"torch", "nixl"} if nixl_available() else {"torch"})
+    assert all(off > 0 and on > 0 for off, on in seen.values())
+    assert mover.name in seen and torch.equal(kv, ref)
+    mover.close()
