@@ -47,11 +47,11 @@ import os
 import sqlite3
 import time
 from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Sequence
 
 import xxhash
 
@@ -158,8 +158,9 @@ class DiskPool:
         st = os.statvfs(self.dir)
         free = st.f_bavail * st.f_frsize
         if need > free:
-            raise DiskTierError(f"{self.dir} is too small for the disk KV tier: {_size(self.num_slots * self.block_bytes)} "
-                                f"asked, {_size(free + ours)} available; lower --kv-disk-gib")
+            raise DiskTierError(f"{self.dir} is too small for the disk KV tier: "
+                                f"{_size(self.num_slots * self.block_bytes)} asked, {_size(free + ours)} "
+                                "available; lower --kv-disk-gib")
 
     def _load_rows(self, sizes: dict[int, int]) -> list[IndexRow]:
         """The index's rows whose slot is within capacity and whose bytes exist in full."""

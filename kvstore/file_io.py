@@ -32,8 +32,8 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Sequence
-from typing import Callable, Protocol
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 

@@ -221,6 +221,7 @@ class NixlHostCopy:
 
     def __init__(self, kv_cache: torch.Tensor, host: HostPool, backends: Sequence[str] = ("UCX",)) -> None:
         import nixl  # lazily: the module imports without nixl
+
         from kvstore.transfer import KvLayout
         layout = KvLayout.of(kv_cache)
         assert layout.num_layers == host.fmt.num_layers and layout.block_bytes == host.fmt.layer_bytes

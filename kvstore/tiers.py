@@ -36,10 +36,10 @@ Events (``take_events``) are the host and disk tables' BlockStored/BlockRemoved 
 the worker publishes them beside BlockPool's (tier GPU).
 
 Phase-2 wiring (not done here): the scheduler (steps 1, 3-5; onboarding waits like
-``awaiting_kv``), the model runner (executes BlockCopy with host_copy.py's mover, picked by a
-start-up probe of both, torch vs NIXL), prefill workers (the same object: their prompts hit the
-tiers too), the flags (``--kv-host-gib --kv-disk-gib --kv-disk-dir --kv-onboard`` ->
-``TierConfig``), metrics (``stats()``: hits per tier, occupancy, bytes and seconds per path,
+``awaiting_kv``), the model runner (executes BlockCopy with the mover ``host_copy.choose`` picks
+at start-up, torch or NIXL, whose probe figures go to ``set_rate``), prefill workers (the same
+object: their prompts hit the tiers too), the flags (``--kv-host-gib --kv-disk-gib --kv-disk-dir
+--kv-onboard`` -> ``TierConfig``), metrics (``stats()``: hits per tier, occupancy, bytes and seconds per path,
 errors by reason), the router's ``lower_tier_weight``, and the mock engine's tier model.
 """
 

@@ -4,7 +4,6 @@ compute stream, and a host -> disk -> host -> device round trip is byte-identica
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 

@@ -11,7 +11,14 @@ import torch
 
 from kvstore.block_format import BlockFormat
 from kvstore.file_io import FileIoError, NixlFileIo, OsFileIo, merge_extents
-from kvstore.host_copy import CopyDirection, NixlHostCopy, TorchHostCopy, choose, slot_runs, wait
+from kvstore.host_copy import (
+    CopyDirection,
+    NixlHostCopy,
+    TorchHostCopy,
+    choose,
+    slot_runs,
+    wait,
+)
 from kvstore.host_pool import HostPool
 from kvstore.transfer import nixl_available
 

@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from kvstore.block_format import BlockFormat
@@ -21,8 +20,14 @@ from kvstore.disk_index import DiskTierError
 from kvstore.disk_pool import DiskConfig, DiskError, DiskPool
 from kvstore.events import BlockStored, Tier
 from kvstore.file_io import OsFileIo
+from kvstore.host_pool import HostPool
 from kvstore.transfer import nixl_available
-from tests.unit._disk_tier_child import FMT, content, open_pool, read_blocks, write_blocks
+from tests.unit._disk_tier_child import (
+    FMT,
+    open_pool,
+    read_blocks,
+    write_blocks,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = [sys.executable, str(Path(__file__).with_name("_disk_tier_child.py"))]
@@ -100,7 +105,7 @@ def test_a_block_read_from_the_wrong_slot_fails_its_checksum(pool):
     host, disk = pool
     write_blocks(host, disk, [31, 32])
     a, b = disk.slots.find(31), disk.slots.find(32)
-    (sa, oa), (sb, ob) = disk._where(a), disk._where(b)
+    (sa, oa), (_, ob) = disk._where(a), disk._where(b)
     with open(disk._slab_path(sa), "r+b") as f:     # a misdirected write: 32's bytes in 31's slot
         f.seek(ob)
         other = f.read(FMT.block_bytes)
@@ -138,7 +143,7 @@ def test_a_directory_too_small_is_a_clear_start_up_error(tmp_path):
     with pytest.raises(DiskTierError, match="too small"):
         open_pool(str(tmp_path), free // FMT.block_bytes + 1000)
     with pytest.raises(DiskTierError, match="less than one"):
-        DiskPool(FMT, DiskConfig(str(tmp_path), FMT.block_bytes - 1), open_pool.__globals__["HostPool"](FMT, FMT.block_bytes))
+        DiskPool(FMT, DiskConfig(str(tmp_path), FMT.block_bytes - 1), HostPool(FMT, FMT.block_bytes))
 
 
 def _unshare_ok() -> bool:

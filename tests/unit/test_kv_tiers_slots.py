@@ -103,7 +103,7 @@ def test_drop_frees_a_ready_block_and_restore_brings_blocks_back_in_lru_order():
 
 def test_retired_slots_are_not_handed_out_again():
     t = SlotTable(6, Tier.DISK)
-    a, b, c, d = fill(t, [1, 2, 3, 4])           # slots 0-3
+    a, _, c, _ = fill(t, [1, 2, 3, 4])           # slots 0-3
     t.retire_from(2)                              # storage for slots >= 2 could not be created
     assert t.num_usable == 2 and t.num_free == 0
     assert t.find(3) == c                         # ready blocks beyond keep serving ...
