@@ -18,7 +18,7 @@ from kvstore.transfer import KvTransferAgent, nixl_available
 from proto.splitserve.v1 import worker_pb2_grpc
 from runtime.config import WorkerConfig
 from runtime.process import process_age_s
-from runtime.worker_host import WorkerHost, make_worker_id
+from runtime.worker_host import WorkerHost, make_worker_id, worker_engine_config
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ async def serve_worker(cfg: WorkerConfig) -> None:
     startup_s = {"process_start_to_main": round(process_age_s(), 3)}    # interpreter + imports
     worker_id = make_worker_id(cfg)
     t0 = time.perf_counter()
-    engine = await asyncio.to_thread(Engine, cfg.engine)
+    engine = await asyncio.to_thread(Engine, worker_engine_config(cfg))
     startup_s["engine"] = round(time.perf_counter() - t0, 3)
     host = WorkerHost(cfg, worker_id)
     service = WorkerService(worker_id, cfg.role, cfg.engine.block_size, lambda: loop.stats, host.publisher)

@@ -49,6 +49,10 @@ class EngineStats:
     num_waiting_prefill_tokens: int
     num_awaiting_kv: int = 0
     num_held: int = 0
+    num_gpu_hit_blocks: int = 0         # prompt blocks found in G1 (hits on the device tier)
+    tiers: object | None = None         # kvstore.tiers.TierStats with the KV tiers on
+    tier_copy_errors: int = 0           # G1 <-> G2 copies that failed
+    num_onboarding: int = 0             # requests waiting for their blocks from host or disk
 
 
 @dataclass(slots=True)
@@ -73,7 +77,7 @@ class Engine:
         self.async_scheduling = bool(overlap) and hasattr(self.runner, "launch")
         self._in_flight: tuple[StepPlan, object] | None = None   # launched, not yet updated
         self.tier_io = None          # KV tiers below G1 (engine/kv_tiers.py); None: off
-        if cfg.kv_host_gib > 0:
+        if cfg.kv_host_gib > 0 or cfg.kv_disk_gib > 0 or cfg.kv_disk_dir:
             from engine import kv_tiers
             self.tier_io = kv_tiers.build(cfg, self.runner, self.scheduler)
             self.tiers = self.tier_io.tiers
@@ -172,9 +176,12 @@ class Engine:
         s = self.scheduler
         to_prefill = sum(r.num_tokens for r in s.waiting) + sum(
             r.num_tokens - r.num_computed_tokens - 1 for r in s.running if r.num_computed_tokens < r.num_tokens - 1)
+        io = self.tier_io
         return EngineStats(self.pool.num_blocks, self.pool.num_free, len(s.running), len(s.waiting),
                            s.num_preemptions, s.num_prompt_tokens, s.num_prefix_hit_tokens, to_prefill,
-                           len(s.awaiting_kv), len(s.held))
+                           len(s.awaiting_kv), len(s.held), s.num_gpu_hit_blocks,
+                           io.tiers.stats() if io is not None else None, io.copy_errors if io is not None else 0,
+                           len(s.onboarding))
 
     @property
     def has_work(self) -> bool:
@@ -245,6 +252,8 @@ class EngineLoop:
         self._stop.set()
         self._inbox.put(Wake())
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.engine.close()
 
     def _drain(self, block: bool) -> None:
         try:

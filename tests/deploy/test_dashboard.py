@@ -22,8 +22,8 @@ PACKAGES = ("runtime", "kvstore", "engine", "prefill_worker", "decode_worker", "
 SAMPLES = {"Counter": ("_total",), "Gauge": ("",), "Histogram": ("_bucket", "_sum", "_count"),
            "Summary": ("", "_sum", "_count")}
 DASHBOARD = json.loads((CHART / "dashboards" / "splitserve.json").read_text())
-# metrics the dashboard needs whose code is being written elsewhere (tiered KV; planner)
-AWAITED = ("splitserve_kv_hits_total (tiered KV), splitserve_planner_decisions_total (planner), "
+# metrics the dashboard needs whose code is being written elsewhere (planner, pool controller)
+AWAITED = ("splitserve_planner_decisions_total (planner), "
            "splitserve_pool_desired_workers and splitserve_pool_ready_workers (pool controller)")
 
 
