@@ -146,6 +146,8 @@ class PrefillMeter:
 
 def build(cfg: EngineConfig, runner, scheduler) -> TierIO:
     """The tier manager and its mover for a model runner (probes G1 <-> G2 and the disk: start-up)."""
+    if cfg.mock or not hasattr(runner, "kv_cache"):
+        raise TierConfigError("the mock engine models no KV tiers: drop --kv-host-gib/--kv-disk-gib with --mock")
     tcfg = tier_config(cfg, pin_memory=runner.device.type == "cuda")
     fmt = BlockFormat.of(runner.kv_cache, model_identity(cfg))
     tiers = TierManager(fmt, tcfg)

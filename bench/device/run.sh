@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command on the GPU machine, from the repository root there:
-#   bench/device/run.sh [jit] [pytest] [bench] [bench_cc] [kernels] [correctness] [serve] [gemv] [compare] [startup] [tiers] ...
+#   bench/device/run.sh [jit] [pytest] [bench] [bench_cc] [kernels] [correctness] [serve] [gemv] [compare] [startup] [tiers] [tiers_engine] ...
 # (jit: FlashInfer's JIT modules built in the background, all at once, for the stages after it;
 #  bench: the engine's defaults; bench_cc: the same with the CUDA-core decode kernel, to compare)
 # Installs the wheels from $WHL_DIRS (default: .whl .whl_web, carried beside the tree) into .site once,
@@ -63,6 +63,11 @@ for stage in "$@"; do
            timeout "$(left 0 "${T_TIERS:-300}")" python3 bench/kv_tiers_bench.py --device cuda --dir "${TIERS_DIR:-/tmp/kvtiers}" \
              ${TIERS_ARGS:---shape 8b --blocks 1,4,16,64,256 --disk-mib 1024} > "$OUT/kv_tiers.jsonl" 2> "$OUT/kv_tiers.log"
            cat "$OUT/kv_tiers.log" ;;
+    tiers_engine) # KV tiers in the engine (8B, random weights): TTFT recompute/G2/G3/auto 1k..32k on bf16 and
+           # fp8 KV, decode ITL tiers off/on, a multi-turn replay beyond G1 tiers off/on (docs/kv_tiers.md)
+           timeout "$(left 0 "${T_TIERS_ENGINE:-480}")" python3 bench/device/kv_tiers_engine.py \
+             --out "$OUT/kv_tiers_engine.jsonl" --dir "${TIERS_DIR:-/tmp/kvtiers}-engine" ${TIERS_ENGINE_ARGS:-} \
+             2>&1 | grep -v "NIXL\|Warning" | tee "$OUT/kv_tiers_engine.log" | tail -30 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
