@@ -21,8 +21,9 @@ both and the worker picks the faster (DEPENDENCIES.md: NIXL where it measures at
   loopback WRITEs (the agent is its own target: ``prep_xfer_dlist(agent.name, ...)``; no remote
   agent needed). The chunks do not merge (consecutive layers are far apart on the device,
   consecutive blocks on the host), so a transfer is num_blocks * num_layers descriptors. NIXL does
-  not see the compute stream: an offload is posted only once an event recorded at the call has
-  passed, and an onboarded block may be read only after ``done``.
+  not see the compute stream: a transfer either way is posted only once an event recorded at the
+  call has passed (an onboard's target blocks may have been written by a step still in flight),
+  and an onboarded block may be read only after ``done``.
 
 Both are asynchronous: ``offload``/``onboard`` return a CopyHandle at once (after queueing on the
 GPU); ``done(handle)`` polls without blocking; ``wait`` is for tests and probes. The caller keeps
@@ -258,7 +259,15 @@ class NixlHostCopy:
     def onboard(self, g2_slots: Sequence[int], g1_blocks: Sequence[int]) -> CopyHandle:
         blocks, slots = _pairs(g1_blocks, g2_slots)
         h = CopyHandle(CopyDirection.ONBOARD, blocks.size * self.num_layers * self.layer_bytes, time.perf_counter())
-        return self._post_xfer(h, (self._g2_local, self._g2_idx(slots), self._g1_loop, self._g1_idx(blocks)))
+        args = (self._g2_local, self._g2_idx(slots), self._g1_loop, self._g1_idx(blocks))
+        if self._cuda:     # freshly allocated blocks may still be written by a step in flight: post after it
+            import torch
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self._device))
+            h._post = (ev, args)
+            h._pending = True
+            return h
+        return self._post_xfer(h, args)
 
     def done(self, handle: CopyHandle) -> bool:
         if handle._post is not None:

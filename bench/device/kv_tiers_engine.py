@@ -207,12 +207,12 @@ def bench_replay(emit, cfg: EngineConfig, common: dict, trace: str | None, limit
                     for r in rows]
         else:      # a synthetic multi-turn set: sessions whose turns extend the previous prompt
             rng = np.random.default_rng(5)
-            sessions = [rng.integers(1, vocab, 1024).tolist() for _ in range(max(2, limit // 4))]
+            sessions = [rng.integers(1, vocab, max_input // 2).tolist() for _ in range(max(2, limit // 4))]
             work = []
             for turn in range(4):
                 for s in range(len(sessions)):
-                    sessions[s] = sessions[s] + rng.integers(1, vocab, 256).tolist()
-                    work.append((sessions[s][:max_input], max_output))
+                    sessions[s] = sessions[s] + rng.integers(1, vocab, max_input // 8).tolist()
+                    work.append((sessions[s], max_output))
             work = work[:limit]
         submitted: dict[str, float] = {}
         ttft: list[float] = []
@@ -284,7 +284,7 @@ def main() -> None:
         lengths, dtypes = [64, 160], ["auto"]
         host_gib, disk_gib, g1 = 0.004, 0.008, 64
         itl = (4, 48, 20)
-        replay = dict(limit=12, max_input=512, concurrency=4, max_output=4)
+        replay = dict(limit=8, max_input=128, concurrency=2, max_output=4)
         replay_g1 = 48
     else:
         model, device, load = str(write_arch_dir(args.arch, f"/tmp/splitserve-models/{args.arch}")), "cuda", "dummy"

@@ -155,3 +155,34 @@ def test_bad_tier_flags_are_start_up_errors(model, tmp_path):
     with pytest.raises(Exception, match="(?i)not exist|no such|missing"):
         Engine(EngineConfig(model=model, device="cpu", num_blocks=8, kv_host_gib=0.001, kv_disk_gib=0.01,
                             kv_disk_dir=str(tmp_path / "nowhere")))
+
+
+def test_a_request_aborted_while_its_blocks_load_releases_everything(model, block_bytes, tmp_path):
+    from engine.request import Request
+    a, = prompts(1, seed=4)
+    want = reference(model, [a])[0]
+    eng = tiered(model, block_bytes, tmp_path, host=8)
+    try:
+        run(eng, [a, a], "w")
+        req = Request.new("h", a, GREEDY)
+        eng.scheduler._update_hashes(req)
+        host = eng.tiers.host.slots
+        host.drop([s for s in (host.find(h) for h in req.block_hashes) if s is not None])   # on disk only
+        eng.pool.reset_cache()
+        for phase in range(3):          # aborted: while reading, once ready, after its copy started
+            eng.add_request(EngineRequest(f"x{phase}", a, GREEDY))
+            for _ in range(phase):
+                eng.step()
+            eng.abort_request(f"x{phase}")
+            while eng.has_work:
+                eng.step()
+            eng.tiers.drain()
+            assert not eng.scheduler.onboarding and not eng.scheduler.tier_busy
+            assert eng.pool.num_free == eng.pool.num_blocks
+            eng.pool.check_invariants()
+            eng.tiers.host.slots.check_invariants()
+            assert all(host.pins(s) == 0 for s in range(host.num_usable))
+            eng.pool.reset_cache()
+        assert run(eng, [a], "y") == [want]
+    finally:
+        eng.close()
