@@ -10,6 +10,7 @@ step loop pays one `is None` test per step.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from kvstore.block_format import BlockFormat
 from kvstore.disk_pool import DiskConfig
 from kvstore.events import Tier
-from kvstore.host_copy import CopyHandle, HostCopyError, choose
+from kvstore.host_copy import CopyDirection, CopyHandle, HostCopyError, choose
 from kvstore.tier_policy import OnboardMode, PathRate, PrefillSpeed, TierPath
 from kvstore.tiers import TierConfig, TierManager
 from engine.plan import StepPlan
@@ -146,8 +147,8 @@ class PrefillMeter:
 
 def build(cfg: EngineConfig, runner, scheduler) -> TierIO:
     """The tier manager and its mover for a model runner (probes G1 <-> G2 and the disk: start-up)."""
-    if cfg.mock or not hasattr(runner, "kv_cache"):
-        raise TierConfigError("the mock engine models no KV tiers: drop --kv-host-gib/--kv-disk-gib with --mock")
+    if cfg.mock:
+        return _build_mock(cfg, scheduler)
     tcfg = tier_config(cfg, pin_memory=runner.device.type == "cuda")
     fmt = BlockFormat.of(runner.kv_cache, model_identity(cfg))
     tiers = TierManager(fmt, tcfg)
@@ -165,6 +166,68 @@ def build(cfg: EngineConfig, runner, scheduler) -> TierIO:
     scheduler.tiers = tiers
     io = TierIO(tiers, mover, scheduler)
     io.probe_figures = figures
+    return io
+
+
+class ModelledHostCopy:
+    """The mock engine's G1 <-> G2 mover: moves no bytes; a copy lands when the modelled link
+    (one per direction, copies queued behind each other) would have finished it."""
+    name = "modelled"
+
+    def __init__(self, block_bytes: int, bytes_per_s: float, clock=time.perf_counter) -> None:
+        self.block_s = block_bytes / bytes_per_s
+        self.block_bytes, self._clock = block_bytes, clock
+        self._free_at = {CopyDirection.OFFLOAD: 0.0, CopyDirection.ONBOARD: 0.0}
+
+    def _copy(self, direction, n: int) -> CopyHandle:
+        now = self._clock()
+        h = CopyHandle(direction, n * self.block_bytes, now)
+        end = self._free_at[direction] = max(now, self._free_at[direction]) + n * self.block_s
+        h._pending = end
+        return h
+
+    def offload(self, g1_blocks, g2_slots) -> CopyHandle:
+        return self._copy(CopyDirection.OFFLOAD, len(g1_blocks))
+
+    def onboard(self, g2_slots, g1_blocks) -> CopyHandle:
+        return self._copy(CopyDirection.ONBOARD, len(g1_blocks))
+
+    def done(self, handle: CopyHandle) -> bool:
+        if handle._pending is not None and self._clock() >= handle._pending:
+            handle.finished_s, handle._pending = handle._pending, None
+        return handle._pending is None
+
+    def close(self) -> None:
+        pass
+
+
+MOCK_SLOT_BYTES = 8          # the mock's host tier holds no KV: one word per slot, for the bookkeeping
+
+
+def _build_mock(cfg: EngineConfig, scheduler) -> TierIO:
+    """The mock engine's tiers: the real tier manager (slots, LRU, events, decisions) over a host
+    tier of --kv-host-gib worth of modelled blocks, and a mover timed by the profile. The disk
+    tier is not modelled."""
+    from runtime.profile import load_tier_timing
+    if cfg.kv_disk_gib > 0 or cfg.kv_disk_dir:
+        raise TierConfigError("the mock engine models the host tier only: drop --kv-disk-gib/--kv-disk-dir")
+    tcfg = tier_config(cfg, pin_memory=False)
+    tt = load_tier_timing(cfg.mock_profile)
+    block_bytes = tt.kv_bytes_per_token * cfg.block_size
+    slots = tcfg.host_bytes // block_bytes
+    if slots < 1:
+        raise TierConfigError(f"--kv-host-gib {cfg.kv_host_gib} holds no block of {block_bytes} bytes")
+    fmt = BlockFormat(f"mock:{model_identity(cfg)}", 1, MOCK_SLOT_BYTES, cfg.block_size, "mock")
+    tiers = TierManager(fmt, dataclasses.replace(tcfg, host_bytes=slots * MOCK_SLOT_BYTES))
+    # the cost model sees slot bytes: scale the link's rate so a slot costs a modelled block's time
+    rate = PathRate(tt.host_gbps * 1e9 * MOCK_SLOT_BYTES / block_bytes, 20e-6)
+    tiers.set_rate(TierPath.G1_TO_G2, rate)
+    tiers.set_rate(TierPath.G2_TO_G1, rate)
+    for meter in tiers.meters.values():
+        meter.min_bytes = 1 << 62            # modelled copies: keep the profile's rate
+    scheduler.tiers = tiers
+    io = TierIO(tiers, ModelledHostCopy(block_bytes, tt.host_gbps * 1e9), scheduler)
+    log.info("mock KV host tier: %d modelled blocks of %d bytes at %.0f GB/s", slots, block_bytes, tt.host_gbps)
     return io
 
 

@@ -186,3 +186,23 @@ def test_a_request_aborted_while_its_blocks_load_releases_everything(model, bloc
         assert run(eng, [a], "y") == [want]
     finally:
         eng.close()
+
+
+def test_the_mock_engine_models_the_host_tier(model):
+    """--mock with --kv-host-gib: real tier bookkeeping (hits, events), copies timed by the profile."""
+    eng = Engine(EngineConfig(model=model, mock=True, num_blocks=8, kv_host_gib=40 * (2 << 20) / 2**30,
+                              kv_onboard="always", max_model_len=4096))
+    try:
+        assert eng.tiers.host.num_slots == 40                     # 2 MiB blocks of the 8B profile
+        a, f1, f2 = prompts(3, seed=5)
+        run(eng, [a, f1, f2, a], "m")
+        st = eng.stats()
+        assert st.tiers.loaded_blocks[Tier.HOST] == 3
+        assert st.tiers.path_seconds[next(p for p in st.tiers.path_seconds if p.value == "g2_to_g1")] \
+            == pytest.approx(3 * (2 << 20) / 55e9, rel=0.01)
+        assert len(dict(eng.tiers.snapshot())[Tier.HOST]) == 9    # A, F1, F2: what a router snapshot lists
+    finally:
+        eng.close()
+    with pytest.raises(TierConfigError, match="host tier only"):
+        Engine(EngineConfig(model=model, mock=True, num_blocks=8, kv_host_gib=0.1, kv_disk_gib=0.1,
+                            kv_disk_dir="/tmp"))
