@@ -58,7 +58,8 @@ for stage in "$@"; do
     gemv) timeout "$(left 0 120)" python3 bench/device/gemv_layouts.py --out "$OUT/gemv_layouts.jsonl" 2>&1 | grep -v Warning ;;
     tiers) # KV tiers: GPU tests of the G1<->G2 movers, then bench/kv_tiers_bench.py on the machine's disk
            # (needs only nixl and xxhash: WHL_DIRS=.whl_nixl with those wheels is enough)
-           timeout "$(left 0 120)" python3 -m pytest tests/gpu/test_kv_tiers_gpu.py -q -p no:cacheprovider --tb=short \
+           timeout "$(left 0 240)" python3 -m pytest tests/gpu/test_kv_tiers_gpu.py tests/gpu/test_kv_tiers_engine_gpu.py \
+             -q -p no:cacheprovider --tb=short \
              2>&1 | tee "$OUT/pytest_kv_tiers.log" | tail -15
            timeout "$(left 0 "${T_TIERS:-300}")" python3 bench/kv_tiers_bench.py --device cuda --dir "${TIERS_DIR:-/tmp/kvtiers}" \
              ${TIERS_ARGS:---shape 8b --blocks 1,4,16,64,256 --disk-mib 1024} > "$OUT/kv_tiers.jsonl" 2> "$OUT/kv_tiers.log"
