@@ -82,7 +82,7 @@ class Engine:
             self.tier_io = kv_tiers.build(cfg, self.runner, self.scheduler)
             self.tiers = self.tier_io.tiers
             self._prefill_meter = kv_tiers.PrefillMeter(self.scheduler.prefill_speed.tokens_per_s)
-            self._step_t = 0.0
+            self._last_plan: StepPlan | None = None
 
     def add_request(self, spec: EngineRequest) -> RequestOutput | None:
         """Queue a request; returns an immediate error output if it can never run here."""
@@ -191,7 +191,7 @@ class Engine:
         """Stop the KV tiers' disk thread and close their files (the index stays for a restart)."""
         if self.tier_io is not None:
             self.tiers.close()
-            self.tier_io = None
+            self.tier_io = self.scheduler.tiers = None
 
 
 def _mock_runner(cfg: EngineConfig):
