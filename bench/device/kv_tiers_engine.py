@@ -201,7 +201,8 @@ def bench_replay(emit, cfg: EngineConfig, common: dict, trace: str | None, limit
         c = cfg if tiers_on else dataclasses.replace(cfg, kv_host_gib=0.0, kv_disk_gib=0.0, kv_disk_dir=None)
         eng = Engine(c)
         vocab = eng.runner.model_config.vocab_size
-        if trace and os.path.exists(trace):
+        workload = os.path.basename(trace) if trace and os.path.exists(trace) else "synthetic-multiturn"
+        if workload != "synthetic-multiturn":
             rows, bs = load_trace(trace, max_input_len=max_input, limit=limit)
             work = [(trace_prompt(r.hash_ids, r.input_len, bs, vocab, (7,)).tolist(), min(r.output_len, max_output))
                     for r in rows]
@@ -237,7 +238,7 @@ def bench_replay(emit, cfg: EngineConfig, common: dict, trace: str | None, limit
                     submitted.pop(o.request_id, None)
         wall = time.perf_counter() - t0
         s = eng.stats()
-        emit(**common, metric="replay", tiers=tiers_on, requests=len(work), concurrency=concurrency,
+        emit(**common, metric="replay", workload=workload, tiers=tiers_on, requests=len(work), concurrency=concurrency,
              g1_blocks=eng.pool.num_blocks, prompt_tokens=s.num_prompt_tokens,
              hit_rate=round(s.num_prefix_hit_tokens / max(1, s.num_prompt_tokens), 4),
              ttft_p50_ms=round(q(ttft, 0.5) * 1e3, 1), ttft_p90_ms=round(q(ttft, 0.9) * 1e3, 1),
