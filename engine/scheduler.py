@@ -125,7 +125,7 @@ class Scheduler:
         plan = StepPlan(self._next_step)
         if self.tiers is not None:
             self._tier_step(plan)
-        chunks = self._schedule_chunks()
+        chunks = self._schedule_chunks(plan)
         if not chunks:
             return plan
         self._steps[plan.step_id] = chunks
@@ -137,7 +137,7 @@ class Scheduler:
         plan.finished, self._ended = self._ended, []
         return plan
 
-    def _schedule_chunks(self) -> list[ScheduledChunk]:
+    def _schedule_chunks(self, plan: StepPlan) -> list[ScheduledChunk]:
         budget = self.budget
         chunks: list[ScheduledChunk] = []
         preempted = False
@@ -161,7 +161,10 @@ class Scheduler:
                 continue
             break  # req itself was preempted; everything after it was too
         if not preempted:
-            budget = self._admit(budget, chunks)
+            # loaded prefixes take G1 blocks like admissions do: after the running requests, and
+            # ahead of new admissions (which wait while a loaded prefix waits for room)
+            if self.tiers is None or self._onboard_copies(plan):
+                budget = self._admit(budget, chunks)
         return chunks
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
@@ -410,14 +413,22 @@ class Scheduler:
         return True
 
     def _tier_step(self, plan: StepPlan) -> None:
-        """Disk work applied; ready onboardings get G1 blocks and their copies; offloads queued."""
+        """Disk work applied; offloads queued into the plan."""
         tiers = self.tiers
         tiers.poll()
         if self._abandoned:
             for ob in [o for o in self._abandoned if o.ready]:
                 tiers.finish_onboard(ob)
                 self._abandoned.remove(ob)
-        started: list[_Onboard] = []
+        offloads, self._offloads = self._offloads, []
+        if offloads:
+            plan.copies[:0] = [BlockCopy(Tier.GPU, b, Tier.HOST, s) for b, s in offloads]
+            self._copies[plan.step_id] = (offloads, [])
+
+    def _onboard_copies(self, plan: StepPlan) -> bool:
+        """Ready onboardings get G1 blocks and their copies go into the plan. False: one waits for
+        G1 room (so new admissions wait too)."""
+        tiers, started, room = self.tiers, [], True
         for rid, o in list(self.onboarding.items()):
             ob = o.ob
             if not ob.ready:
@@ -427,6 +438,9 @@ class Scheduler:
                 tiers.finish_onboard(ob)
                 self._requeue(o.request)
                 continue
+            if not room or len(self.running) >= self.max_num_seqs:
+                room = False
+                continue
             try:
                 o.blocks = self.pool.allocate(ob.num_ok)
             except NoFreeBlocks:
@@ -434,15 +448,17 @@ class Scheduler:
                     del self.onboarding[rid]
                     tiers.finish_onboard(ob)
                     self._requeue(o.request)
+                else:
+                    room = False
                 continue
             del self.onboarding[rid]
             started.append(o)
             c = tiers.onboard_copy(ob, o.blocks)
             plan.copies.extend(BlockCopy(Tier.HOST, s, Tier.GPU, b) for b, s in zip(c.g1_blocks, c.g2_slots))
-        offloads, self._offloads = self._offloads, []
-        plan.copies[:0] = [BlockCopy(Tier.GPU, b, Tier.HOST, s) for b, s in offloads]
-        if offloads or started:
+        if started:
+            offloads = self._copies.get(plan.step_id, ([], []))[0]
             self._copies[plan.step_id] = (offloads, started)
+        return room
 
     def copies_landed(self, step_id: int, offload: bool, ok: bool = True, seconds: float = 0.0) -> None:
         """The engine's report that a plan's offload or onboard copies landed (or failed)."""
