@@ -19,7 +19,7 @@ from kvstore.transfer import KvTransferAgent, nixl_available
 from proto.splitserve.v1 import worker_pb2_grpc
 from runtime.config import WorkerConfig
 from runtime.process import process_age_s
-from runtime.worker_host import WorkerHost, make_worker_id
+from runtime.worker_host import WorkerHost, make_worker_id, worker_engine_config
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ async def serve_worker(cfg: WorkerConfig) -> None:
     await host.open()              # liveness and a `starting` lease while the model loads
     t0 = time.perf_counter()
     try:
-        engine = await asyncio.to_thread(Engine, cfg.engine)
+        engine = await asyncio.to_thread(Engine, worker_engine_config(cfg))
     except BaseException:
         await host.close()
         raise

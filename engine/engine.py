@@ -49,6 +49,10 @@ class EngineStats:
     num_waiting_prefill_tokens: int
     num_awaiting_kv: int = 0
     num_held: int = 0
+    num_gpu_hit_blocks: int = 0         # prompt blocks found in G1 (hits on the device tier)
+    tiers: object | None = None         # kvstore.tiers.TierStats with the KV tiers on
+    tier_copy_errors: int = 0           # G1 <-> G2 copies that failed
+    num_onboarding: int = 0             # requests waiting for their blocks from host or disk
 
 
 @dataclass(slots=True)
@@ -72,6 +76,13 @@ class Engine:
             overlap = self.runner.device.type == "cuda" or cfg.mock
         self.async_scheduling = bool(overlap) and hasattr(self.runner, "launch")
         self._in_flight: tuple[StepPlan, object] | None = None   # launched, not yet updated
+        self.tier_io = None          # KV tiers below G1 (engine/kv_tiers.py); None: off
+        if cfg.kv_host_gib > 0 or cfg.kv_disk_gib > 0 or cfg.kv_disk_dir:
+            from engine import kv_tiers
+            self.tier_io = kv_tiers.build(cfg, self.runner, self.scheduler)
+            self.tiers = self.tier_io.tiers
+            self._prefill_meter = kv_tiers.PrefillMeter(self.scheduler.prefill_speed.tokens_per_s)
+            self._last_plan: StepPlan | None = None
 
     def add_request(self, spec: EngineRequest) -> RequestOutput | None:
         """Queue a request; returns an immediate error output if it can never run here."""
@@ -105,12 +116,39 @@ class Engine:
     def step(self) -> StepResult:
         """Run one step if there is work (schedule → launch → commit → update), and collect what the
         step, and the commands handled since the last one, produced. Cheap when idle."""
+        if self.tier_io is not None:
+            return self._tier_step()
         return StepResult(self._run_step() if self.has_work else [], self.pool.take_events(),
                           self.scheduler.take_reservations())
+
+    def _tier_step(self) -> StepResult:
+        io, sched = self.tier_io, self.scheduler
+        io.poll()                               # copies that landed: blocks unpinned, requests requeued
+        outputs = []
+        if self.has_work:
+            if not (sched.waiting or sched.running or self._in_flight):
+                time.sleep(5e-4)                # only tier work under way: do not spin the core
+            t0 = time.perf_counter()
+            outputs = self._run_step()
+            self._measure_prefill(time.perf_counter() - t0)
+        else:
+            self.tiers.poll()                   # idle: finish disk write-backs
+        return StepResult(outputs, self.pool.take_events() + self.tiers.take_events(), sched.take_reservations())
+
+    def _measure_prefill(self, seconds: float) -> None:
+        plan = self._last_plan
+        if plan is not None:
+            speed = self._prefill_meter.observe(sum(r.num_tokens for r in plan.rows), seconds)
+            if speed is not None:
+                self.scheduler.prefill_speed = speed
 
     def _run_step(self) -> list[RequestOutput]:
         sched = self.scheduler
         plan = sched.schedule()
+        if self.tier_io is not None:
+            self._last_plan = plan
+            if plan.copies:
+                self.tier_io.start(plan)        # before the forward pass that reads onboarded blocks
         if not self.async_scheduling:
             if not plan:
                 return []
@@ -142,13 +180,22 @@ class Engine:
         s = self.scheduler
         to_prefill = sum(r.num_tokens for r in s.waiting) + sum(
             r.num_tokens - r.num_computed_tokens - 1 for r in s.running if r.num_computed_tokens < r.num_tokens - 1)
+        io = self.tier_io
         return EngineStats(self.pool.num_blocks, self.pool.num_free, len(s.running), len(s.waiting),
                            s.num_preemptions, s.num_prompt_tokens, s.num_prefix_hit_tokens, to_prefill,
-                           len(s.awaiting_kv), len(s.held))
+                           len(s.awaiting_kv), len(s.held), s.num_gpu_hit_blocks,
+                           io.tiers.stats() if io is not None else None, io.copy_errors if io is not None else 0,
+                           len(s.onboarding))
 
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work or self._in_flight is not None
+
+    def close(self) -> None:
+        """Stop the KV tiers' disk thread and close their files (the index stays for a restart)."""
+        if self.tier_io is not None:
+            self.tiers.close()
+            self.tier_io = self.scheduler.tiers = None
 
 
 def _mock_runner(cfg: EngineConfig):
@@ -209,6 +256,8 @@ class EngineLoop:
         self._stop.set()
         self._inbox.put(Wake())
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.engine.close()
 
     def _drain(self, block: bool) -> None:
         try:

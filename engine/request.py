@@ -42,6 +42,8 @@ class Request:
     hold_blocks: bool = False           # prefill side: keep the blocks after finishing, until released
     num_pending: int = 0                # trailing PENDING_TOKENs in token_ids (0..2)
     key: int = 0                        # unique per admission, in the process (set by Scheduler.add)
+    tier_checked: bool = False          # KV tiers: this admission looked below G1 already
+    tier_ready: bool = False            # KV tiers: onboarded blocks are in block_ids; admit as they are
 
     @staticmethod
     def new(request_id: str, prompt: list[int], sampling: SamplingParams,

@@ -26,8 +26,10 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvstore.block_pool import BlockPool, NoFreeBlocks
+from kvstore.events import Tier
 from kvstore.hashing import hash_block
-from engine.plan import PENDING_TOKEN, PlanRow, StepPlan
+from kvstore.tier_policy import PrefillSpeed
+from engine.plan import PENDING_TOKEN, BlockCopy, PlanRow, StepPlan
 from engine.request import Request, RequestStatus
 from runtime.types import FinishReason, KvReservation, RequestOutput
 
@@ -54,9 +56,17 @@ _FINISH_STATUS = {FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
                   FinishReason.ERROR: RequestStatus.FINISHED_ERROR}
 
 
+@dataclass(slots=True)
+class _Onboard:
+    """A request's G2/G3 hit on its way into G1 (KV tiers): the request waits here, out of the queue."""
+    request: Request
+    ob: object                       # kvstore.tiers.Onboarding
+    blocks: list[int] | None = None  # G1 blocks the copy writes, once allocated
+
+
 class Scheduler:
     def __init__(self, pool: BlockPool, block_size: int, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, eos_token_ids: tuple[int, ...] = ()) -> None:
+                 max_num_batched_tokens: int, eos_token_ids: tuple[int, ...] = (), tiers=None) -> None:
         self.pool = pool
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -76,6 +86,14 @@ class Scheduler:
         self._steps: dict[int, list[ScheduledChunk]] = {}   # plans scheduled and not yet updated
         self._next_step = 0
         self._ended: list[int] = []         # keys of requests finished since the last plan with rows
+        # KV tiers (kvstore/tiers.py TierManager; None: off, and none of the below is touched)
+        self.tiers = tiers
+        self.prefill_speed = PrefillSpeed(2e4)      # the engine replaces it with a measured figure
+        self.num_gpu_hit_blocks = 0                 # prompt blocks found in G1 (hits per tier: device)
+        self.onboarding: dict[str, _Onboard] = {}   # waiting for disk reads / G1 room, then copied
+        self._abandoned: list[object] = []          # onboardings of requests gone while disk reads run
+        self._offloads: list[tuple[int, int]] = []  # (G1 block, host slot) to copy in the next plan
+        self._copies: dict[int, tuple[list[tuple[int, int]], list[_Onboard]]] = {}   # by step_id
 
     # ---- intake -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -93,14 +111,21 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or (self.tiers is not None and self.tier_busy))
+
+    @property
+    def tier_busy(self) -> bool:
+        """Onboardings or copies under way (the loop must keep stepping to finish them)."""
+        return bool(self.onboarding or self._offloads or self._copies or self._abandoned)
 
     # ---- scheduling ---------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         """The next step's plan (no rows: nothing to run now)."""
-        chunks = self._schedule_chunks()
         self._next_step += 1
         plan = StepPlan(self._next_step)
+        if self.tiers is not None:
+            self._tier_step(plan)
+        chunks = self._schedule_chunks(plan)
         if not chunks:
             return plan
         self._steps[plan.step_id] = chunks
@@ -112,7 +137,7 @@ class Scheduler:
         plan.finished, self._ended = self._ended, []
         return plan
 
-    def _schedule_chunks(self) -> list[ScheduledChunk]:
+    def _schedule_chunks(self, plan: StepPlan) -> list[ScheduledChunk]:
         budget = self.budget
         chunks: list[ScheduledChunk] = []
         preempted = False
@@ -136,7 +161,10 @@ class Scheduler:
                 continue
             break  # req itself was preempted; everything after it was too
         if not preempted:
-            budget = self._admit(budget, chunks)
+            # loaded prefixes take G1 blocks like admissions do: after the running requests, and
+            # ahead of new admissions (which wait while a loaded prefix waits for room)
+            if self.tiers is None or self._onboard_copies(plan):
+                budget = self._admit(budget, chunks)
         return chunks
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
@@ -144,15 +172,23 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_pending:          # preempted mid-flight: admit once its token is back
                 break
-            self._update_hashes(req)
-            hit = self.pool.lookup(req.block_hashes)
-            # always compute at least the last token, so there are logits to sample from
-            max_hit_blocks = (req.num_tokens - 1) // self.block_size
-            hit = hit[:max_hit_blocks]
-            self.pool.touch(hit)
-            req.block_ids = list(hit)
-            req.num_registered_blocks = len(hit)
-            req.num_computed_tokens = len(hit) * self.block_size
+            if req.tier_ready:           # onboarded: its blocks (G1 hit + loaded) are in block_ids
+                req.tier_ready = False
+            else:
+                self._update_hashes(req)
+                hit = self.pool.lookup(req.block_hashes)
+                # always compute at least the last token, so there are logits to sample from
+                max_hit_blocks = (req.num_tokens - 1) // self.block_size
+                hit = hit[:max_hit_blocks]
+                if self.tiers is not None and not req.tier_checked and self._start_onboard(req, hit, max_hit_blocks):
+                    self.waiting.popleft()   # waits in self.onboarding, like a remote prefill
+                    continue
+                self.pool.touch(hit)
+                req.block_ids = list(hit)
+                req.num_registered_blocks = len(hit)
+                req.num_computed_tokens = len(hit) * self.block_size
+                if req.num_cached_tokens < 0:
+                    self.num_gpu_hit_blocks += len(hit)
             n = 0 if req.remote_prefill else min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._reserve(req, req.num_tokens if req.remote_prefill else req.num_computed_tokens + n):
                 self.pool.free(req.block_ids)
@@ -221,6 +257,7 @@ class Scheduler:
         self.running.remove(req)
         self.pool.free(req.block_ids)
         req.block_ids, req.num_computed_tokens, req.num_registered_blocks = [], 0, 0
+        req.tier_checked = False                 # its blocks may be in a lower tier by its next turn
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -310,6 +347,8 @@ class Scheduler:
         start = req.num_registered_blocks
         parent = req.block_hashes[start - 1] if start else None
         self.pool.register(req.block_ids[start:full], req.block_hashes[start:full], parent)
+        if self.tiers is not None:
+            self._offload(req.block_ids[start:full], req.block_hashes[start:full], parent)
         req.num_registered_blocks = full
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
@@ -318,6 +357,8 @@ class Scheduler:
         req.status = _FINISH_STATUS[reason]
         if req in self.running:
             self.running.remove(req)
+        elif self.tiers is not None and req.request_id in self.onboarding:
+            self._drop_onboard(self.onboarding.pop(req.request_id))
         elif self.awaiting_kv.pop(req.request_id, None) is None:
             try:
                 self.waiting.remove(req)
@@ -333,3 +374,140 @@ class Scheduler:
         req.block_ids = []
         self.requests.pop(req.request_id, None)
         self._ended.append(req.key)
+
+    # ---- KV tiers (kvstore/tiers.py; docs/kv_tiers.md) ----------------------------------------------
+    # Offload is write-through: blocks registered in G1 are copied to G2 by the next plan, their G1
+    # references held until the copy lands. A prompt's hit below G1 is decided (load or recompute) at
+    # admission; a request that loads waits in `onboarding` (disk reads, then G1 room), its copy goes
+    # into a plan, and once it lands the request returns to the head of the queue with the loaded
+    # blocks registered, as if they had been in G1.
+
+    def _offload(self, blocks: list[int], hashes: list[int], parent: int | None) -> None:
+        parents = [parent] + hashes[:-1]
+        for i, slot in self.tiers.reserve_offload(hashes, parents):
+            self.pool.touch([blocks[i]])          # protected from reuse until the copy lands
+            self._offloads.append((blocks[i], slot))
+
+    def _start_onboard(self, req: Request, hit: list[int], max_hit_blocks: int) -> bool:
+        """Decide the prompt's hit below G1; start loading it if that pays. True: the request waits."""
+        tiers, first = self.tiers, len(hit)
+        req.tier_checked = True
+        if req.num_cached_tokens < 0:
+            tiers.record_use(req.block_hashes[:max_hit_blocks])     # disk admission counts uses
+        rest = req.block_hashes[first:max_hit_blocks]
+        if not rest or not tiers.lookup(rest[:1]):
+            return False
+        d = tiers.decide(rest, first, self.prefill_speed)
+        if d.num_load == 0:
+            return False
+        hashes = rest[:d.num_load]
+        ob = tiers.start_onboard(req.request_id, hashes, [req.block_hashes[first - 1] if first else None] + hashes[:-1])
+        if ob.num_ok == 0 and ob.ready:
+            tiers.finish_onboard(ob)
+            return False
+        self.pool.touch(hit)                      # the G1 part of the prefix stays while it waits
+        req.block_ids = list(hit)
+        if req.num_cached_tokens < 0:
+            self.num_gpu_hit_blocks += len(hit)
+        self.onboarding[req.request_id] = _Onboard(req, ob)
+        return True
+
+    def _tier_step(self, plan: StepPlan) -> None:
+        """Disk work applied; offloads queued into the plan."""
+        tiers = self.tiers
+        tiers.poll()
+        if self._abandoned:
+            for ob in [o for o in self._abandoned if o.ready]:
+                tiers.finish_onboard(ob)
+                self._abandoned.remove(ob)
+        offloads, self._offloads = self._offloads, []
+        if offloads:
+            plan.copies[:0] = [BlockCopy(Tier.GPU, b, Tier.HOST, s) for b, s in offloads]
+            self._copies[plan.step_id] = (offloads, [])
+
+    def _onboard_copies(self, plan: StepPlan) -> bool:
+        """Ready onboardings get G1 blocks and their copies go into the plan. False: one waits for
+        G1 room (so new admissions wait too)."""
+        tiers, started, room = self.tiers, [], True
+        for rid, o in list(self.onboarding.items()):
+            ob = o.ob
+            if not ob.ready:
+                continue
+            if ob.num_ok == 0:               # every read failed its checksum: recompute
+                del self.onboarding[rid]
+                tiers.finish_onboard(ob)
+                self._requeue(o.request)
+                continue
+            if not room or len(self.running) >= self.max_num_seqs:
+                room = False
+                continue
+            try:
+                o.blocks = self.pool.allocate(ob.num_ok)
+            except NoFreeBlocks:
+                if not self.running and not self._copies:   # nothing will free blocks: recompute
+                    del self.onboarding[rid]
+                    tiers.finish_onboard(ob)
+                    self._requeue(o.request)
+                else:
+                    room = False
+                continue
+            del self.onboarding[rid]
+            started.append(o)
+            c = tiers.onboard_copy(ob, o.blocks)
+            plan.copies.extend(BlockCopy(Tier.HOST, s, Tier.GPU, b) for b, s in zip(c.g1_blocks, c.g2_slots))
+        if started:
+            offloads = self._copies.get(plan.step_id, ([], []))[0]
+            self._copies[plan.step_id] = (offloads, started)
+        return room
+
+    def copies_landed(self, step_id: int, offload: bool, ok: bool = True, seconds: float = 0.0) -> None:
+        """The engine's report that a plan's offload or onboard copies landed (or failed)."""
+        entry = self._copies.get(step_id)
+        if entry is None:
+            return
+        offloads, started = entry
+        tiers = self.tiers
+        if offload:
+            if offloads:
+                tiers.offload_landed([s for _, s in offloads], ok, seconds)
+                self.pool.free([b for b, _ in offloads])
+            entry = ([], started)
+        else:
+            for o in started:
+                req, ob = o.request, o.ob
+                if ok:   # the blocks hold the prefix's KV: cached in G1 whatever the request does now
+                    tiers.onboard_landed(ob, seconds)
+                    self.pool.register(o.blocks, ob.hashes, ob.parents[0])
+                tiers.finish_onboard(ob)
+                if req.finished:
+                    self.pool.free(o.blocks)
+                    continue
+                if ok:
+                    req.block_ids = req.block_ids + o.blocks
+                    req.num_registered_blocks = len(req.block_ids)
+                    req.num_computed_tokens = len(req.block_ids) * self.block_size
+                    req.tier_ready = True
+                    req.status = RequestStatus.WAITING
+                    self.waiting.appendleft(req)
+                else:
+                    self.pool.free(o.blocks)
+                    self._requeue(req)
+            entry = (offloads, [])
+        if entry[0] or entry[1]:
+            self._copies[step_id] = entry
+        else:
+            del self._copies[step_id]
+
+    def _requeue(self, req: Request) -> None:
+        """Back to the head of the queue without its lower-tier hit (recomputed from G1's hit)."""
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        req.tier_checked = True
+        self.waiting.appendleft(req)
+
+    def _drop_onboard(self, o: _Onboard) -> None:
+        """The request ended while its blocks were being read."""
+        if o.ob.ready:
+            self.tiers.finish_onboard(o.ob)
+        else:
+            self._abandoned.append(o.ob)

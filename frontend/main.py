@@ -59,7 +59,8 @@ async def serve_frontend(cfg: FrontendConfig) -> None:
     metrics = FrontendMetrics()
     redis = aioredis.Redis.from_url(cfg.redis.url)
     fingerprint = model_fingerprint(cfg.model)
-    router = FrontendRouter(cfg.router_policy, approximate=cfg.router_approximate)
+    router = FrontendRouter(cfg.router_policy, approximate=cfg.router_approximate,
+                            lower_tier_weight=cfg.router_lower_tier_weight)
     pool = WorkerPool(redis, cfg.redis.namespace, router, Admission(fingerprint, cfg.block_size),
                       lease_ttl_s=cfg.redis.lease_ttl_s)
     await pool.start()

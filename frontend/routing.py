@@ -26,8 +26,11 @@ ROLES = {"aggregated": WorkerRole.AGGREGATED, "decode": WorkerRole.DECODE, "pref
 
 
 class FrontendRouter:
-    def __init__(self, policy: str, approximate: bool = False, seed: int = 0) -> None:
-        self._config, self._seed = RouterConfig(policy=RoutingPolicy(policy), approximate=approximate), seed
+    def __init__(self, policy: str, approximate: bool = False, seed: int = 0, lower_tier_weight: float = 0.0) -> None:
+        # KV tiers: events carry their tier; blocks only in host RAM or on disk count lower_tier_weight
+        self._config = RouterConfig(policy=RoutingPolicy(policy), approximate=approximate,
+                                    lower_tier_weight=lower_tier_weight)
+        self._seed = seed
         self.router: Router | None = None      # made by the first add_worker, with its block size
         self._stubs: dict[str, object] = {}
         self._tasks: list[asyncio.Task] = []

@@ -10,6 +10,11 @@ Does not know: who the peers are or how metadata reaches them (the caller carrie
 bytes of ``metadata()`` over gRPC), which blocks are free (the block pool), what a notification
 means (the worker protocol), or anything about requests.
 
+Inside one worker, KV moves between its tiers through two siblings of this module, the same door:
+host_copy.py (device pool <-> pinned host RAM: CUDA copies on a side stream, or NIXL UCX as a
+loopback transfer of one agent) and file_io.py (host RAM <-> the disk tier's slab files: NIXL's
+POSIX backend). kvstore/tiers.py says when they run; docs/kv_tiers.md has their measurements.
+
 Layout (fixed by the engine): ``kv_cache[num_layers, num_blocks, 2, block_size, kv_heads, head_dim]``,
 so (layer l, block b) is one contiguous chunk of ``block_bytes`` at ``(l*num_blocks + b)*block_bytes``.
 

@@ -12,7 +12,7 @@ from prefill_worker.service import PrefillService
 from proto.splitserve.v1 import worker_pb2_grpc
 from runtime.config import WorkerConfig
 from runtime.process import process_age_s
-from runtime.worker_host import StatusService, WorkerHost, make_worker_id
+from runtime.worker_host import StatusService, WorkerHost, make_worker_id, worker_engine_config
 
 
 async def serve_prefill_worker(cfg: WorkerConfig) -> None:
@@ -31,7 +31,7 @@ async def serve_prefill_worker(cfg: WorkerConfig) -> None:
     try:
         # a prefill worker computes prompts and their first token, never a decode step: decode CUDA
         # graphs would cost start-up time and memory for nothing
-        engine = await asyncio.to_thread(Engine, dataclasses.replace(cfg.engine, cuda_graphs=False))
+        engine = await asyncio.to_thread(Engine, dataclasses.replace(worker_engine_config(cfg), cuda_graphs=False))
     except BaseException:
         await host.close()
         raise

@@ -57,6 +57,18 @@ class EngineConfig:
     load_format: str = arg("auto", "auto: safetensors; dummy: random weights from config.json "
                            "(benchmarks without a checkpoint)", choices=("auto", "dummy"))
     seed: int = arg(0, "seed of dummy weights and of sampling without a request seed")
+    kv_host_gib: float = arg(0.0, "KV tier G2: host RAM for KV blocks that leave the GPU pool, GiB "
+                             "(pinned with CUDA); 0: no lower tiers (docs/kv_tiers.md)")
+    kv_disk_gib: float = arg(0.0, "KV tier G3: local disk for KV blocks, GiB, under --kv-disk-dir "
+                             "(needs --kv-host-gib); kept across restarts, checksummed per block")
+    kv_disk_dir: str | None = arg(None, "directory of the disk tier (must exist and be writable; `serve` "
+                                  "gives each worker its own subdirectory ROLE-INDEX)")
+    kv_onboard: str = arg("auto", "load a prefix hit from host or disk: auto (only when predicted faster "
+                          "than recomputing it, from measured tier bandwidth and prefill speed) or always",
+                          choices=("auto", "always"))
+    kv_host_copy: str = arg("auto", "mover between GPU and host tiers: auto (probe both at start-up, keep "
+                            "the faster), torch (CUDA copies on a side stream) or nixl",
+                            choices=("auto", "torch", "nixl"))
     mock: bool = arg(False, "run no model: sleep per step by a timing model (engine/mock_runner.py)")
     mock_profile: str | None = arg(None, "JSON timing profile for --mock; none: the H100 8B curve")
 
@@ -111,6 +123,8 @@ class FrontendConfig:
     router_policy: str = arg("kv", "how a request's worker is chosen",
                              choices=("kv", "round_robin", "random", "least_loaded"))
     router_approximate: bool = arg(False, "build the prefix index from routing decisions instead of KV events")
+    router_lower_tier_weight: float = arg(0.5, "a prompt block a worker holds only in host RAM or on disk "
+                                          "(KV tiers) counts this fraction of a GPU hit (0: only GPU hits count)")
     block_size: int | None = arg(None, "tokens per KV block; none: learned from the first worker "
                                  "(workers that disagree are refused either way)")
     remote_prefill_min_tokens: int = arg(128, "send a prompt to a prefill worker only with more uncached "

@@ -49,8 +49,52 @@ class WorkerMetrics:
         self.kv_transfer_s = Histogram("splitserve_kv_transfer_seconds", "Duration of one KV push (NIXL WRITE)",
                                        labels, registry=r, buckets=(1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1, 3))
 
+        # KV hits per tier (blocks) and the tiers below G1 (docs/kv_tiers.md); counters follow the
+        # engine's running totals
+        self.kv_hits = Counter("splitserve_kv_hits", "Prompt blocks served from a KV tier instead of computed "
+                               "(device: the GPU prefix cache; host, disk: loaded from the lower tiers)",
+                               labels + ["tier"], registry=r)
+        self.kv_tier_recomputed = Counter("splitserve_kv_tier_recomputed", "Prompt blocks found in host or disk "
+                                          "but recomputed (predicted faster than loading)", labels + ["tier"],
+                                          registry=r)
+        self.kv_tier_blocks = Gauge("splitserve_kv_tier_blocks", "KV blocks held per lower tier", labels + ["tier"],
+                                    registry=r)
+        self.kv_tier_capacity = Gauge("splitserve_kv_tier_capacity_blocks", "KV blocks a lower tier can hold",
+                                      labels + ["tier"], registry=r)
+        self.kv_tier_bytes = Counter("splitserve_kv_tier_bytes", "KV bytes moved between tiers, per path "
+                                     "(g1_to_g2 offload, g2_to_g1 onboard, g2_to_g3 disk write, g3_to_g2 disk read)",
+                                     labels + ["path"], registry=r)
+        self.kv_tier_seconds = Counter("splitserve_kv_tier_seconds", "Seconds spent moving KV between tiers, "
+                                       "per path", labels + ["path"], registry=r)
+        self.kv_tier_errors = Counter("splitserve_kv_tier_errors", "KV tier failures by reason (damaged or "
+                                      "truncated blocks, disk full, I/O errors, failed copies)",
+                                      labels + ["reason"], registry=r)
+        self._seen: dict[tuple, float] = {}
+
+    def _advance(self, counter: Counter, key: tuple, total: float) -> None:
+        """Move a counter up to an engine running total (sampled: inc by the difference)."""
+        delta = total - self._seen.get((counter, key), 0)
+        if delta > 0:
+            counter.labels(*key).inc(delta)
+            self._seen[(counter, key)] = total
+
     def observe(self, stats) -> None:
         w = self.worker_id
+        self._advance(self.kv_hits, (w, "device"), getattr(stats, "num_gpu_hit_blocks", 0))
+        t = getattr(stats, "tiers", None)
+        if t is not None:
+            for tier, name in ((2, "host"), (3, "disk")):
+                if tier in t.capacity_blocks:
+                    self._advance(self.kv_hits, (w, name), t.loaded_blocks.get(tier, 0))
+                    self._advance(self.kv_tier_recomputed, (w, name), t.recomputed_blocks.get(tier, 0))
+                    self.kv_tier_blocks.labels(w, name).set(t.blocks[tier])
+                    self.kv_tier_capacity.labels(w, name).set(t.capacity_blocks[tier])
+            for path, nbytes in t.path_bytes.items():
+                self._advance(self.kv_tier_bytes, (w, path.value), nbytes)
+                self._advance(self.kv_tier_seconds, (w, path.value), t.path_seconds[path])
+            for reason, n in t.errors.items():
+                self._advance(self.kv_tier_errors, (w, getattr(reason, "value", str(reason))), n)
+            self._advance(self.kv_tier_errors, (w, "copy_failed"), getattr(stats, "tier_copy_errors", 0))
         self.blocks_free.labels(w).set(stats.num_free_blocks)
         self.blocks_used.labels(w).set(stats.num_total_blocks - stats.num_free_blocks)
         self.running.labels(w).set(stats.num_running)

@@ -191,6 +191,25 @@ class ProfileTiming:
 
 
 @dataclass(frozen=True, slots=True)
+class TierTiming:
+    """The mock engine's KV tiers: bytes per token of KV and the G1 <-> G2 copy rate (H100 8B bf16:
+    128 KiB per token, the 55 GB/s pinned-copy ceiling), from a profile's optional "tiers" key:
+    {"tiers": {"kv_bytes_per_token": 131072, "host_gbps": 55}}."""
+    kv_bytes_per_token: int = 131072
+    host_gbps: float = 55.0
+
+
+def load_tier_timing(path: str | Path | None) -> TierTiming:
+    if path is None:
+        return TierTiming()
+    try:
+        spec = json.loads(Path(path).read_text()).get("tiers", {})
+        return TierTiming(int(spec.get("kv_bytes_per_token", 131072)), float(spec.get("host_gbps", 55.0)))
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"mock profile {path}: bad tiers ({e!r})") from None
+
+
+@dataclass(frozen=True, slots=True)
 class Profile:
     """One worker's performance: step timing plus the capacities a planner sizes pools with.
 

@@ -17,8 +17,10 @@ leaves (the lease is deleted: stopped). A second SIGTERM stops at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
+import os
 import signal
 import socket
 import time
@@ -93,6 +95,19 @@ def _this_machine() -> str:
 
 def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def worker_engine_config(cfg: WorkerConfig):
+    """The engine config a worker runs: with a disk KV tier and a --worker-id, the tier lives in the
+    subdirectory of --kv-disk-dir named after the worker id (created), so workers sharing a
+    directory (`serve` names them ROLE-INDEX) never share a tier, and a restarted one finds its own."""
+    e = cfg.engine
+    if not (e.kv_disk_dir and cfg.worker_id):
+        return e
+    sub = os.path.join(e.kv_disk_dir, cfg.worker_id)
+    if os.path.isdir(e.kv_disk_dir):          # a missing parent stays the tier's start-up error
+        os.makedirs(sub, exist_ok=True)
+    return dataclasses.replace(e, kv_disk_dir=sub)
 
 
 def make_worker_id(cfg: WorkerConfig) -> str:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command on the GPU machine, from the repository root there:
-#   bench/device/run.sh [jit] [pytest] [bench] [bench_cc] [kernels] [correctness] [serve] [gemv] [compare] [startup] [profile] ...
+#   bench/device/run.sh [jit] [pytest] [bench] [bench_cc] [kernels] [correctness] [serve] [gemv] [compare] [startup] [profile] [tiers] [tiers_engine] ...
 # (jit: FlashInfer's JIT modules built in the background, all at once, for the stages after it;
 #  bench: the engine's defaults; bench_cc: the same with the CUDA-core decode kernel, to compare)
 # Installs the wheels from $WHL_DIRS (default: .whl .whl_web, carried beside the tree) into .site once,
@@ -64,6 +64,19 @@ for stage in "$@"; do
                ${PROFILE_ARGS:---prefill-tokens 128,512,1024,2048,4096,8192,16384,32768 --cached-fractions 0,0.5,0.9 --decode-batches 1,8,32,64,128,256 --decode-contexts 512,2048,8192,32768 --steps 16 --repeats 3} \
                2>&1 | tee "$OUT/profile.log" | grep -v Warning | tail -20 ;;
     gemv) timeout "$(left 0 120)" python3 bench/device/gemv_layouts.py --out "$OUT/gemv_layouts.jsonl" 2>&1 | grep -v Warning ;;
+    tiers) # KV tiers: GPU tests of the G1<->G2 movers, then bench/kv_tiers_bench.py on the machine's disk
+           # (needs only nixl and xxhash: WHL_DIRS=.whl_nixl with those wheels is enough)
+           timeout "$(left 0 240)" python3 -m pytest tests/gpu/test_kv_tiers_gpu.py tests/gpu/test_kv_tiers_engine_gpu.py \
+             -q -p no:cacheprovider --tb=short \
+             2>&1 | tee "$OUT/pytest_kv_tiers.log" | tail -15
+           timeout "$(left 0 "${T_TIERS:-300}")" python3 bench/kv_tiers_bench.py --device cuda --dir "${TIERS_DIR:-/tmp/kvtiers}" \
+             ${TIERS_ARGS:---shape 8b --blocks 1,4,16,64,256 --disk-mib 1024} > "$OUT/kv_tiers.jsonl" 2> "$OUT/kv_tiers.log"
+           cat "$OUT/kv_tiers.log" ;;
+    tiers_engine) # KV tiers in the engine (8B, random weights): TTFT recompute/G2/G3/auto 1k..32k on bf16 and
+           # fp8 KV, decode ITL tiers off/on, a multi-turn replay beyond G1 tiers off/on (docs/kv_tiers.md)
+           timeout "$(left 0 "${T_TIERS_ENGINE:-480}")" python3 bench/device/kv_tiers_engine.py \
+             --out "$OUT/kv_tiers_engine.jsonl" --dir "${TIERS_DIR:-/tmp/kvtiers}-engine" ${TIERS_ENGINE_ARGS:-} \
+             2>&1 | grep -v "NIXL\|Warning" | tee "$OUT/kv_tiers_engine.log" | tail -30 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

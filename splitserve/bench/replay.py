@@ -64,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mock-profile", default=None, help="JSON timing profile (default: H100 8B curve)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker (default: H100 8B)")
     p.add_argument("--max-model-len", type=int, default=131072)
+    p.add_argument("--kv-host-gib", type=float, default=0.0,
+                   help="each mock worker's modelled host KV tier (docs/kv_tiers.md); 0: none")
+    p.add_argument("--lower-tier-weight", type=float, default=0.5,
+                   help="the router's weight of a block held only in a lower tier (0: tier-unaware)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--vocab-size", type=int, default=4000, help="prompt ids are drawn below this")
     # shared-prefix workload
@@ -144,6 +148,9 @@ def serve_argv(args: argparse.Namespace, policy: str, redis_url: str, namespace:
         argv += ["--mock-profile", args.mock_profile]
     if args.num_blocks:
         argv += ["--num-blocks", str(args.num_blocks)]
+    if args.kv_host_gib:
+        argv += ["--kv-host-gib", str(args.kv_host_gib)]
+    argv += ["--router-lower-tier-weight", str(args.lower_tier_weight)]
     return argv
 
 
@@ -260,6 +267,7 @@ def main(args: argparse.Namespace) -> int:
               f"({os.cpu_count()} CPUs, {platform.machine()})", "label": args.label,
               "workers": args.workers, "block_size": args.block_size, "seed": args.seed,
               "mock_profile": args.mock_profile or "h100-8b-curve", "num_blocks": args.num_blocks,
+              "kv_host_gib": args.kv_host_gib, "lower_tier_weight": args.lower_tier_weight,
               "max_num_batched_tokens": args.max_num_batched_tokens, **workload,
               "offered_prefill_util": offered_prefill_util(specs, args)}
     records, ttfts = [], {}

@@ -1,0 +1,251 @@
+"""The engine's side of the KV tiers: building the tier manager from the config, running a plan's
+block copies with the mover the start-up probe picked, and telling the scheduler when they land.
+
+The scheduler (engine/scheduler.py) decides what moves (write-through offload of registered
+blocks, onboarding of prefix hits below G1) and puts it in `StepPlan.copies`; this module executes
+those copies before the step's forward pass and polls them without blocking. Everything tier-side
+that needs no device is in kvstore/tiers.py. Off (`--kv-host-gib 0`) none of this is built and the
+step loop pays one `is None` test per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from kvstore.block_format import BlockFormat
+from kvstore.disk_pool import DiskConfig
+from kvstore.events import Tier
+from kvstore.host_copy import CopyDirection, CopyHandle, HostCopyError, choose
+from kvstore.tier_policy import OnboardMode, PathRate, PrefillSpeed, TierPath
+from kvstore.tiers import TierConfig, TierManager
+from engine.plan import StepPlan
+from runtime.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+PROBE_BLOCKS = 16                 # G1 <-> G2 probe at start-up (per mover, both directions)
+
+
+class TierConfigError(ValueError):
+    """The tier flags do not make a usable configuration (a start-up error)."""
+
+
+def model_identity(cfg: EngineConfig) -> str:
+    """What a disk directory is written for: the model directory, its config.json's digest, and for
+    random weights their seed (two dummy models of one architecture hold different KV)."""
+    path = os.path.realpath(cfg.model)
+    digest = ""
+    try:
+        with open(os.path.join(path, "config.json"), "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    except OSError:
+        pass
+    ident = {"model": path, "config": digest, "load_format": cfg.load_format}
+    if cfg.load_format == "dummy":
+        ident["seed"] = cfg.seed
+    return json.dumps(ident, sort_keys=True)
+
+
+def tier_config(cfg: EngineConfig, pin_memory: bool) -> TierConfig:
+    if cfg.kv_host_gib < 0 or cfg.kv_disk_gib < 0:
+        raise TierConfigError("--kv-host-gib and --kv-disk-gib must not be negative")
+    if cfg.kv_disk_gib > 0 and not cfg.kv_disk_dir:
+        raise TierConfigError("--kv-disk-gib needs --kv-disk-dir")
+    if cfg.kv_disk_dir and cfg.kv_disk_gib <= 0:
+        raise TierConfigError("--kv-disk-dir needs --kv-disk-gib")
+    if cfg.kv_disk_gib > 0 and cfg.kv_host_gib <= 0:
+        raise TierConfigError("the disk tier needs the host tier: set --kv-host-gib")
+    disk = DiskConfig(cfg.kv_disk_dir, int(cfg.kv_disk_gib * GIB)) if cfg.kv_disk_gib > 0 else None
+    return TierConfig(int(cfg.kv_host_gib * GIB), disk, OnboardMode(cfg.kv_onboard), pin_memory=pin_memory)
+
+
+@dataclass(slots=True)
+class _Flight:
+    step_id: int
+    offload: bool
+    handle: CopyHandle
+
+
+class TierIO:
+    """Runs a plan's copies with a G1 <-> G2 mover and reports landed ones to the scheduler."""
+
+    def __init__(self, tiers: TierManager, mover, scheduler) -> None:
+        self.tiers, self.mover, self.scheduler = tiers, mover, scheduler
+        self._flight: list[_Flight] = []
+        self.copy_errors = 0
+        self.probe_figures: dict[str, dict[str, float]] = {}    # G1 <-> G2 per mover, GB/s
+
+    def start(self, plan: StepPlan) -> None:
+        """Queue the plan's copies (before its forward pass: an onboard's blocks are read after it)."""
+        off_b, off_s, on_b, on_s = [], [], [], []
+        for c in plan.copies:
+            if c.dst_tier == Tier.HOST:
+                off_b.append(c.src_block)
+                off_s.append(c.dst_block)
+            else:
+                on_s.append(c.src_block)
+                on_b.append(c.dst_block)
+        for offload, blocks, slots in ((True, off_b, off_s), (False, on_b, on_s)):
+            if not blocks:
+                continue
+            try:
+                h = self.mover.offload(blocks, slots) if offload else self.mover.onboard(slots, blocks)
+            except Exception:
+                log.exception("KV tier copy (%s, %d blocks) failed", "offload" if offload else "onboard", len(blocks))
+                self.copy_errors += 1
+                self.scheduler.copies_landed(plan.step_id, offload, ok=False)
+                continue
+            self._flight.append(_Flight(plan.step_id, offload, h))
+
+    def poll(self) -> None:
+        """Report the copies that landed (never waits)."""
+        if not self._flight:
+            return
+        still = []
+        for f in self._flight:
+            try:
+                done, ok = self.mover.done(f.handle), True
+            except HostCopyError:
+                log.exception("KV tier copy failed")
+                self.copy_errors += 1
+                done, ok = True, False
+            if done:
+                self.scheduler.copies_landed(f.step_id, f.offload, ok, f.handle.seconds)
+            else:
+                still.append(f)
+        self._flight = still
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._flight)
+
+
+class PrefillMeter:
+    """The engine's prefill speed, for the load-or-recompute choice: a running mean of the tokens
+    per second of steps that computed at least `min_tokens` (prefill-bound steps)."""
+
+    def __init__(self, initial_tokens_per_s: float, min_tokens: int = 64, alpha: float = 0.2) -> None:
+        self.tokens_per_s = initial_tokens_per_s
+        self.min_tokens, self.alpha = min_tokens, alpha
+        self.samples = 0
+
+    def observe(self, num_tokens: int, seconds: float) -> PrefillSpeed | None:
+        if num_tokens < self.min_tokens or seconds <= 0:
+            return None
+        rate = num_tokens / seconds
+        self.tokens_per_s = rate if self.samples == 0 else (1 - self.alpha) * self.tokens_per_s + self.alpha * rate
+        self.samples += 1
+        return PrefillSpeed(self.tokens_per_s)
+
+
+def build(cfg: EngineConfig, runner, scheduler) -> TierIO:
+    """The tier manager and its mover for a model runner (probes G1 <-> G2 and the disk: start-up)."""
+    if cfg.mock:
+        return _build_mock(cfg, scheduler)
+    tcfg = tier_config(cfg, pin_memory=runner.device.type == "cuda")
+    fmt = BlockFormat.of(runner.kv_cache, model_identity(cfg))
+    tiers = TierManager(fmt, tcfg)
+    try:
+        if tiers.host.num_slots < 1:
+            raise TierConfigError(f"--kv-host-gib {cfg.kv_host_gib} holds no block of {fmt.block_bytes} bytes")
+        mover, figures = _choose_mover(cfg, runner, tiers)
+        t0 = time.perf_counter()
+        rates = tiers.probe_disk(probe_bytes=(64 << 20) if runner.device.type == "cuda" else (8 << 20))
+        if rates is not None:
+            log.info("disk tier probe took %.2f s", time.perf_counter() - t0)
+    except BaseException:
+        tiers.close()
+        raise
+    scheduler.tiers = tiers
+    io = TierIO(tiers, mover, scheduler)
+    io.probe_figures = figures
+    return io
+
+
+class ModelledHostCopy:
+    """The mock engine's G1 <-> G2 mover: moves no bytes; a copy lands when the modelled link
+    (one per direction, copies queued behind each other) would have finished it."""
+    name = "modelled"
+
+    def __init__(self, block_bytes: int, bytes_per_s: float, clock=time.perf_counter) -> None:
+        self.block_s = block_bytes / bytes_per_s
+        self.block_bytes, self._clock = block_bytes, clock
+        self._free_at = {CopyDirection.OFFLOAD: 0.0, CopyDirection.ONBOARD: 0.0}
+
+    def _copy(self, direction, n: int) -> CopyHandle:
+        now = self._clock()
+        h = CopyHandle(direction, n * self.block_bytes, now)
+        end = self._free_at[direction] = max(now, self._free_at[direction]) + n * self.block_s
+        h._pending = end
+        return h
+
+    def offload(self, g1_blocks, g2_slots) -> CopyHandle:
+        return self._copy(CopyDirection.OFFLOAD, len(g1_blocks))
+
+    def onboard(self, g2_slots, g1_blocks) -> CopyHandle:
+        return self._copy(CopyDirection.ONBOARD, len(g1_blocks))
+
+    def done(self, handle: CopyHandle) -> bool:
+        if handle._pending is not None and self._clock() >= handle._pending:
+            handle.finished_s, handle._pending = handle._pending, None
+        return handle._pending is None
+
+    def close(self) -> None:
+        pass
+
+
+MOCK_SLOT_BYTES = 8          # the mock's host tier holds no KV: one word per slot, for the bookkeeping
+
+
+def _build_mock(cfg: EngineConfig, scheduler) -> TierIO:
+    """The mock engine's tiers: the real tier manager (slots, LRU, events, decisions) over a host
+    tier of --kv-host-gib worth of modelled blocks, and a mover timed by the profile. The disk
+    tier is not modelled."""
+    from runtime.profile import load_tier_timing
+    if cfg.kv_disk_gib > 0 or cfg.kv_disk_dir:
+        raise TierConfigError("the mock engine models the host tier only: drop --kv-disk-gib/--kv-disk-dir")
+    tcfg = tier_config(cfg, pin_memory=False)
+    tt = load_tier_timing(cfg.mock_profile)
+    block_bytes = tt.kv_bytes_per_token * cfg.block_size
+    slots = tcfg.host_bytes // block_bytes
+    if slots < 1:
+        raise TierConfigError(f"--kv-host-gib {cfg.kv_host_gib} holds no block of {block_bytes} bytes")
+    fmt = BlockFormat(f"mock:{model_identity(cfg)}", 1, MOCK_SLOT_BYTES, cfg.block_size, "mock")
+    tiers = TierManager(fmt, dataclasses.replace(tcfg, host_bytes=slots * MOCK_SLOT_BYTES))
+    # the cost model sees slot bytes: scale the link's rate so a slot costs a modelled block's time
+    rate = PathRate(tt.host_gbps * 1e9 * MOCK_SLOT_BYTES / block_bytes, 20e-6)
+    tiers.set_rate(TierPath.G1_TO_G2, rate)
+    tiers.set_rate(TierPath.G2_TO_G1, rate)
+    for meter in tiers.meters.values():
+        meter.min_bytes = 1 << 62            # modelled copies: keep the profile's rate
+    scheduler.tiers = tiers
+    io = TierIO(tiers, ModelledHostCopy(block_bytes, tt.host_gbps * 1e9), scheduler)
+    log.info("mock KV host tier: %d modelled blocks of %d bytes at %.0f GB/s", slots, block_bytes, tt.host_gbps)
+    return io
+
+
+def _choose_mover(cfg: EngineConfig, runner, tiers: TierManager):
+    k = max(1, min(PROBE_BLOCKS, runner.num_blocks, tiers.host.slots.num_free))
+    slots = [s for s in (tiers.host.slots.reserve(-1 - i, None) for i in range(k)) if s is not None]
+    blocks = list(range(len(slots)))      # no request holds a block yet
+    kinds = ("torch", "nixl") if cfg.kv_host_copy == "auto" else (cfg.kv_host_copy,)
+    try:
+        mover, seen = choose(runner.kv_cache, tiers.host, blocks, slots, kinds)
+    finally:
+        tiers.host.slots.abort(slots)
+    nbytes = len(slots) * tiers.fmt.block_bytes
+    off_s, on_s = seen[mover.name]
+    tiers.set_rate(TierPath.G1_TO_G2, PathRate(nbytes / max(off_s, 1e-9), 20e-6))
+    tiers.set_rate(TierPath.G2_TO_G1, PathRate(nbytes / max(on_s, 1e-9), 20e-6))
+    figures = {k: {"offload_gbps": round(nbytes / o / 1e9, 3), "onboard_gbps": round(nbytes / i / 1e9, 3)}
+               for k, (o, i) in seen.items()}
+    log.info("KV host tier: %d slots of %d bytes; G1<->G2 mover %s (probe: %s)", tiers.host.num_slots,
+             tiers.fmt.block_bytes, mover.name, figures)
+    return mover, figures

@@ -1,0 +1,56 @@
+"""`splitserve serve` with the KV tiers, stopped and started again on the same --kv-disk-dir: the
+restarted cluster serves a prompt the first one saw from disk (its merged /metrics count disk hits)
+with identical tokens, and a tiny --num-blocks makes the first one offload and onboard."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+
+from .conftest import start_cluster, until
+
+pytestmark = pytest.mark.slow
+
+PROMPT = " ".join(f"word{i}" for i in range(60))      # a few full KV blocks of the tiny model
+
+
+def tiered(tmp_path, disk_dir):
+    return start_cluster(tmp_path, "--model", "tiny", "--prefill-workers", "0", "--num-blocks", "16",
+                         "--kv-host-gib", "0.002", "--kv-disk-gib", "0.02", "--kv-disk-dir", str(disk_dir),
+                         "--kv-onboard", "always", "--kv-host-copy", "torch")
+
+
+def complete(c) -> list[int]:
+    r = httpx.post(f"{c.url}/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 6,
+                                                    "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def metric(c, name: str, tier: str) -> float:
+    text = httpx.get(f"{c.url}/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(rf'^{name}\{{[^}}]*tier="{tier}"[^}}]*\}} (\S+)$', text, re.M))
+
+
+def test_a_restarted_cluster_serves_a_prompt_seen_before_from_disk(tmp_path):
+    disk = tmp_path / "kv"
+    disk.mkdir()
+    c = tiered(tmp_path / "one", disk)
+    try:
+        first = complete(c)
+        assert complete(c) == first                       # a second use: worth a disk write
+        until(lambda: metric(c, "splitserve_kv_tier_blocks", "disk") >= 3, 20, 0.2, "blocks written to disk")
+    finally:
+        assert c.stop() == 0, c.log()[-3000:]
+    assert (disk / "aggregated-0" / "index.sqlite").exists()         # the worker's own subdirectory
+
+    c = tiered(tmp_path / "two", disk)
+    try:
+        assert complete(c) == first
+        until(lambda: metric(c, "splitserve_kv_hits_total", "disk") >= 3, 10, 0.2, "disk hits in /metrics")
+        assert metric(c, "splitserve_kv_hits_total", "device") == 0
+    finally:
+        assert c.stop() == 0, c.log()[-3000:]
+    assert "Traceback" not in c.log(), c.log()[-3000:]

@@ -1,0 +1,208 @@
+"""The KV tiers in a real engine on the CPU (the tiny model, a tiny G1 that forces offload): outputs
+are token-identical to an unconstrained run while prefixes come back from host RAM and from disk;
+a new engine on the same --kv-disk-dir serves a prompt seen before from disk; flipped bytes and a
+truncated slab turn the damaged blocks into counted misses and the outputs stay correct."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from engine.engine import Engine
+from engine.kv_tiers import TierConfigError
+from kvstore.disk_pool import DiskError
+from kvstore.events import Tier
+from runtime.config import EngineConfig
+from runtime.metrics import WorkerMetrics
+from runtime.types import EngineRequest, SamplingParams
+from splitserve.models import resolve_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    return resolve_model("tiny")
+
+
+@pytest.fixture(scope="module")
+def block_bytes(model):
+    return Engine(EngineConfig(model=model, device="cpu", num_blocks=4)).runner.block_bytes
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    """n prompts of 3 full blocks and 4 tokens (4 blocks with their 3 outputs)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 200) for _ in range(3 * BLOCK + 4)] for _ in range(n)]
+
+
+def tiered(model, block_bytes, disk_dir, g1=8, host=10, disk=64, onboard="always") -> Engine:
+    return Engine(EngineConfig(model=model, device="cpu", num_blocks=g1, kv_host_gib=host * block_bytes / 2**30,
+                               kv_disk_gib=disk * block_bytes / 2**30, kv_disk_dir=str(disk_dir),
+                               kv_onboard=onboard, kv_host_copy="torch"))
+
+
+def run(eng: Engine, seq: list[list[int]], tag: str) -> list[list[int]]:
+    """One request at a time, to completion, disk write-back drained after each (deterministic)."""
+    out: dict[str, list[int]] = {}
+    for i, p in enumerate(seq):
+        assert eng.add_request(EngineRequest(f"{tag}{i}", p, GREEDY)) is None
+        while eng.has_work:
+            for o in eng.step().outputs:
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if eng.tier_io is not None:
+            eng.tiers.drain()
+    return [out[f"{tag}{i}"] for i in range(len(seq))]
+
+
+def reference(model, seq):
+    return run(Engine(EngineConfig(model=model, device="cpu", num_blocks=256)), seq, "ref")
+
+
+def test_a_tiny_gpu_pool_serves_host_and_disk_hits_with_identical_tokens(model, block_bytes, tmp_path):
+    a, b, f1, f2 = prompts(4, seed=1)
+    # A twice (a second use: worth a disk write), B, two fillers (A and B leave G1; A leaves host
+    # RAM, B stays), then B (a host hit) and A (a disk hit)
+    seq = [a, a, b, f1, f2, b, a]
+    eng = tiered(model, block_bytes, tmp_path)
+    try:
+        got = run(eng, seq, "t")
+        st = eng.stats()
+        m = WorkerMetrics("w")
+        m.observe(st)
+        hits = {s.labels["tier"]: s.value for s in m.registry.collect() if s.name == "splitserve_kv_hits"
+                for s in s.samples if s.name.endswith("_total")}
+        assert hits["device"] == 3                               # A's second use
+        # B's third use: 3 host hits; A's third: 3 blocks from disk and host RAM (blocks saved on
+        # disk leave host RAM first, so part of A may still be there: each block from its fastest tier)
+        assert hits["host"] + hits["disk"] == 6 and hits["host"] >= 3 and hits["disk"] >= 1
+        assert st.tiers.errors.get(DiskError.CHECKSUM, 0) == 0
+        assert eng.pool.num_free == eng.pool.num_blocks          # every offload landed and let go
+    finally:
+        eng.close()
+    assert got == reference(model, seq)
+
+
+def test_a_new_engine_on_the_same_disk_dir_serves_from_disk_and_damage_is_a_counted_miss(model, block_bytes,
+                                                                                         tmp_path):
+    a, = prompts(1, seed=2)
+    want = reference(model, [a])[0]
+    eng = tiered(model, block_bytes, tmp_path, host=4)
+    try:
+        assert run(eng, [a, a], "w") == [want, want]
+        assert eng.tiers.stats().blocks[Tier.DISK] == 3
+    finally:
+        eng.close()
+
+    eng = tiered(model, block_bytes, tmp_path, host=4)          # a restart: G1 and host RAM are empty
+    try:
+        assert run(eng, [a], "r") == [want]
+        assert eng.stats().tiers.loaded_blocks[Tier.DISK] == 3
+    finally:
+        eng.close()
+
+    slab = tmp_path / "slab-000000.kv"
+    with open(slab, "r+b") as f:                                 # bit rot in every block
+        for off in range(0, os.path.getsize(slab), block_bytes):
+            f.seek(off + 100)
+            byte = f.read(1)
+            f.seek(off + 100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    eng = tiered(model, block_bytes, tmp_path, host=4)
+    try:
+        assert run(eng, [a], "c") == [want]                      # recomputed, not served damaged
+        st = eng.stats().tiers
+        assert st.errors[DiskError.CHECKSUM] >= 1 and st.blocks[Tier.DISK] < 3
+        run(eng, [a], "c2")                                      # written again: intact on disk
+        assert eng.stats().tiers.blocks[Tier.DISK] == 3
+    finally:
+        eng.close()
+
+    os.truncate(slab, block_bytes // 2)                          # a torn file: every block cut off
+    eng = tiered(model, block_bytes, tmp_path, host=4)
+    try:
+        assert run(eng, [a], "t") == [want]
+        st = eng.stats().tiers
+        assert st.loaded_blocks[Tier.DISK] == 0 or st.errors.get(DiskError.TRUNCATED, 0) >= 1
+    finally:
+        eng.close()
+
+
+def test_auto_recomputes_a_hit_that_loads_slower_and_counts_both_choices(model, block_bytes, tmp_path):
+    a, f1, f2 = prompts(3, seed=3)
+    eng = tiered(model, block_bytes, tmp_path, host=10, onboard="auto")
+    try:
+        from kvstore.tier_policy import PrefillSpeed
+        eng.scheduler.prefill_speed = PrefillSpeed(1e12)        # recomputing is free: never load
+        eng._prefill_meter.observe = lambda *a: None             # keep it so
+        got = run(eng, [a, f1, f2, a], "x")
+        st = eng.stats().tiers
+        assert st.loaded_blocks[Tier.HOST] == 0 and st.recomputed_blocks[Tier.HOST] == 3
+    finally:
+        eng.close()
+    assert got == reference(model, [a, f1, f2, a])
+
+
+def test_bad_tier_flags_are_start_up_errors(model, tmp_path):
+    for kw, match in (({"kv_disk_gib": 1.0}, "needs --kv-disk-dir"),
+                      ({"kv_disk_dir": str(tmp_path)}, "needs --kv-disk-gib"),
+                      ({"kv_disk_gib": 1.0, "kv_disk_dir": str(tmp_path)}, "needs the host tier")):
+        with pytest.raises(TierConfigError, match=match):
+            Engine(EngineConfig(model=model, device="cpu", num_blocks=8, **kw))
+    with pytest.raises(Exception, match="(?i)not exist|no such|missing"):
+        Engine(EngineConfig(model=model, device="cpu", num_blocks=8, kv_host_gib=0.001, kv_disk_gib=0.01,
+                            kv_disk_dir=str(tmp_path / "nowhere")))
+
+
+def test_a_request_aborted_while_its_blocks_load_releases_everything(model, block_bytes, tmp_path):
+    from engine.request import Request
+    a, = prompts(1, seed=4)
+    want = reference(model, [a])[0]
+    eng = tiered(model, block_bytes, tmp_path, host=8)
+    try:
+        run(eng, [a, a], "w")
+        req = Request.new("h", a, GREEDY)
+        eng.scheduler._update_hashes(req)
+        host = eng.tiers.host.slots
+        host.drop([s for s in (host.find(h) for h in req.block_hashes) if s is not None])   # on disk only
+        eng.pool.reset_cache()
+        for phase in range(3):          # aborted: while reading, once ready, after its copy started
+            eng.add_request(EngineRequest(f"x{phase}", a, GREEDY))
+            for _ in range(phase):
+                eng.step()
+            eng.abort_request(f"x{phase}")
+            while eng.has_work:
+                eng.step()
+            eng.tiers.drain()
+            assert not eng.scheduler.onboarding and not eng.scheduler.tier_busy
+            assert eng.pool.num_free == eng.pool.num_blocks
+            eng.pool.check_invariants()
+            eng.tiers.host.slots.check_invariants()
+            assert all(host.pins(s) == 0 for s in range(host.num_usable))
+            eng.pool.reset_cache()
+        assert run(eng, [a], "y") == [want]
+    finally:
+        eng.close()
+
+
+def test_the_mock_engine_models_the_host_tier(model):
+    """--mock with --kv-host-gib: real tier bookkeeping (hits, events), copies timed by the profile."""
+    eng = Engine(EngineConfig(model=model, mock=True, num_blocks=8, kv_host_gib=40 * (2 << 20) / 2**30,
+                              kv_onboard="always", max_model_len=4096))
+    try:
+        assert eng.tiers.host.num_slots == 40                     # 2 MiB blocks of the 8B profile
+        a, f1, f2 = prompts(3, seed=5)
+        run(eng, [a, f1, f2, a], "m")
+        st = eng.stats()
+        assert st.tiers.loaded_blocks[Tier.HOST] == 3
+        assert st.tiers.path_seconds[next(p for p in st.tiers.path_seconds if p.value == "g2_to_g1")] \
+            == pytest.approx(3 * (2 << 20) / 55e9, rel=0.01)
+        assert len(dict(eng.tiers.snapshot())[Tier.HOST]) == 9    # A, F1, F2: what a router snapshot lists
+    finally:
+        eng.close()
+    with pytest.raises(TierConfigError, match="host tier only"):
+        Engine(EngineConfig(model=model, mock=True, num_blocks=8, kv_host_gib=0.1, kv_disk_gib=0.1,
+                            kv_disk_dir="/tmp"))

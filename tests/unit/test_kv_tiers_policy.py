@@ -1,0 +1,79 @@
+"""The load-or-recompute cost model (kvstore/tier_policy.py): its decisions and counters."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.events import Tier
+from kvstore.tier_policy import (OnboardCounters, OnboardMode, PathRate, PrefillSpeed, RateMeter, TierRates,
+                                 decide_onboard)
+
+H, D = Tier.HOST, Tier.DISK
+MIB2 = 2 << 20                                  # an 8B bf16 block: 16 tokens x 128 KiB
+BS = 16
+H100 = TierRates(g2_to_g1=PathRate(55e9, 20e-6), g3_to_g2=PathRate(1.3e9, 200e-6))
+PREFILL_8B = PrefillSpeed(40_000)               # tokens/s, no attention term
+
+
+def decide(hit, first=0, rates=H100, prefill=PREFILL_8B, mode=OnboardMode.AUTO):
+    return decide_onboard(hit, first, MIB2, BS, rates, prefill, mode)
+
+
+def test_a_host_hit_is_loaded_and_predicted_about_ten_times_faster():
+    d = decide([H] * 512)                        # an 8k-token prefix in host RAM
+    assert d.num_load == 512 and d.num_host == 512
+    assert d.recompute_s == pytest.approx(512 * 16 / 40_000)
+    assert d.recompute_s / d.load_s > 8          # the issue's G2 goal, as the model predicts it
+
+
+def test_a_slow_disk_hit_is_recomputed_when_prefill_is_fast():
+    d = decide([D] * 512)
+    assert d.num_load == 0 and d.load_s == 0.0
+
+
+def test_the_disk_pays_once_prefill_slows_with_context():
+    slow = PrefillSpeed(40_000, attn_pair_s=1.3e-9)     # runtime/profile.py's H100 curve
+    early = decide([D] * 64, first=0, prefill=slow)
+    mid = decide([D] * 64, first=2048, prefill=slow)    # from 32k tokens: 1.1 ms to recompute a block
+    late = decide([D] * 64, first=4096, prefill=slow)   # from 64k tokens: 1.8 ms, vs 1.65 ms to load
+    assert early.num_load == 0 and mid.num_load == 0 and late.num_load == 64
+
+
+def test_host_blocks_then_disk_blocks_load_the_host_part_only():
+    d = decide([H] * 100 + [D] * 100)
+    assert d.num_load == 100 and d.num_disk == 0
+
+
+def test_a_fast_disk_is_worth_loading():
+    nvme = TierRates(PathRate(55e9, 20e-6), PathRate(25e9, 100e-6))
+    d = decide([H] * 10 + [D] * 100, rates=nvme)
+    assert d.num_load == 110 and d.num_disk == 100
+
+
+def test_a_tiny_hit_is_not_worth_a_transfers_latency():
+    lat = TierRates(PathRate(55e9, 5e-3), None)  # 5 ms to start a copy
+    assert decide([H], rates=lat).num_load == 0
+    assert decide([H] * 200, rates=lat).num_load == 200
+
+
+def test_always_loads_every_hit():
+    d = decide([D] * 10 + [H] * 3, mode=OnboardMode.ALWAYS)
+    assert d.num_load == 13 and (d.num_host, d.num_disk) == (3, 10)
+
+
+def test_counters_count_both_choices_in_blocks_per_tier():
+    c = OnboardCounters()
+    hit = [H] * 4 + [D] * 6
+    c.count(hit, decide(hit))                    # loads the 4 host blocks, recomputes 6 disk ones
+    c.count([D] * 2, decide([D] * 2))
+    assert c.loaded == {H: 4, D: 0} and c.recomputed == {H: 0, D: 8}
+    assert (c.requests_loaded, c.requests_recomputed) == (1, 1)
+
+
+def test_a_rate_meter_follows_observed_transfers_and_keeps_totals():
+    m = RateMeter(PathRate(1e9))
+    for _ in range(30):
+        m.observe(10 << 20, (10 << 20) / 4e9)     # transfers at 4 GB/s
+    m.observe(4096, 1.0)                          # small: latency, counted but not fitted
+    assert m.rate.bytes_per_s == pytest.approx(4e9, rel=0.01)
+    assert m.count == 31 and m.total_bytes == 30 * (10 << 20) + 4096
