@@ -49,6 +49,7 @@ class _Skipped(Exception):
 class _Pending:
     target: worker_pb2.RemotePrefill
     sampling: SamplingParams
+    submitted: float                    # perf_counter() at Submit
     task: asyncio.Task | None = None
     cancelled: bool = False
 
@@ -69,7 +70,7 @@ class RemotePrefillClient:
 
     def expect(self, request_id: str, target: worker_pb2.RemotePrefill, sampling: SamplingParams) -> bool:
         """Called at Submit: remember where this request's prefill goes. True = remote prefill."""
-        self._pending[request_id] = _Pending(target, sampling)
+        self._pending[request_id] = _Pending(target, sampling, time.perf_counter())
         return True
 
     def on_reservations(self, reservations: list[KvReservation]) -> None:
@@ -82,6 +83,7 @@ class RemotePrefillClient:
             if p is None:
                 self.engine_loop.kv_failed(r.request_id)
                 continue
+            self.metrics.reserve_wait_s.labels(self.worker_id).observe(time.perf_counter() - p.submitted)
             p.task = asyncio.create_task(self._handoff(r, p))
 
     def cancel(self, request_id: str) -> bool:

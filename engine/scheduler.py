@@ -76,12 +76,14 @@ class Scheduler:
         self._steps: dict[int, list[ScheduledChunk]] = {}   # plans scheduled and not yet updated
         self._next_step = 0
         self._ended: list[int] = []         # keys of requests finished since the last plan with rows
+        self._remote_seen = False           # a decode worker's: some request came with a remote prefill
 
     # ---- intake -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
         request.key = next(_keys)
+        self._remote_seen = self._remote_seen or request.remote_prefill
         self.waiting.append(request)
 
     def abort(self, request_id: str) -> Request | None:
@@ -140,10 +142,22 @@ class Scheduler:
         return chunks
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        """Admit waiting requests in arrival order while the step has budget. A remote prefill
+        takes no budget (its prompt is computed elsewhere; here it only reserves blocks), so once
+        the budget is spent the queue is still walked for remote prefills: one queued behind local
+        prompts is reserved, and its prefill sent, now rather than after their prefills (which
+        held the prefill worker idle while this worker chunked local prompts). Blocks are still
+        taken in order: the first reservation that fails ends admission."""
+        i = 0
+        while i < len(self.waiting) and len(self.running) < self.max_num_seqs:
+            req = self.waiting[i]
             if req.num_pending:          # preempted mid-flight: admit once its token is back
                 break
+            if budget <= 0 and not req.remote_prefill:
+                if not self._remote_seen:
+                    break                # no remote prefill can be queued behind it
+                i += 1                   # no budget left for it: it stays queued, in its place
+                continue
             self._update_hashes(req)
             hit = self.pool.lookup(req.block_hashes)
             # always compute at least the last token, so there are logits to sample from
@@ -158,7 +172,7 @@ class Scheduler:
                 self.pool.free(req.block_ids)
                 req.block_ids, req.num_computed_tokens, req.num_registered_blocks = [], 0, 0
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = req.num_computed_tokens
                 self.num_prompt_tokens += req.num_prompt_tokens

@@ -101,6 +101,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
         fut = self._loop.create_future()
         self._waiting[rid] = fut
         self.queue.accept(rid, len(request.prompt_token_ids))
+        accepted = time.perf_counter()
         self._num_calls += 1
         try:
             self.engine_loop.submit(req)
@@ -119,6 +120,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
                 raise
             if out.finish_reason == FinishReason.ERROR:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, out.error)
+            self.metrics.prefill_compute_s.labels(self.worker_id).observe(time.perf_counter() - accepted)
             try:
                 return await self._push(request, out, lease_s, context)
             finally:
