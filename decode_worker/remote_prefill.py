@@ -12,7 +12,9 @@ P has `lease_s` (--prefill-lease-s) to compute and push a prompt. A P that expec
 (its queue is too long), or that is draining, refuses at once, and this worker then sends it
 nothing for `SATURATED_BACKOFF_S`: those prompts are computed here without a round trip. Every
 fallback is counted by reason (`splitserve_prefill_fallback_total{reason}`); the expected ones
-(saturated, draining, timed out) are throttled log lines, never tracebacks.
+(saturated, draining, timed out) are throttled log lines, never tracebacks. The wait from Submit to
+the reservation (D's admission) is `splitserve_kv_reserve_wait_seconds`; reservation to KV landed
+is `splitserve_kv_handoff_seconds`.
 """
 
 from __future__ import annotations

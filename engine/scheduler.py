@@ -2,7 +2,8 @@
 
 Each step has a token budget. Running requests go first (a decode is one token; an unfinished
 prompt continues with the next chunk), then waiting requests are admitted in arrival order, each
-starting after its longest cached prefix. When the pool runs dry, the most recently admitted
+starting after its longest cached prefix (a decode worker's remote prefills take no budget, so they
+are reserved even once it is spent). When the pool runs dry, the most recently admitted
 running request is preempted: its blocks are freed (its computed blocks stay cached, so re-admission
 usually hits them) and it returns to the head of the queue. Plain Python; no torch.
 

@@ -11,7 +11,9 @@ that outlives it anyway is aborted here and answered DEADLINE_EXCEEDED: in both 
 worker computes it itself, and here it is a counted, throttled warning, never a traceback (a
 TimeoutError that escaped this servicer made gRPC log `Unexpected [TimeoutError] raised by servicer
 method /splitserve.v1.Prefill/Prefill` on the H100). Draining (runtime/worker_host.py): new prompts
-are refused (UNAVAILABLE, "draining"); prompts and pushes in flight finish.
+are refused (UNAVAILABLE, "draining"); prompts and pushes in flight finish. A prompt's accept to
+computed (queue wait plus its steps) is `splitserve_prefill_compute_seconds`, its push
+`splitserve_kv_transfer_seconds`.
 """
 
 from __future__ import annotations
