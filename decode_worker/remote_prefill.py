@@ -12,7 +12,9 @@ P has `lease_s` (--prefill-lease-s) to compute and push a prompt. A P that expec
 (its queue is too long), or that is draining, refuses at once, and this worker then sends it
 nothing for `SATURATED_BACKOFF_S`: those prompts are computed here without a round trip. Every
 fallback is counted by reason (`splitserve_prefill_fallback_total{reason}`); the expected ones
-(saturated, draining, timed out) are throttled log lines, never tracebacks.
+(saturated, draining, timed out) are throttled log lines, never tracebacks. The wait from Submit to
+the reservation (D's admission) is `splitserve_kv_reserve_wait_seconds`; reservation to KV landed
+is `splitserve_kv_handoff_seconds`.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class _Skipped(Exception):
 class _Pending:
     target: worker_pb2.RemotePrefill
     sampling: SamplingParams
+    submitted: float                    # perf_counter() at Submit
     task: asyncio.Task | None = None
     cancelled: bool = False
 
@@ -69,7 +72,7 @@ class RemotePrefillClient:
 
     def expect(self, request_id: str, target: worker_pb2.RemotePrefill, sampling: SamplingParams) -> bool:
         """Called at Submit: remember where this request's prefill goes. True = remote prefill."""
-        self._pending[request_id] = _Pending(target, sampling)
+        self._pending[request_id] = _Pending(target, sampling, time.perf_counter())
         return True
 
     def on_reservations(self, reservations: list[KvReservation]) -> None:
@@ -82,6 +85,7 @@ class RemotePrefillClient:
             if p is None:
                 self.engine_loop.kv_failed(r.request_id)
                 continue
+            self.metrics.reserve_wait_s.labels(self.worker_id).observe(time.perf_counter() - p.submitted)
             p.task = asyncio.create_task(self._handoff(r, p))
 
     def cancel(self, request_id: str) -> bool:

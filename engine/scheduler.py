@@ -2,7 +2,8 @@
 
 Each step has a token budget. Running requests go first (a decode is one token; an unfinished
 prompt continues with the next chunk), then waiting requests are admitted in arrival order, each
-starting after its longest cached prefix. When the pool runs dry, the most recently admitted
+starting after its longest cached prefix (a decode worker's remote prefills take no budget, so they
+are reserved even once it is spent). When the pool runs dry, the most recently admitted
 running request is preempted: its blocks are freed (its computed blocks stay cached, so re-admission
 usually hits them) and it returns to the head of the queue. Plain Python; no torch.
 
@@ -94,12 +95,14 @@ class Scheduler:
         self._abandoned: list[object] = []          # onboardings of requests gone while disk reads run
         self._offloads: list[tuple[int, int]] = []  # (G1 block, host slot) to copy in the next plan
         self._copies: dict[int, tuple[list[tuple[int, int]], list[_Onboard]]] = {}   # by step_id
+        self._remote_seen = False           # a decode worker's: some request came with a remote prefill
 
     # ---- intake -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
         request.key = next(_keys)
+        self._remote_seen = self._remote_seen or request.remote_prefill
         self.waiting.append(request)
 
     def abort(self, request_id: str) -> Request | None:
@@ -168,10 +171,22 @@ class Scheduler:
         return chunks
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        """Admit waiting requests in arrival order while the step has budget. A remote prefill
+        takes no budget (its prompt is computed elsewhere; here it only reserves blocks), so once
+        the budget is spent the queue is still walked for remote prefills: one queued behind local
+        prompts is reserved, and its prefill sent, now rather than after their prefills (which
+        held the prefill worker idle while this worker chunked local prompts). Blocks are still
+        taken in order: the first reservation that fails ends admission."""
+        i = 0
+        while i < len(self.waiting) and len(self.running) < self.max_num_seqs:
+            req = self.waiting[i]
             if req.num_pending:          # preempted mid-flight: admit once its token is back
                 break
+            if budget <= 0 and not req.remote_prefill:
+                if not self._remote_seen:
+                    break                # no remote prefill can be queued behind it
+                i += 1                   # no budget left for it: it stays queued, in its place
+                continue
             if req.tier_ready:           # onboarded: its blocks (G1 hit + loaded) are in block_ids
                 req.tier_ready = False
             else:
@@ -181,7 +196,7 @@ class Scheduler:
                 max_hit_blocks = (req.num_tokens - 1) // self.block_size
                 hit = hit[:max_hit_blocks]
                 if self.tiers is not None and not req.tier_checked and self._start_onboard(req, hit, max_hit_blocks):
-                    self.waiting.popleft()   # waits in self.onboarding, like a remote prefill
+                    del self.waiting[i]      # waits in self.onboarding, like a remote prefill
                     continue
                 self.pool.touch(hit)
                 req.block_ids = list(hit)
@@ -194,7 +209,7 @@ class Scheduler:
                 self.pool.free(req.block_ids)
                 req.block_ids, req.num_computed_tokens, req.num_registered_blocks = [], 0, 0
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = req.num_computed_tokens
                 self.num_prompt_tokens += req.num_prompt_tokens

@@ -11,7 +11,9 @@ that outlives it anyway is aborted here and answered DEADLINE_EXCEEDED: in both 
 worker computes it itself, and here it is a counted, throttled warning, never a traceback (a
 TimeoutError that escaped this servicer made gRPC log `Unexpected [TimeoutError] raised by servicer
 method /splitserve.v1.Prefill/Prefill` on the H100). Draining (runtime/worker_host.py): new prompts
-are refused (UNAVAILABLE, "draining"); prompts and pushes in flight finish.
+are refused (UNAVAILABLE, "draining"); prompts and pushes in flight finish. A prompt's accept to
+computed (queue wait plus its steps) is `splitserve_prefill_compute_seconds`, its push
+`splitserve_kv_transfer_seconds`.
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
         fut = self._loop.create_future()
         self._waiting[rid] = fut
         self.queue.accept(rid, len(request.prompt_token_ids))
+        accepted = time.perf_counter()
         self._num_calls += 1
         try:
             self.engine_loop.submit(req)
@@ -119,6 +122,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
                 raise
             if out.finish_reason == FinishReason.ERROR:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, out.error)
+            self.metrics.prefill_compute_s.labels(self.worker_id).observe(time.perf_counter() - accepted)
             try:
                 return await self._push(request, out, lease_s, context)
             finally:

@@ -44,6 +44,12 @@ class WorkerMetrics:
                                         registry=r)
         self.handoff_s = Histogram("splitserve_kv_handoff_seconds", "Decode side: reservation to KV landed",
                                    labels, registry=r, buckets=LATENCY_BUCKETS_S)
+        self.reserve_wait_s = Histogram("splitserve_kv_reserve_wait_seconds", "Decode side: Submit of a remote "
+                                        "prefill to its blocks reserved (the Prefill RPC is sent then)", labels,
+                                        registry=r, buckets=LATENCY_BUCKETS_S)
+        self.prefill_compute_s = Histogram("splitserve_prefill_compute_seconds", "Prefill side: a prompt "
+                                           "accepted to computed (its wait in the queue and its steps)", labels,
+                                           registry=r, buckets=LATENCY_BUCKETS_S)
         self.kv_transfer_bytes = Counter("splitserve_kv_transfer_bytes", "KV bytes pushed to decode workers",
                                          labels, registry=r)
         self.kv_transfer_s = Histogram("splitserve_kv_transfer_seconds", "Duration of one KV push (NIXL WRITE)",

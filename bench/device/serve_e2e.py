@@ -86,15 +86,32 @@ def log_findings(text: str) -> dict:
     return {"error_lines": len(errors), "tracebacks": text.count("Traceback"), "first_errors": errors[:5]}
 
 
+# where a remote prompt's time goes, in order (docs/disaggregation.md): Submit -> blocks reserved on
+# the decode worker, the prefill worker's queue + steps, the push, and the whole reservation -> KV landed
+PHASES = ("splitserve_kv_reserve_wait_seconds", "splitserve_prefill_compute_seconds",
+          "splitserve_kv_transfer_seconds", "splitserve_kv_handoff_seconds")
+
+
 def counters(url: str) -> dict:
     try:
         text = httpx.get(f"{url}/metrics", timeout=10).text
     except httpx.HTTPError:
         return {}
+    return parse_counters(text)
+
+
+def parse_counters(text: str) -> dict:
+    """COUNTED totals by label set, and each PHASES histogram's count and mean (summed over workers)."""
     out = {}
     for name in COUNTED:
         for labels, value in re.findall(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.M):
             out[name + labels] = out.get(name + labels, 0.0) + float(value)
+    for name in PHASES:
+        total = {part: sum(float(v) for v in re.findall(rf"^{name}_{part}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
+                 for part in ("sum", "count")}
+        if total["count"]:
+            out[name.replace("_seconds", "_count")] = total["count"]
+            out[name.replace("_seconds", "_mean_ms")] = round(1000 * total["sum"] / total["count"], 1)
     return out
 
 
