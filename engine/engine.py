@@ -30,7 +30,7 @@ from engine.plan import StepPlan
 from engine.request import Request
 from engine.scheduler import Scheduler
 from runtime.config import EngineConfig
-from runtime.types import EngineRequest, FinishReason, KvReservation, RequestOutput
+from runtime.types import EngineRequest, FinishReason, KvReservation, RequestOutput, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +90,13 @@ class Engine:
     def abort_request(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id) is not None
 
-    def kv_arrived(self, request_id: str, first_token: int) -> RequestOutput | None:
+    def kv_arrived(self, request_id: str, first_token: int,
+                   first_logprob: TokenLogprobs | None = None) -> RequestOutput | None:
         """Decode side: the prompt's KV landed in the reserved blocks; continue from `first_token`."""
-        return self.scheduler.kv_arrived(request_id, first_token)
+        out = self.scheduler.kv_arrived(request_id, first_token)
+        if out is not None and first_logprob is not None:
+            out.logprobs = [first_logprob]
+        return out
 
     def kv_failed(self, request_id: str) -> None:
         """Decode side: the remote prefill failed; compute the prompt here, in the blocks we hold."""
@@ -116,11 +120,12 @@ class Engine:
                 return []
             try:
                 sampled = self.runner.execute(plan)
+                logprobs = getattr(self.runner, "last_logprobs", None)
             except BaseException:
                 sched.abandon(plan)
                 raise
             sched.commit(plan)
-            return sched.update(plan, sampled)
+            return sched.update(plan, sampled, logprobs)
         prev, self._in_flight = self._in_flight, None
         launched_plan = None
         try:
@@ -129,7 +134,7 @@ class Engine:
                 launched = self.runner.launch(plan, prev[1] if prev else None)
                 sched.commit(plan)
                 self._in_flight = (plan, launched)
-            return sched.update(prev[0], prev[1].result()) if prev else []
+            return sched.update(prev[0], prev[1].result(), _logprobs(prev[1])) if prev else []
         except BaseException:
             self._in_flight = None
             for p in (prev[0] if prev else None, launched_plan):
@@ -149,6 +154,12 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work or self._in_flight is not None
+
+
+def _logprobs(launched) -> dict | None:
+    """A launched step's logprobs (after its result), where the runner computes them."""
+    get = getattr(launched, "logprobs", None)
+    return get() if get is not None else None
 
 
 def _mock_runner(cfg: EngineConfig):
@@ -190,8 +201,8 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._inbox.put(Abort(request_id))
 
-    def kv_arrived(self, request_id: str, first_token: int) -> None:
-        self._inbox.put(KvArrived(request_id, first_token))
+    def kv_arrived(self, request_id: str, first_token: int, first_logprob: TokenLogprobs | None = None) -> None:
+        self._inbox.put(KvArrived(request_id, first_token, first_logprob))
 
     def kv_failed(self, request_id: str) -> None:
         self._inbox.put(KvFailed(request_id))
@@ -233,8 +244,8 @@ class EngineLoop:
                 out = eng.add_request(request)
             case Abort(request_id):
                 eng.abort_request(request_id)
-            case KvArrived(request_id, first_token):
-                out = eng.kv_arrived(request_id, first_token)
+            case KvArrived(request_id, first_token, first_logprob):
+                out = eng.kv_arrived(request_id, first_token, first_logprob)
             case KvFailed(request_id):
                 eng.kv_failed(request_id)
             case ReleaseHeld(request_id):

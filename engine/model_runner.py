@@ -30,9 +30,11 @@ from engine.attention.torch_backend import TorchAttention
 from engine.loader import load_model
 from runtime.model_config import ModelConfig
 from engine.plan import StepPlan
-from engine.sampler import sample_on_device
+from engine.sampler import Sampled, sample_on_device, sample_step
+from engine.sampling_state import build_processing
 from engine.step_inputs import HostStep, PendingInputs, build_host_step
 from runtime.config import EngineConfig
+from runtime.types import TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +157,9 @@ class ModelRunner:
             self.startup_s["first_graph"] = round(self.graphs.first_capture_s, 3)
         self.last_logits: torch.Tensor | None = None   # the last step's sampled rows (graph output: copy it)
         self.last_prepare_s = 0.0                      # host time of the last step before the launch
+        self.last_logprobs: dict[str, TokenLogprobs] | None = None   # of the last `execute`
         self._generators: dict[int, torch.Generator] = {}   # seeded requests' generators, by PlanRow.key
+        self._eos = frozenset(self.model_config.eos_token_ids)
         log.info("model %s on %s (%s, KV %s), %d KV blocks of %d tokens, attention=%s (decode %s), cuda graphs=%s",
                  mc.model_type, self.device, self.dtype, self.kv_dtype, self.num_blocks, cfg.block_size,
                  self.backend.name, getattr(self.backend, "decode_kernel", "-"),
@@ -177,8 +181,12 @@ class ModelRunner:
         return max(budget // per_block - 1, 1)
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
-        """Run one step; return the sampled token of every row that samples."""
-        return self.launch(plan).result()
+        """Run one step; return the sampled token of every row that samples (and keep their
+        logprobs, where asked for, in `last_logprobs`)."""
+        launched = self.launch(plan)
+        sampled = launched.result()
+        self.last_logprobs = launched.logprobs()
+        return sampled
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, prev: "LaunchedStep | None" = None) -> "LaunchedStep":
@@ -204,9 +212,19 @@ class ModelRunner:
         if not sampling_rows:
             return LaunchedStep({}, None)
         self.last_logits = logits
-        tokens = sample_on_device(logits, [r.sampling for r in sampling_rows],
-                                  [self._generator(r.key, r.sampling) for r in sampling_rows], self._fi)
-        return LaunchedStep({r.request_id: i for i, r in enumerate(sampling_rows)}, tokens)
+        proc = build_processing(sampling_rows, logits.shape[-1], self._eos, self.device,
+                                prev.tokens if prev is not None else None, prev.rows if prev is not None else None)
+        if proc is None:          # no row sets an option: plain sampling, as before the options existed
+            tokens = sample_on_device(logits, [r.sampling for r in sampling_rows],
+                                      [self._generator(r.key, r.sampling) for r in sampling_rows], self._fi)
+            return LaunchedStep({r.request_id: i for i, r in enumerate(sampling_rows)}, tokens)
+        s = sample_step(logits, [r.sampling for r in sampling_rows],
+                        [self._generator(r.key, r.sampling) for r in sampling_rows], self._fi, proc)
+        lp = None
+        if s.logprobs is not None:
+            lp_rows = [r for r in sampling_rows if r.sampling.logprobs is not None]
+            lp = ([r.request_id for r in lp_rows], [r.sampling.logprobs for r in lp_rows], s)
+        return LaunchedStep({r.request_id: i for i, r in enumerate(sampling_rows)}, s.tokens, lp)
 
     @staticmethod
     def _pending_sources(step: HostStep, plan: StepPlan, prev: "LaunchedStep | None") -> PendingInputs | None:
@@ -288,16 +306,22 @@ class _Phases:
 
 
 class LaunchedStep:
-    """A step queued on the device: `rows` maps each sampling request to its row of `tokens`."""
+    """A step queued on the device: `rows` maps each sampling request to its row of `tokens`.
+    `lp`: (request ids, top-k each asked for, the step's `Sampled`) when some row wants logprobs."""
 
-    __slots__ = ("rows", "tokens", "_host", "_ready")
+    __slots__ = ("rows", "tokens", "_host", "_ready", "_lp", "_lp_host")
 
-    def __init__(self, rows: dict[str, int], tokens: torch.Tensor | None) -> None:
+    def __init__(self, rows: dict[str, int], tokens: torch.Tensor | None,
+                 lp: tuple[list[str], list[int], Sampled] | None = None) -> None:
         self.rows, self.tokens = rows, tokens
-        self._host, self._ready = tokens, None
+        self._host, self._ready, self._lp, self._lp_host = tokens, None, lp, None
+        if lp is not None:
+            s = lp[2]
+            self._lp_host = [s.logprobs, s.top_ids, s.top_logprobs]
         if tokens is not None and tokens.is_cuda:
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
+            self._host = _to_host(tokens)
+            if self._lp_host is not None:
+                self._lp_host = [None if t is None else _to_host(t) for t in self._lp_host]
             self._ready = torch.cuda.Event()
             self._ready.record()
 
@@ -308,3 +332,23 @@ class LaunchedStep:
         if self._ready is not None:
             self._ready.synchronize()
         return dict(zip(self.rows, self._host.tolist()))
+
+    def logprobs(self) -> dict[str, TokenLogprobs] | None:
+        """After `result()`: the sampled tokens' logprobs of the requests that asked for them."""
+        if self._lp is None:
+            return None
+        if self._ready is not None:
+            self._ready.synchronize()
+        ids, ks, _ = self._lp
+        lps, top_ids, top_lps = self._lp_host
+        lps = lps.tolist()
+        top_ids = top_ids.tolist() if top_ids is not None else None
+        top_lps = top_lps.tolist() if top_lps is not None else None
+        return {rid: TokenLogprobs(lps[i], tuple(top_ids[i][:k]) if k else (), tuple(top_lps[i][:k]) if k else ())
+                for i, (rid, k) in enumerate(zip(ids, ks))}
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    h.copy_(t, non_blocking=True)
+    return h

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command on the GPU machine, from the repository root there:
-#   bench/device/run.sh [jit] [pytest] [bench] [bench_cc] [kernels] [correctness] [serve] [gemv] [compare] [startup] ...
+#   bench/device/run.sh [jit] [pytest] [bench] [bench_cc] [kernels] [correctness] [serve] [gemv] [compare] [startup] [sampling] ...
 # (jit: FlashInfer's JIT modules built in the background, all at once, for the stages after it;
 #  bench: the engine's defaults; bench_cc: the same with the CUDA-core decode kernel, to compare)
 # Installs the wheels from $WHL_DIRS (default: .whl .whl_web, carried beside the tree) into .site once,
@@ -57,6 +57,8 @@ for stage in "$@"; do
              done ;;
     startup) timeout "$(left 0 "${T_STARTUP:-300}")" python3 bench/device/startup.py --out "$OUT/startup.jsonl" \
                ${STARTUP_ARGS:-} 2>&1 | tee "$OUT/startup.log" | tail -20 ;;
+    sampling) timeout "$(left 0 "${T_SAMPLING:-180}")" python3 bench/device/sampling_bench.py --out "$OUT/sampling_bench.jsonl" \
+                ${SAMPLING_ARGS:-} 2>&1 | tee "$OUT/sampling_bench.log" | grep -v Warning ;;
     gemv) timeout "$(left 0 120)" python3 bench/device/gemv_layouts.py --out "$OUT/gemv_layouts.jsonl" 2>&1 | grep -v Warning ;;
     *) echo "unknown stage $stage" ;;
   esac
