@@ -143,3 +143,12 @@ def test_min_p_one_is_greedy(engine):
                          "mp": (PROMPTS[2], SamplingParams(temperature=1.5, max_tokens=8, ignore_eos=True,
                                                            min_p=1.0))})
     assert [o.new_token_ids for o in outs["mp"]] == [o.new_token_ids for o in outs["g"]]
+
+
+def test_n_and_grammar_are_refused_not_ignored(engine):
+    from runtime.types import GrammarKind, GrammarSpec
+    for p in (SamplingParams(n=2), SamplingParams(grammar=GrammarSpec(GrammarKind.JSON_OBJECT))):
+        out = engine.add_request(EngineRequest("x", [1, 2, 3], p))
+        assert out is not None and out.finish_reason == FinishReason.ERROR and not out.internal_error
+        assert "not supported" in out.error
+    assert not engine.has_work
