@@ -80,11 +80,16 @@ class Engine:
             # the one already here keeps running; the second copy is refused (its caller sees why)
             return RequestOutput(request.request_id, [], FinishReason.ERROR, 0, request.session,
                                  error=f"request {request.request_id} is already running on this worker")
-        if spec.sampling.n > 1 or spec.sampling.grammar is not None:
-            # in the interface (runtime/types.py), not yet in the engine: refused, never ignored
+        if spec.sampling.n > 1 or (spec.sampling.grammar is not None and not hasattr(self.runner, "check_grammar")):
+            # in the interface (runtime/types.py), not yet in this engine: refused, never ignored
             what = "n > 1" if spec.sampling.n > 1 else "structured output (grammar)"
             return RequestOutput(request.request_id, [], FinishReason.ERROR, 0, request.session,
                                  error=f"{what} is not supported by this engine yet")
+        if spec.sampling.grammar is not None:
+            why = ("ignore_eos cannot be combined with a grammar (the grammar ends the output)"
+                   if spec.sampling.ignore_eos else self.runner.check_grammar(spec.sampling.grammar))
+            if why:
+                return RequestOutput(request.request_id, [], FinishReason.ERROR, 0, request.session, error=why)
         if request.num_tokens >= self.max_model_len or not request.prompt_token_ids:
             return RequestOutput(request.request_id, [], FinishReason.ERROR, 0, request.session,
                                  error=f"prompt of {request.num_tokens} tokens does not fit the context "

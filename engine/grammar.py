@@ -6,9 +6,10 @@ keyed by the spec (equal specs compile once; the cache is bounded by count, leas
 out). `Grammars.matcher(spec)` gives a `RequestGrammar` per request. The bitmask is packed as
 engine/sampler.py's `apply_bitmask` reads it (int32 words, bit j of word w allows token 32w+j).
 
-Status: the building block and its test (tests/unit/test_grammar.py: random logits of the tiny
-model's vocabulary, masked, sampled and accepted token by token, give JSON that validates). The
-engine does not drive it yet: `Engine.add_request` refuses grammar requests until it does.
+The runner (engine/model_runner.py `check_grammar`, `_grammar_masks`) compiles at admission and
+keeps one `RequestGrammar` per request. Tests: tests/unit/test_grammar.py (random logits of the tiny
+model's vocabulary, masked, sampled and accepted token by token, give JSON that validates) and
+tests/unit/test_sampling_options.py (through the engine, sync and async).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention.torch_backend import TorchAttention
 from engine.loader import load_model
 from runtime.model_config import ModelConfig
-from engine.plan import StepPlan
+from engine.plan import PENDING_TOKEN, StepPlan
 from engine.sampler import Sampled, sample_on_device, sample_step
 from engine.sampling_state import build_processing
 from engine.step_inputs import HostStep, PendingInputs, build_host_step
@@ -160,6 +160,8 @@ class ModelRunner:
         self.last_logprobs: dict[str, TokenLogprobs] | None = None   # of the last `execute`
         self._generators: dict[int, torch.Generator] = {}   # seeded requests' generators, by PlanRow.key
         self._eos = frozenset(self.model_config.eos_token_ids)
+        self._grammars = None                               # engine/grammar.py, built at the first grammar request
+        self._matchers: dict[int, list] = {}                # by PlanRow.key: [RequestGrammar, tokens accepted]
         log.info("model %s on %s (%s, KV %s), %d KV blocks of %d tokens, attention=%s (decode %s), cuda graphs=%s",
                  mc.model_type, self.device, self.dtype, self.kv_dtype, self.num_blocks, cfg.block_size,
                  self.backend.name, getattr(self.backend, "decode_kernel", "-"),
@@ -194,6 +196,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         for key in plan.finished:
             self._generators.pop(key, None)
+            self._matchers.pop(key, None)
         if plan.copies:       # tier moves run before the forward pass reads the blocks
             raise NotImplementedError("this runner has no KV tiers to copy between")
         rows = plan.rows
@@ -212,8 +215,10 @@ class ModelRunner:
         if not sampling_rows:
             return LaunchedStep({}, None)
         self.last_logits = logits
+        masks = self._grammar_masks(sampling_rows, logits.shape[-1], prev)
         proc = build_processing(sampling_rows, logits.shape[-1], self._eos, self.device,
-                                prev.tokens if prev is not None else None, prev.rows if prev is not None else None)
+                                prev.tokens if prev is not None else None, prev.rows if prev is not None else None,
+                                masks)
         if proc is None:          # no row sets an option: plain sampling, as before the options existed
             tokens = sample_on_device(logits, [r.sampling for r in sampling_rows],
                                       [self._generator(r.key, r.sampling) for r in sampling_rows], self._fi)
@@ -225,6 +230,49 @@ class ModelRunner:
             lp_rows = [r for r in sampling_rows if r.sampling.logprobs is not None]
             lp = ([r.request_id for r in lp_rows], [r.sampling.logprobs for r in lp_rows], s)
         return LaunchedStep({r.request_id: i for i, r in enumerate(sampling_rows)}, s.tokens, lp)
+
+    def check_grammar(self, spec) -> str:
+        """Compile a request's grammar now (cached), so that a bad one is the request's error at
+        admission and never a failed step: "" if it compiles, else why not."""
+        from engine.grammar import GrammarError, Grammars
+        if self._grammars is None:
+            import transformers
+            tok = transformers.AutoTokenizer.from_pretrained(self.cfg.model)
+            self._grammars = Grammars(tok, self.model_config.vocab_size, stop_token_ids=sorted(self._eos))
+        try:
+            self._grammars.compile(spec)
+        except GrammarError as e:
+            return str(e)
+        return ""
+
+    def _grammar_masks(self, rows, vocab: int, prev: "LaunchedStep | None"):
+        """The packed bitmasks of the rows under a grammar, filled on the host: each request's
+        matcher first accepts the outputs it has not seen (a still pending one is read from `prev`,
+        which waits for that step: grammar rows give up the overlap for their own mask)."""
+        idx = [j for j, r in enumerate(rows) if r.sampling.grammar is not None]
+        if not idx:
+            return None
+        from engine.grammar import allocate_bitmask
+        if self._grammars is None:
+            self.check_grammar(rows[idx[0]].sampling.grammar)
+        mask = allocate_bitmask(len(idx), vocab)
+        sampled = None
+        for m, j in enumerate(idx):
+            r = rows[j]
+            state = self._matchers.get(r.key)
+            if state is None:
+                state = self._matchers[r.key] = [self._grammars.matcher(r.sampling.grammar), 0]
+            outputs = r.history[r.num_prompt_tokens:]
+            for t in outputs[state[1]:]:
+                if t == PENDING_TOKEN:
+                    if sampled is None:
+                        sampled = prev.result()
+                    t = sampled[r.request_id]
+                state[0].accept(t)
+                state[1] += 1
+            if not state[0].terminated:   # terminated: the stop token is pending, this step is discarded
+                state[0].fill_bitmask(mask, m)
+        return idx, mask
 
     @staticmethod
     def _pending_sources(step: HostStep, plan: StepPlan, prev: "LaunchedStep | None") -> PendingInputs | None:

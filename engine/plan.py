@@ -35,7 +35,7 @@ class PlanRow:
     samples: bool               # the chunk reaches the end of the known tokens: its last position yields one
     num_prompt_tokens: int = 0  # the request's prompt length (min_tokens, penalties)
     # prompt + output so far (PENDING_TOKEN where still on the device): only for sampling rows of
-    # requests with a presence / frequency / repetition penalty, None otherwise (no copy)
+    # requests with a presence / frequency / repetition penalty or a grammar, None otherwise (no copy)
     history: list[int] | None = None
 
     @property

@@ -5,7 +5,7 @@ Fast path: a step none of whose sampling rows sets an option returns None after 
 per row, and the sampler then does exactly what it did before these options existed.
 
 Penalties need the tokens seen so far. A penalized row carries its sequence in `PlanRow.history`
-(prompt + output; copied by the scheduler only for penalized rows), and the counts are scattered
+(prompt + output; copied by the scheduler only for penalized and grammar rows), and the counts are scattered
 on the device each step — O(sequence length) host work for those rows only. With async scheduling
 the row's last output token may still be on the device (PENDING_TOKEN): it is taken from the
 previous step's sampled ids, as the runner takes pending input ids.
@@ -28,7 +28,8 @@ def has_options(p: SamplingParams) -> bool:
 
 def build_processing(rows: list[PlanRow], vocab_size: int, eos_token_ids: frozenset[int],
                      device: torch.device, prev_tokens: torch.Tensor | None = None,
-                     prev_rows: dict[str, int] | None = None) -> LogitsProcessing | None:
+                     prev_rows: dict[str, int] | None = None,
+                     bitmask: tuple[list[int], torch.Tensor] | None = None) -> LogitsProcessing | None:
     """`rows`: the step's sampling rows, in logits order. `prev_*`: the previous launched step's
     sampled ids on the device and each request's row among them (for pending tokens)."""
     if not any(has_options(r.sampling) for r in rows):
@@ -57,6 +58,9 @@ def build_processing(rows: list[PlanRow], vocab_size: int, eos_token_ids: frozen
             pen.append(j)
         any_min_p |= p.min_p > 0.0
     to = _to_device(device)
+    if bitmask is not None:                  # (rows, their packed masks on the host)
+        proc.bitmask_rows = to(bitmask[0], torch.int64)
+        proc.bitmask = bitmask[1].pin_memory().to(device, non_blocking=True) if device.type == "cuda" else bitmask[1]
     if lp_rows:
         proc.logprob_rows = to(lp_rows, torch.int64)
     if banned_r:

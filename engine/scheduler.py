@@ -108,7 +108,8 @@ class Scheduler:
         plan.rows = [PlanRow(c.request.request_id, c.request.key, c.request.token_ids[c.start:c.start + c.num_tokens], c.start,
                              c.request.block_ids[:(c.start + c.num_tokens + bs - 1) // bs],
                              c.request.sampling, c.samples, c.request.num_prompt_tokens,
-                             list(c.request.token_ids) if c.samples and c.request.sampling.penalized else None)
+                             list(c.request.token_ids) if c.samples and (c.request.sampling.penalized or
+                                                                         c.request.sampling.grammar is not None) else None)
                      for c in chunks]
         plan.finished, self._ended = self._ended, []
         return plan

@@ -12,7 +12,7 @@ import torch
 from engine.engine import Engine
 from runtime.config import EngineConfig
 from runtime.types import EngineRequest, FinishReason, SamplingParams
-from splitserve.tiny_model import EOS_ID, write_tiny_model
+from splitserve.tiny_model import EOS_ID, IM_END_ID, write_tiny_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -145,10 +145,38 @@ def test_min_p_one_is_greedy(engine):
     assert [o.new_token_ids for o in outs["mp"]] == [o.new_token_ids for o in outs["g"]]
 
 
-def test_n_and_grammar_are_refused_not_ignored(engine):
+def test_n_and_bad_grammars_are_refused_not_ignored(engine):
     from runtime.types import GrammarKind, GrammarSpec
-    for p in (SamplingParams(n=2), SamplingParams(grammar=GrammarSpec(GrammarKind.JSON_OBJECT))):
+    for p in (SamplingParams(n=2), SamplingParams(grammar=GrammarSpec(GrammarKind.JSON_SCHEMA, "{nope")),
+              SamplingParams(grammar=GrammarSpec(GrammarKind.JSON_OBJECT), ignore_eos=True)):
         out = engine.add_request(EngineRequest("x", [1, 2, 3], p))
         assert out is not None and out.finish_reason == FinishReason.ERROR and not out.internal_error
-        assert "not supported" in out.error
+        assert out.error
     assert not engine.has_work
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "n": {"type": "integer", "minimum": -5, "maximum": 5},
+                                           "ok": {"type": "boolean"}},
+          "required": ["name", "n", "ok"], "additionalProperties": False}
+
+
+def test_json_schema_outputs_validate_on_random_weights(engine, tiny_dir):
+    import json
+
+    import jsonschema
+    from runtime.types import GrammarKind, GrammarSpec
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    spec = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMA))
+    reqs = {f"j{i}": (PROMPTS[i % 3], SamplingParams(temperature=1.0, seed=i, max_tokens=120, grammar=spec))
+            for i in range(4)}
+    reqs["g"] = (PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=120, grammar=spec))
+    reqs["plain"] = (PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    outs = _run(engine, reqs)
+    for rid in reqs:
+        if rid == "plain":
+            continue
+        toks = [t for o in outs[rid] for t in o.new_token_ids]
+        assert outs[rid][-1].finish_reason == FinishReason.STOP and toks[-1] in (EOS_ID, IM_END_ID), rid
+        jsonschema.validate(json.loads(tok.decode(toks[:-1])), SCHEMA)
+    assert len(outs["plain"]) == 8
