@@ -30,7 +30,7 @@ from engine.engine import EngineLoop
 from runtime.types import KvReservation, SamplingParams
 from kvstore.transfer import KvTransferAgent
 from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
-from runtime.convert import sampling_to_pb
+from runtime.convert import logprob_from_pb, sampling_to_pb
 from runtime.logging import Throttled
 from runtime.metrics import WorkerMetrics
 
@@ -141,7 +141,8 @@ class RemotePrefillClient:
         elif ok:
             self.metrics.kv_handoffs.labels(self.worker_id).inc()
             self.metrics.handoff_s.labels(self.worker_id).observe(time.perf_counter() - start)
-            self.engine_loop.kv_arrived(rid, resp.first_token)
+            self.engine_loop.kv_arrived(rid, resp.first_token,
+                                        logprob_from_pb(resp.first_logprob) if resp.HasField("first_logprob") else None)
         else:
             self.metrics.prefill_fallback.labels(self.worker_id, reason).inc()
             self.engine_loop.kv_failed(rid)

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from runtime.types import EngineRequest, RequestId
+from runtime.types import EngineRequest, RequestId, TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +29,7 @@ class KvArrived:
     """Decode side: a prefill worker pushed the prompt's KV; continue from its first token."""
     request_id: RequestId
     first_token: int
+    first_logprob: TokenLogprobs | None = None    # when the request asked for logprobs
 
 
 @dataclass(frozen=True, slots=True)

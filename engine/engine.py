@@ -30,7 +30,7 @@ from engine.plan import StepPlan
 from engine.request import Request
 from engine.scheduler import Scheduler
 from runtime.config import EngineConfig
-from runtime.types import EngineRequest, FinishReason, KvReservation, RequestOutput
+from runtime.types import EngineRequest, FinishReason, KvReservation, RequestOutput, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,16 @@ class Engine:
             # the one already here keeps running; the second copy is refused (its caller sees why)
             return RequestOutput(request.request_id, [], FinishReason.ERROR, 0, request.session,
                                  error=f"request {request.request_id} is already running on this worker")
+        if spec.sampling.n > 1 or (spec.sampling.grammar is not None and not hasattr(self.runner, "check_grammar")):
+            # in the interface (runtime/types.py), not yet in this engine: refused, never ignored
+            what = "n > 1" if spec.sampling.n > 1 else "structured output (grammar)"
+            return RequestOutput(request.request_id, [], FinishReason.ERROR, 0, request.session,
+                                 error=f"{what} is not supported by this engine yet")
+        if spec.sampling.grammar is not None:
+            why = ("ignore_eos cannot be combined with a grammar (the grammar ends the output)"
+                   if spec.sampling.ignore_eos else self.runner.check_grammar(spec.sampling.grammar))
+            if why:
+                return RequestOutput(request.request_id, [], FinishReason.ERROR, 0, request.session, error=why)
         if request.num_tokens >= self.max_model_len or not request.prompt_token_ids:
             return RequestOutput(request.request_id, [], FinishReason.ERROR, 0, request.session,
                                  error=f"prompt of {request.num_tokens} tokens does not fit the context "
@@ -101,9 +111,13 @@ class Engine:
     def abort_request(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id) is not None
 
-    def kv_arrived(self, request_id: str, first_token: int) -> RequestOutput | None:
+    def kv_arrived(self, request_id: str, first_token: int,
+                   first_logprob: TokenLogprobs | None = None) -> RequestOutput | None:
         """Decode side: the prompt's KV landed in the reserved blocks; continue from `first_token`."""
-        return self.scheduler.kv_arrived(request_id, first_token)
+        out = self.scheduler.kv_arrived(request_id, first_token)
+        if out is not None and first_logprob is not None:
+            out.logprobs = [first_logprob]
+        return out
 
     def kv_failed(self, request_id: str) -> None:
         """Decode side: the remote prefill failed; compute the prompt here, in the blocks we hold."""
@@ -154,11 +168,12 @@ class Engine:
                 return []
             try:
                 sampled = self.runner.execute(plan)
+                logprobs = getattr(self.runner, "last_logprobs", None)
             except BaseException:
                 sched.abandon(plan)
                 raise
             sched.commit(plan)
-            return sched.update(plan, sampled)
+            return sched.update(plan, sampled, logprobs)
         prev, self._in_flight = self._in_flight, None
         launched_plan = None
         try:
@@ -167,7 +182,7 @@ class Engine:
                 launched = self.runner.launch(plan, prev[1] if prev else None)
                 sched.commit(plan)
                 self._in_flight = (plan, launched)
-            return sched.update(prev[0], prev[1].result()) if prev else []
+            return sched.update(prev[0], prev[1].result(), _logprobs(prev[1])) if prev else []
         except BaseException:
             self._in_flight = None
             for p in (prev[0] if prev else None, launched_plan):
@@ -196,6 +211,12 @@ class Engine:
         if self.tier_io is not None:
             self.tiers.close()
             self.tier_io = self.scheduler.tiers = None
+
+
+def _logprobs(launched) -> dict | None:
+    """A launched step's logprobs (after its result), where the runner computes them."""
+    get = getattr(launched, "logprobs", None)
+    return get() if get is not None else None
 
 
 def _mock_runner(cfg: EngineConfig):
@@ -237,8 +258,8 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._inbox.put(Abort(request_id))
 
-    def kv_arrived(self, request_id: str, first_token: int) -> None:
-        self._inbox.put(KvArrived(request_id, first_token))
+    def kv_arrived(self, request_id: str, first_token: int, first_logprob: TokenLogprobs | None = None) -> None:
+        self._inbox.put(KvArrived(request_id, first_token, first_logprob))
 
     def kv_failed(self, request_id: str) -> None:
         self._inbox.put(KvFailed(request_id))
@@ -282,8 +303,8 @@ class EngineLoop:
                 out = eng.add_request(request)
             case Abort(request_id):
                 eng.abort_request(request_id)
-            case KvArrived(request_id, first_token):
-                out = eng.kv_arrived(request_id, first_token)
+            case KvArrived(request_id, first_token, first_logprob):
+                out = eng.kv_arrived(request_id, first_token, first_logprob)
             case KvFailed(request_id):
                 eng.kv_failed(request_id)
             case ReleaseHeld(request_id):

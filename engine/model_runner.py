@@ -29,10 +29,12 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention.torch_backend import TorchAttention
 from engine.loader import load_model
 from runtime.model_config import ModelConfig
-from engine.plan import StepPlan
-from engine.sampler import sample_on_device
+from engine.plan import PENDING_TOKEN, StepPlan
+from engine.sampler import Sampled, sample_on_device, sample_step
+from engine.sampling_state import build_processing
 from engine.step_inputs import HostStep, PendingInputs, build_host_step
 from runtime.config import EngineConfig
+from runtime.types import TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +157,11 @@ class ModelRunner:
             self.startup_s["first_graph"] = round(self.graphs.first_capture_s, 3)
         self.last_logits: torch.Tensor | None = None   # the last step's sampled rows (graph output: copy it)
         self.last_prepare_s = 0.0                      # host time of the last step before the launch
+        self.last_logprobs: dict[str, TokenLogprobs] | None = None   # of the last `execute`
         self._generators: dict[int, torch.Generator] = {}   # seeded requests' generators, by PlanRow.key
+        self._eos = frozenset(self.model_config.eos_token_ids)
+        self._grammars = None                               # engine/grammar.py, built at the first grammar request
+        self._matchers: dict[int, list] = {}                # by PlanRow.key: [RequestGrammar, tokens accepted]
         log.info("model %s on %s (%s, KV %s), %d KV blocks of %d tokens, attention=%s (decode %s), cuda graphs=%s",
                  mc.model_type, self.device, self.dtype, self.kv_dtype, self.num_blocks, cfg.block_size,
                  self.backend.name, getattr(self.backend, "decode_kernel", "-"),
@@ -177,8 +183,12 @@ class ModelRunner:
         return max(budget // per_block - 1, 1)
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
-        """Run one step; return the sampled token of every row that samples."""
-        return self.launch(plan).result()
+        """Run one step; return the sampled token of every row that samples (and keep their
+        logprobs, where asked for, in `last_logprobs`)."""
+        launched = self.launch(plan)
+        sampled = launched.result()
+        self.last_logprobs = launched.logprobs()
+        return sampled
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, prev: "LaunchedStep | None" = None) -> "LaunchedStep":
@@ -186,6 +196,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         for key in plan.finished:
             self._generators.pop(key, None)
+            self._matchers.pop(key, None)
         # plan.copies (KV tier moves) are run by the engine's TierIO (engine/kv_tiers.py), not here:
         # a request reads onboarded blocks only in a step scheduled after their copy is done
         rows = plan.rows
@@ -204,9 +215,64 @@ class ModelRunner:
         if not sampling_rows:
             return LaunchedStep({}, None)
         self.last_logits = logits
-        tokens = sample_on_device(logits, [r.sampling for r in sampling_rows],
-                                  [self._generator(r.key, r.sampling) for r in sampling_rows], self._fi)
-        return LaunchedStep({r.request_id: i for i, r in enumerate(sampling_rows)}, tokens)
+        masks = self._grammar_masks(sampling_rows, logits.shape[-1], prev)
+        proc = build_processing(sampling_rows, logits.shape[-1], self._eos, self.device,
+                                prev.tokens if prev is not None else None, prev.rows if prev is not None else None,
+                                masks)
+        if proc is None:          # no row sets an option: plain sampling, as before the options existed
+            tokens = sample_on_device(logits, [r.sampling for r in sampling_rows],
+                                      [self._generator(r.key, r.sampling) for r in sampling_rows], self._fi)
+            return LaunchedStep({r.request_id: i for i, r in enumerate(sampling_rows)}, tokens)
+        s = sample_step(logits, [r.sampling for r in sampling_rows],
+                        [self._generator(r.key, r.sampling) for r in sampling_rows], self._fi, proc)
+        lp = None
+        if s.logprobs is not None:
+            lp_rows = [r for r in sampling_rows if r.sampling.logprobs is not None]
+            lp = ([r.request_id for r in lp_rows], [r.sampling.logprobs for r in lp_rows], s)
+        return LaunchedStep({r.request_id: i for i, r in enumerate(sampling_rows)}, s.tokens, lp)
+
+    def check_grammar(self, spec) -> str:
+        """Compile a request's grammar now (cached), so that a bad one is the request's error at
+        admission and never a failed step: "" if it compiles, else why not."""
+        from engine.grammar import GrammarError, Grammars
+        if self._grammars is None:
+            import transformers
+            tok = transformers.AutoTokenizer.from_pretrained(self.cfg.model)
+            self._grammars = Grammars(tok, self.model_config.vocab_size, stop_token_ids=sorted(self._eos))
+        try:
+            self._grammars.compile(spec)
+        except GrammarError as e:
+            return str(e)
+        return ""
+
+    def _grammar_masks(self, rows, vocab: int, prev: "LaunchedStep | None"):
+        """The packed bitmasks of the rows under a grammar, filled on the host: each request's
+        matcher first accepts the outputs it has not seen (a still pending one is read from `prev`,
+        which waits for that step: grammar rows give up the overlap for their own mask)."""
+        idx = [j for j, r in enumerate(rows) if r.sampling.grammar is not None]
+        if not idx:
+            return None
+        from engine.grammar import allocate_bitmask
+        if self._grammars is None:
+            self.check_grammar(rows[idx[0]].sampling.grammar)
+        mask = allocate_bitmask(len(idx), vocab)
+        sampled = None
+        for m, j in enumerate(idx):
+            r = rows[j]
+            state = self._matchers.get(r.key)
+            if state is None:
+                state = self._matchers[r.key] = [self._grammars.matcher(r.sampling.grammar), 0]
+            outputs = r.history[r.num_prompt_tokens:]
+            for t in outputs[state[1]:]:
+                if t == PENDING_TOKEN:
+                    if sampled is None:
+                        sampled = prev.result()
+                    t = sampled[r.request_id]
+                state[0].accept(t)
+                state[1] += 1
+            if not state[0].terminated:   # terminated: the stop token is pending, this step is discarded
+                state[0].fill_bitmask(mask, m)
+        return idx, mask
 
     @staticmethod
     def _pending_sources(step: HostStep, plan: StepPlan, prev: "LaunchedStep | None") -> PendingInputs | None:
@@ -288,16 +354,22 @@ class _Phases:
 
 
 class LaunchedStep:
-    """A step queued on the device: `rows` maps each sampling request to its row of `tokens`."""
+    """A step queued on the device: `rows` maps each sampling request to its row of `tokens`.
+    `lp`: (request ids, top-k each asked for, the step's `Sampled`) when some row wants logprobs."""
 
-    __slots__ = ("rows", "tokens", "_host", "_ready")
+    __slots__ = ("rows", "tokens", "_host", "_ready", "_lp", "_lp_host")
 
-    def __init__(self, rows: dict[str, int], tokens: torch.Tensor | None) -> None:
+    def __init__(self, rows: dict[str, int], tokens: torch.Tensor | None,
+                 lp: tuple[list[str], list[int], Sampled] | None = None) -> None:
         self.rows, self.tokens = rows, tokens
-        self._host, self._ready = tokens, None
+        self._host, self._ready, self._lp, self._lp_host = tokens, None, lp, None
+        if lp is not None:
+            s = lp[2]
+            self._lp_host = [s.logprobs, s.top_ids, s.top_logprobs]
         if tokens is not None and tokens.is_cuda:
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
+            self._host = _to_host(tokens)
+            if self._lp_host is not None:
+                self._lp_host = [None if t is None else _to_host(t) for t in self._lp_host]
             self._ready = torch.cuda.Event()
             self._ready.record()
 
@@ -308,3 +380,23 @@ class LaunchedStep:
         if self._ready is not None:
             self._ready.synchronize()
         return dict(zip(self.rows, self._host.tolist()))
+
+    def logprobs(self) -> dict[str, TokenLogprobs] | None:
+        """After `result()`: the sampled tokens' logprobs of the requests that asked for them."""
+        if self._lp is None:
+            return None
+        if self._ready is not None:
+            self._ready.synchronize()
+        ids, ks, _ = self._lp
+        lps, top_ids, top_lps = self._lp_host
+        lps = lps.tolist()
+        top_ids = top_ids.tolist() if top_ids is not None else None
+        top_lps = top_lps.tolist() if top_lps is not None else None
+        return {rid: TokenLogprobs(lps[i], tuple(top_ids[i][:k]) if k else (), tuple(top_lps[i][:k]) if k else ())
+                for i, (rid, k) in enumerate(zip(ids, ks))}
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    h.copy_(t, non_blocking=True)
+    return h

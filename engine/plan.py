@@ -33,6 +33,10 @@ class PlanRow:
     block_table: list[int]      # the blocks of positions 0 .. start + len(token_ids) - 1, in order
     sampling: SamplingParams
     samples: bool               # the chunk reaches the end of the known tokens: its last position yields one
+    num_prompt_tokens: int = 0  # the request's prompt length (min_tokens, penalties)
+    # prompt + output so far (PENDING_TOKEN where still on the device): only for sampling rows of
+    # requests with a presence / frequency / repetition penalty or a grammar, None otherwise (no copy)
+    history: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -32,7 +32,7 @@ from kvstore.hashing import hash_block
 from kvstore.tier_policy import PrefillSpeed
 from engine.plan import PENDING_TOKEN, BlockCopy, PlanRow, StepPlan
 from engine.request import Request, RequestStatus
-from runtime.types import FinishReason, KvReservation, RequestOutput
+from runtime.types import FinishReason, KvReservation, RequestOutput, TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -135,7 +135,9 @@ class Scheduler:
         bs = self.block_size
         plan.rows = [PlanRow(c.request.request_id, c.request.key, c.request.token_ids[c.start:c.start + c.num_tokens], c.start,
                              c.request.block_ids[:(c.start + c.num_tokens + bs - 1) // bs],
-                             c.request.sampling, c.samples)
+                             c.request.sampling, c.samples, c.request.num_prompt_tokens,
+                             list(c.request.token_ids) if c.samples and (c.request.sampling.penalized or
+                                                                         c.request.sampling.grammar is not None) else None)
                      for c in chunks]
         plan.finished, self._ended = self._ended, []
         return plan
@@ -290,8 +292,10 @@ class Scheduler:
                 chunk.sample_index = len(req.token_ids) - 1
             self._register_full_blocks(req)
 
-    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[RequestOutput]:
-        """The committed step finished on the device: write its sampled tokens in, apply stops."""
+    def update(self, plan: StepPlan, sampled: dict[str, int],
+               logprobs: dict[str, TokenLogprobs] | None = None) -> list[RequestOutput]:
+        """The committed step finished on the device: write its sampled tokens in, apply stops.
+        `logprobs`: the sampled tokens' logprobs, of the requests that asked for them."""
         self.release_deferred()                 # the step that might have written them is done
         outputs = []
         for chunk in self._steps.pop(plan.step_id, ()):
@@ -304,7 +308,10 @@ class Scheduler:
             req.token_ids[chunk.sample_index] = token
             req.num_pending -= 1
             self._register_full_blocks(req)
-            outputs.append(self._emit(req, chunk.sample_index))
+            out = self._emit(req, chunk.sample_index)
+            if logprobs and req.request_id in logprobs:
+                out.logprobs = [logprobs[req.request_id]]
+            outputs.append(out)
         return outputs
 
     def abandon(self, plan: StepPlan) -> None:

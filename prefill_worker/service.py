@@ -30,7 +30,7 @@ from runtime.types import EngineRequest, FinishReason, RequestId, RequestOutput
 from kvstore.transfer import KvTransferAgent, KvTransferError, TransferState
 from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from prefill_worker.admission import PrefillQueue
-from runtime.convert import sampling_from_pb
+from runtime.convert import logprob_to_pb, sampling_from_pb
 from runtime.logging import Throttled
 from runtime.metrics import WorkerMetrics
 
@@ -170,8 +170,11 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push to the decode worker failed ({state.name})")
         self.metrics.kv_transfer_bytes.labels(self.worker_id).inc(handle.num_bytes)
         self.metrics.kv_transfer_s.labels(self.worker_id).observe(elapsed)
-        return worker_pb2.PrefillResponse(first_token=out.new_token_ids[0], num_cached_tokens=out.num_cached_tokens,
+        resp = worker_pb2.PrefillResponse(first_token=out.new_token_ids[0], num_cached_tokens=out.num_cached_tokens,
                                           transfer_bytes=handle.num_bytes, transfer_s=elapsed)
+        if out.logprobs:
+            resp.first_logprob.CopyFrom(logprob_to_pb(out.new_token_ids[0], out.logprobs[0]))
+        return resp
 
 
 class _DrainTimeout(Exception):

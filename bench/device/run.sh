@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command on the GPU machine, from the repository root there:
-#   bench/device/run.sh [jit] [pytest] [bench] [bench_cc] [kernels] [correctness] [serve] [gemv] [compare] [startup] [profile] [tiers] [tiers_engine] ...
+#   bench/device/run.sh [jit] [pytest] [bench] [bench_cc] [kernels] [correctness] [serve] [gemv] [compare] [startup] [profile] [tiers] [tiers_engine] [sampling] ...
 # (jit: FlashInfer's JIT modules built in the background, all at once, for the stages after it;
 #  bench: the engine's defaults; bench_cc: the same with the CUDA-core decode kernel, to compare)
 # Installs the wheels from $WHL_DIRS (default: .whl .whl_web, carried beside the tree) into .site once,
@@ -63,6 +63,8 @@ for stage in "$@"; do
                --load-format dummy --device cuda --out "$OUT/h100-llama-3.1-8b.json" --name h100-llama-3.1-8b --startup-s 20.5 \
                ${PROFILE_ARGS:---prefill-tokens 128,512,1024,2048,4096,8192,16384,32768 --cached-fractions 0,0.5,0.9 --decode-batches 1,8,32,64,128,256 --decode-contexts 512,2048,8192,32768 --steps 16 --repeats 3} \
                2>&1 | tee "$OUT/profile.log" | grep -v Warning | tail -20 ;;
+    sampling) timeout "$(left 0 "${T_SAMPLING:-180}")" python3 bench/device/sampling_bench.py --out "$OUT/sampling_bench.jsonl" \
+                ${SAMPLING_ARGS:-} 2>&1 | tee "$OUT/sampling_bench.log" | grep -v Warning ;;
     gemv) timeout "$(left 0 120)" python3 bench/device/gemv_layouts.py --out "$OUT/gemv_layouts.jsonl" 2>&1 | grep -v Warning ;;
     tiers) # KV tiers: GPU tests of the G1<->G2 movers, then bench/kv_tiers_bench.py on the machine's disk
            # (needs only nixl and xxhash: WHL_DIRS=.whl_nixl with those wheels is enough)

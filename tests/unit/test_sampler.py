@@ -124,3 +124,120 @@ def test_a_tiny_positive_temperature_samples_like_greedy(temperature):
     out = sample(logits, params, [torch.Generator().manual_seed(1) for _ in range(2)])
     assert out == logits.argmax(-1).tolist()
 
+
+
+# ---- logits processors and logprobs (engine/sampling_state.py builds their inputs) -------------
+
+from engine.plan import PENDING_TOKEN, PlanRow  # noqa: E402
+from engine.sampler import sample_step, unpack_bitmask  # noqa: E402
+from engine.sampling_state import build_processing  # noqa: E402
+
+
+def _rows(params: list[SamplingParams], histories: list[list[int]], prompt_len: int = 3) -> list[PlanRow]:
+    """Decode rows whose sequences are `histories` (prompt_len prompt tokens, then the output)."""
+    return [PlanRow(str(i), i, [h[-1]], len(h) - 1, [0], p, True, prompt_len, list(h) if p.penalized else None)
+            for i, (p, h) in enumerate(zip(params, histories))]
+
+
+def _step(logits, params, histories, eos=frozenset(), prev_tokens=None, prev_rows=None, gens=None):
+    rows = _rows(params, histories)
+    proc = build_processing(rows, logits.shape[-1], eos, logits.device, prev_tokens, prev_rows)
+    return sample_step(logits, params, gens or [None] * len(params), None, proc), proc
+
+
+def test_no_options_builds_nothing():
+    rows = _rows([SamplingParams(), SamplingParams(temperature=0.0)], [[1, 2, 3], [4, 5, 6, 7]])
+    assert build_processing(rows, V, frozenset({0}), torch.device("cpu")) is None
+
+
+def test_logprobs_are_the_raw_log_softmax_whatever_the_processors():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, V, generator=g)
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.0, logprobs=5, logit_bias=((7, 50.0),)),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.7, logprobs=0, seed=1)]
+    s, _ = _step(logits, params, [[1, 2, 3]] * 3, gens=[None, None, torch.Generator().manual_seed(1)])
+    assert torch.equal(logits, before)               # the caller's logits are left alone
+    ref = torch.log_softmax(before, dim=-1)
+    assert s.tokens[0].item() == 7                   # the bias decided the sample ...
+    assert s.logprobs[0].item() == pytest.approx(ref[0, 7].item(), abs=1e-6)   # ... not the logprob
+    top = ref[0].topk(5)
+    assert s.top_ids[0].tolist() == top.indices.tolist()
+    assert torch.allclose(s.top_logprobs[0], top.values)
+    assert s.logprobs[1].item() == pytest.approx(ref[2, s.tokens[2]].item(), abs=1e-6)
+
+
+def test_logit_bias_forces_and_bans():
+    logits = torch.zeros(2, V)
+    params = [SamplingParams(temperature=1.0, logit_bias=((5, 100.0),)),
+              SamplingParams(temperature=1.0, logit_bias=tuple((t, -100.0) for t in range(V - 1)))]
+    for _ in range(20):
+        s, _ = _step(logits, params, [[1, 2, 3]] * 2)
+        assert s.tokens.tolist() == [5, V - 1]
+
+
+def test_min_tokens_bans_eos_and_stop_tokens_until_reached():
+    logits = torch.zeros(1, V)
+    logits[0, 0] = 10.0          # EOS is the argmax
+    logits[0, 9] = 9.0           # then a stop token
+    p = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=frozenset({9}))
+    assert _step(logits, [p], [[1, 2, 3]], eos=frozenset({0}))[0].tokens.tolist() != [0]   # 0 outputs so far
+    assert _step(logits, [p], [[1, 2, 3, 4]], eos=frozenset({0}))[0].tokens.tolist() not in ([0], [9])
+    assert _step(logits, [p], [[1, 2, 3, 4, 5]], eos=frozenset({0}))[0].tokens.tolist() == [0]   # 2 done
+    ig = SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True)
+    assert _step(logits, [ig], [[1, 2, 3]], eos=frozenset({0}))[0].tokens.tolist() == [0]   # EOS no stop
+
+
+def _penalized_reference(logits: torch.Tensor, p: SamplingParams, hist: list[int], prompt_len: int) -> torch.Tensor:
+    """One row, token by token, as vLLM defines the three penalties."""
+    x = logits.clone()
+    out = Counter(hist[prompt_len:])
+    for t in set(hist):
+        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    for t, c in out.items():
+        x[t] -= p.frequency_penalty * c + p.presence_penalty
+    return x
+
+
+def test_penalties_match_a_per_token_reference_with_a_pending_token():
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, V, generator=g) * 3
+    params = [SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.75, repetition_penalty=1.3),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, repetition_penalty=0.5, frequency_penalty=-1.0)]
+    hists = [[1, 2, 3, 4, 4, 4, 5, PENDING_TOKEN], [6, 7, 8], [2, 2, 9, 9, 10, PENDING_TOKEN]]
+    prev_tokens = torch.tensor([11, 4, 10])           # the previous step sampled 4 for row 0, 10 for row 2
+    s, proc = _step(logits, params, hists, prev_tokens=prev_tokens, prev_rows={"0": 1, "2": 2})
+    real = [[1, 2, 3, 4, 4, 4, 5, 4], None, [2, 2, 9, 9, 10, 10]]
+    for i in (0, 2):
+        want = _penalized_reference(logits[i], params[i], real[i], 3)
+        assert s.tokens[i].item() == want.argmax().item()
+    from engine.sampler import process_logits
+    got = process_logits(logits.clone(), proc)
+    for i in (0, 2):
+        assert torch.allclose(got[i], _penalized_reference(logits[i], params[i], real[i], 3))
+    assert torch.equal(got[1], logits[1])             # an unpenalized row is untouched
+
+
+def test_min_p_drops_tokens_below_the_fraction_of_the_top():
+    logits = logits_from_probs([0.5, 0.3, 0.15, 0.05])
+    p = SamplingParams(temperature=1.0, min_p=0.35)   # keeps p >= 0.175: tokens 0 and 1
+    gen = torch.Generator().manual_seed(0)
+    seen = Counter()
+    for _ in range(400):
+        s, _ = _step(logits[None], [p], [[1, 2, 3]], gens=[gen])
+        seen[s.tokens[0].item()] += 1
+    assert set(seen) == {0, 1}
+    assert seen[0] / 400 == pytest.approx(0.5 / 0.8, abs=0.08)
+
+
+def test_bitmask_unpacks_as_xgrammar_packs():
+    allowed = torch.zeros(2, 70, dtype=torch.bool)
+    allowed[0, [0, 31, 32, 69]] = True
+    allowed[1, 5] = True
+    words = torch.zeros(2, 3, dtype=torch.int64)
+    for r, t in allowed.nonzero().tolist():
+        words[r, t // 32] |= 1 << (t % 32)
+    packed = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)   # int32 bit pattern
+    assert torch.equal(unpack_bitmask(packed, 70), allowed)
