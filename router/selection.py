@@ -1,15 +1,24 @@
 """Worker selection: a pure function of candidates, prefix overlaps and loads (plus a seeded RNG).
 
-The KV policy's cost (Dynamo's formula) is
+The KV policy predicts each worker's time to first token for the prompt and takes the soonest:
+
+    cost(w) = wait(w) + prefill_s(prompt tokens not cached on w)
+
+wait(w) is when w would start the prompt (router/queues.py) and prefill_s comes from the workers'
+timing profile (router/cost.py), so a cached block is worth exactly the compute it saves and a
+queue is worth exactly its time. The KV_BLOCKS policy is Dynamo's formula, kept as a baseline:
 
     cost(w) = overlap_weight * (prompt blocks w would still have to prefill) + load(w)
 
-where load is a decode worker's active KV blocks or a prefill worker's queued prefill blocks.
-The cheapest worker wins, ties broken at random; with ``temperature > 0`` the pick is sampled
-from softmax(-cost / (max cost * temperature)), which spreads load among near-equal workers.
+where load is a decode worker's active KV blocks or a prefill worker's queued prefill blocks: two
+units (blocks to compute, blocks held by running requests) traded one for one.
+
+The cheapest worker wins; ties go to the preferred worker (a session's pin) if it is among them,
+else at random; with ``temperature > 0`` the pick is sampled from
+softmax(-(cost - min) / (max cost * temperature)), which spreads load among near-equal workers.
 The other policies ignore the cache and exist as baselines.
 
-It knows nothing of how overlaps or loads are measured.
+It knows nothing of how overlaps, queues or loads are measured.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import random
 from typing import Mapping, Sequence
 
 from router.config import RouterConfig, RoutingPolicy
+from router.cost import PrefillCost
 
 _TIE_EPS = 1e-9
 
@@ -41,13 +51,38 @@ class Selector:
             w = self._rng.choice(candidates)
         elif policy is RoutingPolicy.LEAST_LOADED:
             w = self._cheapest(candidates, [load[c] for c in candidates])
-        else:
+        else:   # KV_BLOCKS (the KV policy is select_ttft)
             costs = self.costs(candidates, prompt_blocks, overlaps, load)
             if self._config.temperature > 0:
                 return self._sample(candidates, costs)
             w = self._cheapest(candidates, costs)
             return w, costs[candidates.index(w)]
         return w, self.cost(w, prompt_blocks, overlaps, load)
+
+    def select_ttft(self, candidates: Sequence[str], num_tokens: int, block_size: int,
+                    overlaps: Mapping[str, float], busy_until: Mapping[str, float], now: float,
+                    prefill: PrefillCost, prefer: str | None = None,
+                    prefill_weight: float = 1.0) -> tuple[str, float, int]:
+        """The KV policy: the soonest predicted first token. Returns (worker, its predicted TTFT in
+        seconds, the prompt tokens it holds)."""
+        assert candidates
+        max_hit = (num_tokens - 1) // block_size * block_size
+        cold = prefill_weight * prefill.seconds(0, num_tokens)
+        costs = [max(busy_until[c] - now, 0.0) + cold for c in candidates]
+        cached = dict.fromkeys(candidates, 0) if overlaps else None
+        if overlaps:   # usually few workers hold any of the prompt: correct only theirs
+            for i, c in enumerate(candidates):
+                blocks = overlaps.get(c)
+                if blocks:
+                    hit = min(int(blocks) * block_size, max_hit)
+                    cached[c] = hit
+                    costs[i] += prefill_weight * prefill.seconds(hit, num_tokens) - cold
+        if self._config.temperature > 0:
+            w, cost = self._sample(candidates, costs)
+        else:
+            w = self._cheapest(candidates, costs, prefer)
+            cost = costs[candidates.index(w)]
+        return w, cost, cached[w] if cached else 0
 
     def cost(self, worker_id: str, prompt_blocks: int, overlaps: Mapping[str, float],
              load: Mapping[str, float]) -> float:
@@ -65,10 +100,12 @@ class Selector:
                     costs[i] -= weight * min(overlaps[c], prompt_blocks)
         return costs
 
-    def _cheapest(self, candidates: Sequence[str], costs: list[float]) -> str:
+    def _cheapest(self, candidates: Sequence[str], costs: list[float], prefer: str | None = None) -> str:
         best = min(costs)
         tied = [c for c, x in zip(candidates, costs) if x <= best + _TIE_EPS]
-        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        if len(tied) == 1:
+            return tied[0]
+        return prefer if prefer in tied else self._rng.choice(tied)
 
     def _sample(self, candidates: Sequence[str], costs: list[float]) -> tuple[str, float]:
         scale = max(max(costs), 1.0) * self._config.temperature

@@ -25,6 +25,7 @@ class RequestSpec:
     max_tokens: int
     make_prompt: Callable[[], np.ndarray]
     arrival_s: float = 0.0  # trace replay: when to send, from the start of the level
+    cache_key: str | None = None  # sent as OpenAI's prompt_cache_key (the router's affinity hint)
 
 
 @dataclass(slots=True)

@@ -8,6 +8,8 @@ import pytest
 
 from kvstore.events import BlockStored, KvEventBatch, Tier
 from kvstore.hashing import block_hashes
+from router.cost import PrefillCost
+from runtime.profile import CurveTiming
 from router import NoWorkerAvailable, Router, RouterConfig, RoutingPolicy, UnknownWorker, WorkerRole
 
 BS = 16
@@ -20,8 +22,9 @@ def make_router(n: int = 4, role: WorkerRole = WorkerRole.DECODE, **cfg) -> Rout
     return r
 
 
-def cache(r: Router, worker: str, hashes, seq: int = 1, tier: Tier = Tier.GPU) -> None:
-    r.apply_events(KvEventBatch(worker, seq, [BlockStored(tuple(hashes), None, tier)]))
+def cache(r: Router, worker: str, hashes, seq: int = 1, tier: Tier = Tier.GPU,
+          parent: int | None = None) -> None:
+    r.apply_events(KvEventBatch(worker, seq, [BlockStored(tuple(hashes), parent, tier)]))
 
 
 def prompt(seed: int, num_tokens: int = 256) -> list[int]:
@@ -36,7 +39,12 @@ def test_kv_policy_sends_a_prompt_to_the_worker_holding_its_prefix():
     cache(r, "w3", hs[:4])
     d = r.route("req", hs, len(toks), WorkerRole.DECODE)
     assert (d.worker_id, d.overlap_blocks, d.prefill_blocks) == ("w2", 12, 4)
-    assert d.cost == pytest.approx(4.0)
+    # the KV policy's cost is the predicted time to first token: no queue, 4 blocks to prefill
+    assert d.cost == pytest.approx(PrefillCost(CurveTiming()).seconds(12 * BS, 256))
+    blocks = make_router(policy=RoutingPolicy.KV_BLOCKS)      # Dynamo's formula, in blocks
+    cache(blocks, "w2", hs[:12])
+    d = blocks.route("req", hs, len(toks), WorkerRole.DECODE)
+    assert (d.worker_id, d.cost) == ("w2", pytest.approx(4.0))
 
 
 def test_load_keeps_a_shared_system_prompt_from_piling_onto_one_worker():
@@ -53,7 +61,7 @@ def test_load_keeps_a_shared_system_prompt_from_piling_onto_one_worker():
 
 
 def test_finishing_requests_releases_load_and_reports_replace_the_router_estimate():
-    r = make_router(n=2)
+    r = make_router(n=2, policy=RoutingPolicy.KV_BLOCKS)
     hs = block_hashes(prompt(3), BS)
     d = r.route("a", hs, 256, WorkerRole.DECODE)
     assert r.load(d.worker_id) == 16
@@ -77,7 +85,7 @@ def test_a_reported_prefill_queue_counts_as_decode_load():
 
 
 def test_a_busy_worker_loses_to_an_idle_one_once_load_outweighs_the_cached_prefix():
-    r = make_router(n=2, overlap_weight=1.0)
+    r = make_router(n=2, overlap_weight=1.0, policy=RoutingPolicy.KV_BLOCKS)
     hs = block_hashes(prompt(4), BS)             # 16 blocks
     cache(r, "w0", hs)
     r.update_worker_load("w0", active_blocks=10, waiting_prefill_tokens=0)
@@ -154,7 +162,7 @@ def test_router_reports_workers_needing_resync():
     cache(r, "w0", [3], seq=3)
     assert r.apply_events(KvEventBatch("w0", 4, [])).needs_resync
     assert r.workers_needing_resync() == ["w0"]
-    r.apply_snapshot("w0", 4, [(Tier.GPU, [1, 2, 3])])
+    r.apply_snapshot("w0", 4, [(Tier.GPU, [(1, None), (2, 1), (3, 2)])])
     assert r.workers_needing_resync() == [] and r.overlaps([1, 2, 3]) == {"w0": 3}
 
 
@@ -163,3 +171,18 @@ def test_bad_config_is_rejected():
         RouterConfig(overlap_weight=-1)
     with pytest.raises(ValueError):
         RouterConfig(gap_max_buffered=0)
+
+
+def test_kv_policy_leaves_a_cached_prefix_once_the_queue_there_costs_more_than_recomputing_it():
+    r = make_router(n=2)
+    cost = PrefillCost(CurveTiming())
+    hs = block_hashes(prompt(4), BS)             # 16 blocks, all cached on w0
+    cache(r, "w0", hs)
+    saved = cost.seconds(0, 256) - cost.seconds(15 * BS, 256)
+    tokens_per_s = 2048 / cost.seconds(0, 2048)
+    below = int(0.5 * saved * tokens_per_s)      # queued work worth half the saving
+    r.update_worker_load("w0", active_blocks=0, waiting_prefill_tokens=below)
+    assert r.route("a", hs, 256, WorkerRole.DECODE).worker_id == "w0"
+    r.finished("a")
+    r.update_worker_load("w0", active_blocks=0, waiting_prefill_tokens=4 * below + 4096)
+    assert r.route("b", hs, 256, WorkerRole.DECODE).worker_id == "w1"
