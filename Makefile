@@ -5,14 +5,14 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODEL_ARGS ?=
 
-.PHONY: serve test proto install clean
+.PHONY: serve test helm-check proto install clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# the CPU wheel of torch lies on this machine's disk; an unpinned torch pulls a CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[engine,test,chart]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -20,8 +20,12 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/splitserve serve $(MODEL_ARGS)
 
-test: $(STAMP)
+test: $(STAMP) helm-check
 	$(BIN)/python -m pytest -q tests
+
+# the chart renders, lints and validates for each value set in helm/splitserve/ci/; the Dockerfiles lint
+helm-check: $(STAMP)
+	$(BIN)/python helm/check.py
 
 proto: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/splitserve/v1/*.proto

@@ -8,6 +8,7 @@ workers can push prompts' KV into it.
 from __future__ import annotations
 
 import asyncio
+import time
 import logging
 
 from decode_worker.remote_prefill import RemotePrefillClient
@@ -16,19 +17,25 @@ from engine.engine import Engine, EngineLoop
 from kvstore.transfer import KvTransferAgent, nixl_available
 from proto.splitserve.v1 import worker_pb2_grpc
 from runtime.config import WorkerConfig
+from runtime.process import process_age_s
 from runtime.worker_host import WorkerHost, make_worker_id
 
 log = logging.getLogger(__name__)
 
 
 async def serve_worker(cfg: WorkerConfig) -> None:
+    startup_s = {"process_start_to_main": round(process_age_s(), 3)}    # interpreter + imports
     worker_id = make_worker_id(cfg)
+    t0 = time.perf_counter()
     engine = await asyncio.to_thread(Engine, cfg.engine)
+    startup_s["engine"] = round(time.perf_counter() - t0, 3)
     host = WorkerHost(cfg, worker_id)
     service = WorkerService(worker_id, cfg.role, cfg.engine.block_size, lambda: loop.stats, host.publisher)
     agent = None
     if cfg.role == "decode" and nixl_available():
+        t0 = time.perf_counter()
         agent = KvTransferAgent(worker_id, engine.runner.kv_cache)
+        startup_s["nixl_agent"] = round(time.perf_counter() - t0, 3)
     remote: RemotePrefillClient | None = None
     # reservations only arise for Submits naming a prefill worker, which needs `remote` to exist
     loop = EngineLoop(engine, service.on_outputs, on_events=host.events_sink,
@@ -40,4 +47,4 @@ async def serve_worker(cfg: WorkerConfig) -> None:
     service.attach(loop, remote)
     loop.start()
     worker_pb2_grpc.add_WorkerServicer_to_server(service, host.server)
-    await host.serve(loop, f"worker {worker_id} ({cfg.role}, max_model_len {engine.max_model_len})", agent)
+    await host.serve(loop, f"worker {worker_id} ({cfg.role}, max_model_len {engine.max_model_len})", agent, startup_s)

@@ -1,4 +1,4 @@
-"""Decode side of the prefill → decode handoff (DESIGN.md §2, steps 3–5).
+"""Decode side of the prefill → decode handoff (docs/architecture.md, steps 3–5).
 
 For a request whose Submit names a prefill worker P, the engine first reserves blocks for the
 whole prompt (reusing this worker's own cached prefix). Then, here: connect to P once per pair

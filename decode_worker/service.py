@@ -18,8 +18,7 @@ import grpc
 
 from decode_worker.remote_prefill import RemotePrefillClient
 from engine.engine import EngineLoop
-from engine.request import Request
-from runtime.types import RequestOutput, SessionId
+from runtime.types import EngineRequest, RequestId, RequestOutput, SessionId
 from proto.splitserve.v1 import worker_pb2
 from runtime.convert import FINISH_TO_PB, sampling_from_pb
 from runtime.worker_host import StatusService
@@ -99,12 +98,13 @@ class WorkerService(StatusService):
                 if kind == "submit":
                     s = msg.submit
                     session.active.add(s.request_id)
-                    req = Request.new(s.request_id, list(s.prompt_token_ids), sampling_from_pb(s.sampling),
-                                      list(s.output_token_ids), session=session.id)
+                    sampling = sampling_from_pb(s.sampling)
                     target = s.remote_prefill
-                    if target.prefill_address and self.remote is not None:
-                        req.remote_prefill = self.remote.expect(req.request_id, target, req.sampling)
-                    self.engine_loop.submit(req)
+                    remote = bool(target.prefill_address) and self.remote is not None \
+                        and self.remote.expect(s.request_id, target, sampling)
+                    self.engine_loop.submit(EngineRequest(
+                        RequestId(s.request_id), list(s.prompt_token_ids), sampling, list(s.output_token_ids),
+                        session=session.id, remote_prefill=remote))
                 elif kind == "cancel":
                     rid = msg.cancel.request_id
                     if rid in session.active:

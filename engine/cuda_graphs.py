@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from engine.attention.base import AttentionMetadata
+from engine.step_inputs import HostStep, PendingInputs, empty_step
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.capture_s = 0.0
+        self.first_capture_s = 0.0                  # the first (largest) graph: pays lazy inits and JIT
 
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.max_batch
@@ -54,7 +56,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         t0 = time.perf_counter()
         pool = None
-        empty = _empty_step()
+        empty = empty_step()
         for b in reversed(self.sizes):            # largest first: smaller graphs reuse its pool
             self._prepare(empty, b)
             self.static[:4].copy_(self.host[:4])
@@ -65,14 +67,17 @@ class DecodeGraphs:
                 self.logits[b] = self._forward(b)
             pool = g.pool()
             self.graphs[b] = g
+            if len(self.graphs) == 1:
+                torch.cuda.synchronize()
+                self.first_capture_s = time.perf_counter() - t0
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - t0
         log.info("captured %d decode graphs (batch %s) in %.1f s", len(self.sizes), self.sizes, self.capture_s)
 
-    def run(self, step, pending=None) -> torch.Tensor:
+    def run(self, step: HostStep, pending: PendingInputs | None = None) -> torch.Tensor:
         """Replay the graph for `step` (a decode-only HostStep); returns logits (S, V) float32,
-        a view of the graph's output that the next replay overwrites. `pending`: the step's
-        model_runner.PendingInputs, input ids still on the device."""
+        a view of the graph's output that the next replay overwrites. `pending`: the step's input
+        ids still on the device."""
         s = len(step.query_lens)
         b = self.padded_size(s)
         self.copied.synchronize()
@@ -93,7 +98,7 @@ class DecodeGraphs:
         hidden = self.model(st[0, :b], st[1, :b], self.backend, self.kv_cache)
         return self.model.compute_logits(hidden)
 
-    def _prepare(self, step, b: int) -> None:
+    def _prepare(self, step: HostStep, b: int) -> None:
         """Fill the pinned staging rows and plan the backend for batch b (step padded with scratch rows)."""
         s, bs, h = len(step.query_lens), self.block_size, self.host_np
         scratch_row = self.scratch_block * 2 * bs
@@ -114,11 +119,3 @@ class DecodeGraphs:
             kv_last_page_len_host=last)
         self.backend.plan_graph(b, md, self.static[2:4], self.max_num_pages)
 
-
-def _empty_step():
-    from engine.model_runner import HostStep
-    z64, z32 = np.zeros(0, np.int64), np.zeros(0, np.int32)
-    return HostStep(input_ids=z64, positions=z64, slots=z64, kv_rows=np.zeros((2, 0), np.int64),
-                    sample_rows=z64, qo_indptr=np.zeros(1, np.int32), kv_indptr=np.zeros(1, np.int32),
-                    kv_indices=z32, kv_last_page_len=z32, query_lens=[], context_lens=[],
-                    block_tables=[], samples=[], pending_rows=z64, pending_seqs=z64)

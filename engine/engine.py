@@ -1,8 +1,10 @@
 """The engine step: schedule → execute → update, and the thread that runs it.
 
-`Engine` is single-threaded. `EngineLoop` runs it on its own thread, fed by a queue of commands,
-so that gRPC, Redis and detokenization never wait on the model and the model never waits on them.
-Outputs leave through a callback called on the engine thread; the caller hops them onto its event
+`Engine` is single-threaded: `add_request` takes a plain `EngineRequest`, and `step()` returns one
+`StepResult` (the step's outputs, the KV events and the remote-prefill reservations it caused).
+`EngineLoop` runs it on its own thread, fed by a queue of typed commands (engine/commands.py), so
+that gRPC, Redis and detokenization never wait on the model and the model never waits on them.
+Results leave through callbacks called on the engine thread; the caller hops them onto its event
 loop.
 
 With async scheduling (the default on CUDA) a call to `step()` schedules and launches step N+1
@@ -18,16 +20,17 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from kvstore.block_pool import BlockPool
 from kvstore.events import KvEvent
-from engine.model_runner import ModelRunner
+from engine.commands import (Abort, AddRequest, Command, KvArrived, KvFailed, ReleaseHeld, RunOnEngine, Wake)
+from engine.plan import StepPlan
 from engine.request import Request
-from runtime.types import FinishReason, KvReservation, RequestOutput
-from engine.scheduler import ScheduledChunk, Scheduler
+from engine.scheduler import Scheduler
 from runtime.config import EngineConfig
+from runtime.types import EngineRequest, FinishReason, KvReservation, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +51,18 @@ class EngineStats:
     num_held: int = 0
 
 
+@dataclass(slots=True)
+class StepResult:
+    """What one call of `Engine.step()` produced."""
+    outputs: list[RequestOutput] = field(default_factory=list)
+    events: list[KvEvent] = field(default_factory=list)            # blocks stored / removed
+    reservations: list[KvReservation] = field(default_factory=list)  # remote prefills to start
+
+
 class Engine:
-    def __init__(self, cfg: EngineConfig, runner: ModelRunner | None = None) -> None:
+    def __init__(self, cfg: EngineConfig, runner=None) -> None:
         self.cfg = cfg
-        self.runner = runner or (_mock_runner(cfg) if cfg.mock else ModelRunner(cfg))
+        self.runner = runner or (_mock_runner(cfg) if cfg.mock else _model_runner(cfg))
         self.max_model_len = min(self.runner.max_model_len, self.runner.num_blocks * cfg.block_size)
         self.pool = BlockPool(self.runner.num_blocks, enable_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, cfg.block_size, self.max_model_len, cfg.max_num_seqs,
@@ -60,10 +71,11 @@ class Engine:
         if overlap is None:          # on where a device runs steps beside the host (or the mock models one)
             overlap = self.runner.device.type == "cuda" or cfg.mock
         self.async_scheduling = bool(overlap) and hasattr(self.runner, "launch")
-        self._in_flight: tuple[list[ScheduledChunk], object] | None = None   # launched, not yet updated
+        self._in_flight: tuple[StepPlan, object] | None = None   # launched, not yet updated
 
-    def add_request(self, request: Request) -> RequestOutput | None:
+    def add_request(self, spec: EngineRequest) -> RequestOutput | None:
         """Queue a request; returns an immediate error output if it can never run here."""
+        request = Request.of(spec)
         if request.num_tokens >= self.max_model_len or not request.prompt_token_ids:
             return RequestOutput(request.request_id, [], FinishReason.ERROR, 0, request.session,
                                  error=f"prompt of {request.num_tokens} tokens does not fit the context "
@@ -74,33 +86,53 @@ class Engine:
     def abort_request(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id) is not None
 
-    def step(self) -> list[RequestOutput]:
+    def kv_arrived(self, request_id: str, first_token: int) -> RequestOutput | None:
+        """Decode side: the prompt's KV landed in the reserved blocks; continue from `first_token`."""
+        return self.scheduler.kv_arrived(request_id, first_token)
+
+    def kv_failed(self, request_id: str) -> None:
+        """Decode side: the remote prefill failed; compute the prompt here, in the blocks we hold."""
+        self.scheduler.kv_failed(request_id)
+
+    def release_held(self, request_id: str) -> None:
+        """Prefill side: unpin a finished hold_blocks request's blocks."""
+        self.scheduler.release_held(request_id)
+
+    def step(self) -> StepResult:
+        """Run one step if there is work (schedule → launch → commit → update), and collect what the
+        step, and the commands handled since the last one, produced. Cheap when idle."""
+        return StepResult(self._run_step() if self.has_work else [], self.pool.take_events(),
+                          self.scheduler.take_reservations())
+
+    def _run_step(self) -> list[RequestOutput]:
         sched = self.scheduler
-        chunks = sched.schedule()
+        plan = sched.schedule()
         if not self.async_scheduling:
-            if not chunks:
+            if not plan:
                 return []
-            sampled = self.runner.execute(chunks)
-            sched.commit(chunks)
-            return sched.update(chunks, sampled)
+            try:
+                sampled = self.runner.execute(plan)
+            except BaseException:
+                sched.abandon(plan)
+                raise
+            sched.commit(plan)
+            return sched.update(plan, sampled)
         prev, self._in_flight = self._in_flight, None
+        launched_plan = None
         try:
-            if chunks:
-                launched = self.runner.launch(chunks, prev[1] if prev else None)
-                sched.commit(chunks)
-                self._in_flight = (chunks, launched)
+            if plan:
+                launched_plan = plan
+                launched = self.runner.launch(plan, prev[1] if prev else None)
+                sched.commit(plan)
+                self._in_flight = (plan, launched)
             return sched.update(prev[0], prev[1].result()) if prev else []
         except BaseException:
             self._in_flight = None
+            for p in (prev[0] if prev else None, launched_plan):
+                if p is not None:
+                    sched.abandon(p)
             sched.release_deferred()
             raise
-
-    def take_events(self) -> list[KvEvent]:
-        return self.pool.take_events()
-
-    def take_reservations(self) -> list[KvReservation]:
-        out, self.scheduler.reservations = self.scheduler.reservations, []
-        return out
 
     def stats(self) -> EngineStats:
         s = self.scheduler
@@ -118,6 +150,15 @@ class Engine:
 def _mock_runner(cfg: EngineConfig):
     from engine.mock_runner import MockModelRunner
     return MockModelRunner(cfg)
+
+
+def _model_runner(cfg: EngineConfig):
+    t0 = time.perf_counter()
+    from engine.model_runner import ModelRunner
+    imported_s = time.perf_counter() - t0
+    runner = ModelRunner(cfg)
+    runner.startup_s = {"runner_imports": round(imported_s, 3), **runner.startup_s}
+    return runner
 
 
 class EngineLoop:
@@ -139,66 +180,69 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, request: Request) -> None:
-        self._inbox.put(("add", request))
+    def submit(self, request: EngineRequest) -> None:
+        self._inbox.put(AddRequest(request))
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(Abort(request_id))
 
     def kv_arrived(self, request_id: str, first_token: int) -> None:
-        self._inbox.put(("kv_arrived", (request_id, first_token)))
+        self._inbox.put(KvArrived(request_id, first_token))
 
     def kv_failed(self, request_id: str) -> None:
-        self._inbox.put(("kv_failed", request_id))
+        self._inbox.put(KvFailed(request_id))
 
     def release_held(self, request_id: str) -> None:
-        self._inbox.put(("release", request_id))
+        self._inbox.put(ReleaseHeld(request_id))
 
     def call(self, fn: Callable[[Engine], object]) -> Future:
         """Run fn(engine) on the engine thread between steps (e.g. a consistent snapshot)."""
         fut: Future = Future()
-        self._inbox.put(("call", (fn, fut)))
+        self._inbox.put(RunOnEngine(fn, fut))
         return fut
 
     def stop(self) -> None:
         self._stop.set()
-        self._inbox.put(("wake", None))
+        self._inbox.put(Wake())
         self._thread.join(timeout=10)
 
     def _drain(self, block: bool) -> None:
         try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            cmd = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
-            self._handle(*item)
+            self._handle(cmd)
             try:
-                item = self._inbox.get_nowait()
+                cmd = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
-    def _handle(self, kind: str, payload) -> None:
+    def _handle(self, cmd: Command) -> None:
         eng = self.engine
-        if kind == "add":
-            err = eng.add_request(payload)
-            if err is not None:
-                self._on_outputs([err])
-        elif kind == "abort":
-            eng.abort_request(payload)
-        elif kind == "kv_arrived":
-            out = eng.scheduler.kv_arrived(*payload)
-            if out is not None:
-                self._on_outputs([out])
-        elif kind == "kv_failed":
-            eng.scheduler.kv_failed(payload)
-        elif kind == "release":
-            eng.scheduler.release_held(payload)
-        elif kind == "call":
-            fn, fut = payload
-            try:
-                fut.set_result(fn(eng))
-            except Exception as e:  # returned to the caller, not fatal to the loop
-                fut.set_exception(e)
+        out = None
+        match cmd:
+            case AddRequest(request):
+                out = eng.add_request(request)
+            case Abort(request_id):
+                eng.abort_request(request_id)
+            case KvArrived(request_id, first_token):
+                out = eng.kv_arrived(request_id, first_token)
+            case KvFailed(request_id):
+                eng.kv_failed(request_id)
+            case ReleaseHeld(request_id):
+                eng.release_held(request_id)
+            case RunOnEngine(fn, fut):
+                try:
+                    fut.set_result(fn(eng))
+                except Exception as e:  # returned to the caller, not fatal to the loop
+                    fut.set_exception(e)
+            case Wake():
+                pass
+            case _:
+                raise TypeError(f"not an engine command: {cmd!r}")
+        if out is not None:
+            self._on_outputs([out])
 
     def _run(self) -> None:
         eng = self.engine
@@ -206,20 +250,17 @@ class EngineLoop:
             self._drain(block=not eng.has_work)
             if self._stop.is_set():
                 break
-            if eng.has_work:
-                try:
-                    outputs = eng.step()
-                except Exception:
-                    log.exception("engine step failed; failing the running requests")
-                    outputs = self._fail_all()
-                if outputs:
-                    self._on_outputs(outputs)
-            reservations = eng.take_reservations()
-            if reservations and self._on_reservations:
-                self._on_reservations(reservations)
-            events = eng.take_events()
-            if events and self._on_events:
-                self._on_events(events)
+            try:
+                result = eng.step()
+            except Exception:
+                log.exception("engine step failed; failing the running requests")
+                result = StepResult(self._fail_all(), eng.pool.take_events(), eng.scheduler.take_reservations())
+            if result.outputs:
+                self._on_outputs(result.outputs)
+            if result.reservations and self._on_reservations:
+                self._on_reservations(result.reservations)
+            if result.events and self._on_events:
+                self._on_events(result.events)
             # stats walk every queued request; readers poll them at most every 0.5 s, so refresh at
             # most every STATS_INTERVAL_S while busy (always once the engine goes idle)
             now = time.monotonic()

@@ -15,9 +15,9 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from engine.model import CausalLM
+from engine.weights_io import iter_tensors
 from runtime.model_config import ModelConfig
 from runtime.errors import InvalidRequest
 
@@ -51,24 +51,24 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, devi
                    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     loaded: set[str] = set()
     for path in _shard_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                tensor = f.get_tensor(name)
-                target = _target_name(name, fused_parts)
-                if target is None:
-                    continue
-                dest, part = target
-                if part is None:
-                    _copy(params, dest, tensor)
-                    loaded.add(dest)
-                    continue
-                group = pending.setdefault(dest, {})
-                group[part] = tensor
-                n_parts = 3 if "qkv" in dest else 2
-                if len(group) == n_parts:
-                    _copy(params, dest, torch.cat([group[i] for i in sorted(group)], dim=0))
-                    loaded.add(dest)
-                    del pending[dest]
+        # straight to the device (engine/weights_io.py): the fused q|k|v and gate|up concatenations
+        # then run there, not on one host core
+        for name, tensor in iter_tensors(path, device):
+            target = _target_name(name, fused_parts)
+            if target is None:
+                continue
+            dest, part = target
+            if part is None:
+                _copy(params, dest, tensor)
+                loaded.add(dest)
+                continue
+            group = pending.setdefault(dest, {})
+            group[part] = tensor
+            n_parts = 3 if "qkv" in dest else 2
+            if len(group) == n_parts:
+                _copy(params, dest, torch.cat([group[i] for i in sorted(group)], dim=0))
+                loaded.add(dest)
+                del pending[dest]
     if cfg.tie_word_embeddings or "lm_head.weight" not in loaded:
         model.lm_head.weight = model.embed_tokens.weight
         loaded.add("lm_head.weight")

@@ -1,6 +1,6 @@
 """The timing-model mock engine: a drop-in for `ModelRunner` that runs no model.
 
-`MockModelRunner.launch(chunks)` queues a step on the modelled device: it starts when the previous
+`MockModelRunner.launch(plan)` queues a step on the modelled device: it starts when the previous
 step ends and lasts as long as a timing model says; `result()` sleeps until then and returns one
 pseudo-random token per sampling chunk (`execute` = launch + result). So with async scheduling —
 on by default for the mock, as on a GPU — the engine's host work overlaps the modelled step. Everything around it
@@ -23,7 +23,7 @@ import torch
 import xxhash
 
 from runtime.model_config import ModelConfig
-from engine.scheduler import ScheduledChunk
+from engine.plan import StepPlan
 from runtime.config import EngineConfig
 from runtime.profile import DEFAULT_KV_TOKENS, DEFAULT_MAX_MODEL_LEN, StepTiming, load_timing
 
@@ -50,18 +50,20 @@ class MockModelRunner:
                  type(self.timing).__name__, self.num_blocks, cfg.block_size, self.max_model_len,
                  self.model_config.vocab_size)
 
-    def execute(self, chunks: list[ScheduledChunk]) -> dict[str, int]:
+    def execute(self, plan: StepPlan) -> dict[str, int]:
         """Wait as long as the step would run on the device; return the sampled tokens."""
-        return self.launch(chunks).result()
+        return self.launch(plan).result()
 
-    def launch(self, chunks: list[ScheduledChunk], prev=None) -> "MockLaunch":
+    def launch(self, plan: StepPlan, prev=None) -> "MockLaunch":
         """Queue the step behind the previous one on the modelled device. Tokens depend on
         (request, position) only, so a pending input token (`prev`'s) needs no reading."""
+        if plan.copies:
+            raise NotImplementedError("the mock runner models no KV tiers yet")
         start = max(self._clock(), self._device_free_at)    # the bookkeeping below is inside the step
-        step_s = self.timing.step_s([(c.start, c.num_tokens) for c in chunks])
-        out = {c.request.request_id: self.token(c.request.request_id, c.start + c.num_tokens,
-                                                c.request.sampling.stop_token_ids)
-               for c in chunks if c.samples}
+        rows = plan.rows
+        step_s = self.timing.step_s([(r.start, r.num_tokens) for r in rows])
+        out = {r.request_id: self.token(r.request_id, r.start + r.num_tokens, r.sampling.stop_token_ids)
+               for r in rows if r.samples}
         self.num_steps += 1
         self.busy_s += step_s
         self._device_free_at = start + step_s

@@ -10,7 +10,7 @@ fused kernels (`use_flashinfer_kernels`): add+RMSNorm in one kernel, RoPE in pla
 projection output, SiLU·mul in one kernel. At batch 1 a decode step is ~10 kernels per layer
 instead of ~30, which matters because each kernel costs ~2-3 µs even inside a CUDA graph. Where
 Triton runs and the backend lets the model write K/V itself, RoPE and the K/V cache write are one
-more fused kernel (engine/kernels/rope_kv.py; SPLITSERVE_FUSED_ROPE_KV=0 turns it off).
+more fused kernel (engine/kernels/rope_kv.py; EngineConfig.fused_rope_kv=False turns it off).
 The residual stream is carried beside the sublayer output (`x, residual`) so the add fuses into the
 next norm. Both kernel sets round as FlashInfer's kernels do: add, norm × weight and SiLU·mul are
 computed in float32 and rounded to the model dtype once (the residual sum is stored rounded, the norm
@@ -19,8 +19,6 @@ SiLU·mul; in float32 the two are the same, in bf16 this is the closer one to fl
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -172,10 +170,10 @@ class CausalLM(nn.Module):
         if self.lm_head.weight is not self.embed_tokens.weight:
             self.lm_head = InputMajorLinear(self.lm_head)
 
-    def use_flashinfer_kernels(self, flashinfer_module) -> None:
+    def use_flashinfer_kernels(self, flashinfer_module, fused_rope_kv: bool = True) -> None:
         """Switch norms, RoPE and SiLU·mul to FlashInfer's fused kernels (None: back to torch), and
-        RoPE + K/V write to the Triton kernel where it runs."""
-        rope_kv = _fused_rope_kv(self.cfg.head_dim) if flashinfer_module else None
+        RoPE + K/V write to the Triton kernel where it runs (unless `fused_rope_kv` is off)."""
+        rope_kv = _fused_rope_kv(self.cfg.head_dim) if flashinfer_module and fused_rope_kv else None
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention, MLP)):
                 m.fi = flashinfer_module
@@ -207,9 +205,7 @@ _MM_OUT_DTYPE = [True]   # torch.mm(..., out_dtype=) available here (checked on 
 
 
 def _fused_rope_kv(head_dim: int):
-    """The fused RoPE + K/V-write kernel, or None where Triton or CUDA is missing, the head dim is
-    not one it handles, or SPLITSERVE_FUSED_ROPE_KV=0 (to compare against the unfused kernels)."""
-    if os.environ.get("SPLITSERVE_FUSED_ROPE_KV", "1") == "0":
-        return None
+    """The fused RoPE + K/V-write kernel, or None where Triton or CUDA is missing or the head dim is
+    not one it handles."""
     from engine.kernels import rope_kv
     return rope_kv.rope_and_write_kv if rope_kv.available() and rope_kv.supports(head_dim) else None

@@ -9,20 +9,19 @@ A step's inputs are built on the host with numpy from per-sequence values (no pe
 loop except copying the chunk's token ids) and reach the device in one copy from a pinned buffer.
 Decode-only steps that fit a captured batch size replay a CUDA graph; other steps run eagerly.
 
-`launch(chunks, prev)` queues a step and its sampling on the device and returns a `LaunchedStep`
-whose `result()` waits for the sampled ids; nothing in between waits for the device. Tokens still
-pending on the host (request.PENDING_TOKEN, sampled by `prev`) are gathered from `prev`'s device
-tensor of sampled ids. `execute(chunks)` is launch + result.
+`launch(plan, prev)` queues a step (an engine/plan.py `StepPlan`: plain data, the only thing a runner
+reads) and its sampling on the device and returns a `LaunchedStep` whose `result()` waits for the
+sampled ids; nothing in between waits for the device. Tokens still pending on the host
+(PENDING_TOKEN, sampled by `prev`) are gathered from `prev`'s device tensor of sampled ids.
+`execute(plan)` is launch + result. Per-request state that outlives a step (the generator of a
+seeded request) lives here, keyed by the row's `key` (one per admission), and is dropped when a plan lists the request as
+finished.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
-from dataclasses import dataclass
-from typing import NamedTuple
-
 import numpy as np
 import torch
 
@@ -30,9 +29,9 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention.torch_backend import TorchAttention
 from engine.loader import load_model
 from runtime.model_config import ModelConfig
-from engine.request import PENDING_TOKEN, Request
+from engine.plan import StepPlan
 from engine.sampler import sample_on_device
-from engine.scheduler import ScheduledChunk
+from engine.step_inputs import HostStep, PendingInputs, build_host_step
 from runtime.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -107,85 +106,11 @@ def _flashinfer_available() -> bool:
         return False
 
 
-@dataclass(slots=True)
-class HostStep:
-    """One step's inputs on the host (numpy; int64 unless noted). T tokens, S sequences."""
-    input_ids: np.ndarray          # (T,)
-    positions: np.ndarray          # (T,)
-    slots: np.ndarray              # (T,) block * block_size + offset
-    kv_rows: np.ndarray            # (2, T) rows of the new key / value in the (N*2*bs, Hkv, D) layer view
-    sample_rows: np.ndarray        # (R,) rows whose logits are sampled
-    qo_indptr: np.ndarray          # (S+1,) int32
-    kv_indptr: np.ndarray          # (S+1,) int32
-    kv_indices: np.ndarray         # (pages,) int32
-    kv_last_page_len: np.ndarray   # (S,) int32
-    query_lens: list[int]
-    context_lens: list[int]
-    block_tables: list[list[int]]
-    samples: list[bool]            # per sequence: its chunk yields a token
-    pending_rows: np.ndarray       # (P,) rows of input_ids that are PENDING_TOKEN (read from the device)
-    pending_seqs: np.ndarray       # (P,) the sequence of each
-
-    @property
-    def is_decode_only(self) -> bool:
-        return len(self.input_ids) == len(self.query_lens)
-
-
-def build_host_step(chunks: list[ScheduledChunk], block_size: int) -> HostStep:
-    bs, n = block_size, len(chunks)
-    starts = np.fromiter((c.start for c in chunks), np.int64, n)
-    lens = np.fromiter((c.num_tokens for c in chunks), np.int64, n)
-    ctx = starts + lens
-    qo_indptr = np.zeros(n + 1, np.int64)
-    np.cumsum(lens, out=qo_indptr[1:])
-    num_tokens = int(qo_indptr[-1])
-    if num_tokens == n:                                   # decode-only: one token each
-        ids = [c.request.token_ids[c.start] for c in chunks]
-        seq = np.arange(n)
-        positions = starts
-    else:
-        ids = []
-        for c in chunks:
-            ids += c.request.token_ids[c.start:c.start + c.num_tokens]
-        seq = np.repeat(np.arange(n), lens)
-        positions = np.arange(num_tokens) - qo_indptr[seq] + starts[seq]
-    num_pages = (ctx + bs - 1) // bs
-    kv_indptr = np.zeros(n + 1, np.int64)
-    np.cumsum(num_pages, out=kv_indptr[1:])
-    tables = [c.request.block_ids for c in chunks]
-    flat: list[int] = []
-    for table, p in zip(tables, num_pages.tolist()):
-        flat += table[:p]
-    kv_indices = np.array(flat, np.int64)
-    offsets = positions % bs
-    pages = kv_indices[kv_indptr[seq] + positions // bs]
-    k_rows = pages * (2 * bs) + offsets
-    samples = [c.samples for c in chunks]
-    input_ids = np.array(ids, np.int64)
-    pending_rows = np.flatnonzero(input_ids == PENDING_TOKEN)
-    return HostStep(
-        input_ids=input_ids, positions=positions, slots=pages * bs + offsets,
-        kv_rows=np.stack([k_rows, k_rows + bs]), sample_rows=(qo_indptr[1:] - 1)[np.array(samples, bool)],
-        qo_indptr=qo_indptr.astype(np.int32), kv_indptr=kv_indptr.astype(np.int32),
-        kv_indices=kv_indices.astype(np.int32), kv_last_page_len=(ctx - (num_pages - 1) * bs).astype(np.int32),
-        query_lens=lens.tolist(), context_lens=ctx.tolist(), block_tables=tables, samples=samples,
-        pending_rows=pending_rows, pending_seqs=seq[pending_rows])
-
-
-class PendingInputs(NamedTuple):
-    """Input rows whose token id is only on the device yet: ids[rows] = tokens[index]."""
-    rows: np.ndarray          # (P,) rows of the step's input ids (int64)
-    index: np.ndarray         # (P,) where each id is in `tokens` (int64)
-    tokens: torch.Tensor      # the previous step's sampled ids, on the device
-
-    def gather_into(self, ids: torch.Tensor, rows: torch.Tensor, index: torch.Tensor) -> None:
-        """Write the ids into `ids` on the device; `rows`, `index`: this tuple's arrays, uploaded."""
-        ids.index_copy_(0, rows, self.tokens.index_select(0, index))
-
-
 class ModelRunner:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
+        self.startup_s: dict[str, float] = {}          # where start-up time went, by phase
+        phase = _Phases(self.startup_s, cfg.device != "cpu" and torch.cuda.is_available())
         self.model_config = ModelConfig.from_dir(cfg.model)
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
@@ -193,23 +118,27 @@ class ModelRunner:
         torch.manual_seed(cfg.seed)
         self.model = load_model(cfg.model, self.model_config, self.dtype, self.device,
                                 cfg.load_format, cfg.seed)
+        phase("weights")
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.model.setup_rope(self.max_model_len, self.device)
-        if self.device.type == "cuda" and os.environ.get("SPLITSERVE_INPUT_MAJOR_WEIGHTS", "1") != "0":
+        if self.device.type == "cuda" and cfg.input_major_weights:
             self.model.use_input_major_weights()
+        phase("rope_and_layout")
         self.num_blocks = cfg.num_blocks or self._blocks_that_fit()
         self.scratch_block = self.num_blocks
         mc = self.model_config
         self.kv_cache = torch.zeros(mc.num_layers, self.num_blocks + 1, 2, cfg.block_size, mc.num_kv_heads,
                                     mc.head_dim, dtype=self.kv_dtype, device=self.device)
+        phase("kv_cache")
         self.backend = make_backend(cfg, mc, self.device, self.dtype, self.kv_dtype, self.max_model_len)
         self._fi = None
         if self.backend.name == "flashinfer":
             import flashinfer
             self._fi = flashinfer                    # sampling
-            if os.environ.get("SPLITSERVE_FUSED_KERNELS", "1") != "0":   # 0: the model's torch ops
-                self.model.use_flashinfer_kernels(flashinfer)
+            if cfg.fused_kernels:                    # off: the model's torch ops
+                self.model.use_flashinfer_kernels(flashinfer, fused_rope_kv=cfg.fused_rope_kv)
+        phase("attention_backend")
         self._pinned = self.device.type == "cuda"
         self._staging = torch.zeros(0, dtype=torch.int64)
         self._staging_free = torch.cuda.Event() if self._pinned else None   # the last H2D copy is done
@@ -222,8 +151,11 @@ class ModelRunner:
                                        self.device)
             self.graphs.capture()
             self.use_cuda_graphs = True
+            phase("cuda_graphs")
+            self.startup_s["first_graph"] = round(self.graphs.first_capture_s, 3)
         self.last_logits: torch.Tensor | None = None   # the last step's sampled rows (graph output: copy it)
         self.last_prepare_s = 0.0                      # host time of the last step before the launch
+        self._generators: dict[int, torch.Generator] = {}   # seeded requests' generators, by PlanRow.key
         log.info("model %s on %s (%s, KV %s), %d KV blocks of %d tokens, attention=%s (decode %s), cuda graphs=%s",
                  mc.model_type, self.device, self.dtype, self.kv_dtype, self.num_blocks, cfg.block_size,
                  self.backend.name, getattr(self.backend, "decode_kernel", "-"),
@@ -241,42 +173,49 @@ class ModelRunner:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * self.cfg.kv_memory_fraction) - (1 << 30)  # keep 1 GiB for activations
         else:
-            budget = self.cfg.kv_cpu_bytes
+            budget = self.cfg.kv_cpu_mib << 20
         return max(budget // per_block - 1, 1)
 
-    def execute(self, chunks: list[ScheduledChunk]) -> dict[str, int]:
-        """Run one step; return the sampled token of every chunk that samples."""
-        return self.launch(chunks).result()
+    def execute(self, plan: StepPlan) -> dict[str, int]:
+        """Run one step; return the sampled token of every row that samples."""
+        return self.launch(plan).result()
 
     @torch.inference_mode()
-    def launch(self, chunks: list[ScheduledChunk], prev: "LaunchedStep | None" = None) -> "LaunchedStep":
+    def launch(self, plan: StepPlan, prev: "LaunchedStep | None" = None) -> "LaunchedStep":
         """Queue one step and its sampling on the device; read the ids with .result()."""
         t0 = time.perf_counter()
-        step = build_host_step(chunks, self.cfg.block_size)
-        pending = self._pending_sources(step, chunks, prev)
-        if self.use_cuda_graphs and step.is_decode_only and self.graphs.fits(len(chunks)):
+        for key in plan.finished:
+            self._generators.pop(key, None)
+        if plan.copies:       # tier moves run before the forward pass reads the blocks
+            raise NotImplementedError("this runner has no KV tiers to copy between")
+        rows = plan.rows
+        if not rows:
+            return LaunchedStep({}, None)
+        step = build_host_step(rows, self.cfg.block_size)
+        pending = self._pending_sources(step, plan, prev)
+        if self.use_cuda_graphs and step.is_decode_only and self.graphs.fits(len(rows)):
             logits = self.graphs.run(step, pending)
             self.last_prepare_s = time.perf_counter() - t0
-            if len(step.sample_rows) < len(chunks):
+            if len(step.sample_rows) < len(rows):
                 logits = logits[torch.from_numpy(step.sample_rows).pin_memory().to(self.device, non_blocking=True)]
         else:
             logits = self._run_eager(step, t0, pending)
-        sample_reqs = [c.request for c, s in zip(chunks, step.samples) if s]
-        if not sample_reqs:
+        sampling_rows = [r for r in rows if r.samples]
+        if not sampling_rows:
             return LaunchedStep({}, None)
         self.last_logits = logits
-        tokens = sample_on_device(logits, [r.sampling for r in sample_reqs],
-                                  [self._generator(r) for r in sample_reqs], self._fi)
-        return LaunchedStep({r.request_id: i for i, r in enumerate(sample_reqs)}, tokens)
+        tokens = sample_on_device(logits, [r.sampling for r in sampling_rows],
+                                  [self._generator(r.key, r.sampling) for r in sampling_rows], self._fi)
+        return LaunchedStep({r.request_id: i for i, r in enumerate(sampling_rows)}, tokens)
 
     @staticmethod
-    def _pending_sources(step: HostStep, chunks, prev: "LaunchedStep | None") -> PendingInputs | None:
+    def _pending_sources(step: HostStep, plan: StepPlan, prev: "LaunchedStep | None") -> PendingInputs | None:
         """Where the step's pending input tokens are among `prev`'s sampled ids."""
         if not len(step.pending_rows):
             return None
         if prev is None or prev.tokens is None:
             raise RuntimeError("a pending token without the step that samples it")
-        src = np.array([prev.rows[chunks[i].request.request_id] for i in step.pending_seqs.tolist()], np.int64)
+        src = np.array([prev.rows[plan.rows[i].request_id] for i in step.pending_seqs.tolist()], np.int64)
         return PendingInputs(step.pending_rows, src, prev.tokens)
 
     def _run_eager(self, step: HostStep, t0: float, pending: PendingInputs | None) -> torch.Tensor | None:
@@ -323,12 +262,29 @@ class ModelRunner:
         np.concatenate(parts, out=self._staging.numpy()[:size])
         return self._staging[:size].to(self.device, non_blocking=True)
 
-    def _generator(self, req: Request) -> torch.Generator | None:
-        if req.sampling.greedy or req.sampling.seed is None:
+    def _generator(self, key: int, sampling) -> torch.Generator | None:
+        """A seeded request's own generator, so its samples do not depend on what else is in the batch."""
+        if sampling.greedy or sampling.seed is None:
             return None
-        if req.generator is None:
-            req.generator = torch.Generator(device=self.device).manual_seed(req.sampling.seed)
-        return req.generator
+        gen = self._generators.get(key)
+        if gen is None:
+            gen = self._generators[key] = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        return gen
+
+
+class _Phases:
+    """Start-up phase timer: `phase(name)` records the seconds since the previous call (after the
+    device has finished what the phase queued)."""
+
+    def __init__(self, into: dict[str, float], sync: bool) -> None:
+        self.into, self.sync, self.t = into, sync, time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        if self.sync:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.into[name] = round(now - self.t, 3)
+        self.t = now
 
 
 class LaunchedStep:

@@ -6,14 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-import torch
-
-from runtime.types import RequestId, SamplingParams, SessionId
-
-# Stands in token_ids for a token sampled by a step that was launched but not yet read back
-# (async scheduling: the next step is scheduled while this one runs). The model reads the real id
-# from the device; the scheduler writes it here when the step's results arrive.
-PENDING_TOKEN = -1
+from engine.plan import PENDING_TOKEN  # noqa: F401  (re-exported: the scheduler's placeholder)
+from runtime.types import EngineRequest, RequestId, SamplingParams, SessionId
 
 
 class RequestStatus(IntEnum):
@@ -43,11 +37,11 @@ class Request:
     num_registered_blocks: int = 0
     num_cached_tokens: int = -1         # prefix-cache hit at first admission; -1 until admitted
     num_preemptions: int = 0
-    generator: torch.Generator | None = None
     session: SessionId | None = None    # who submitted it (the worker's Session stream)
     remote_prefill: bool = False        # decode side: KV arrives from a prefill worker
     hold_blocks: bool = False           # prefill side: keep the blocks after finishing, until released
     num_pending: int = 0                # trailing PENDING_TOKENs in token_ids (0..2)
+    key: int = 0                        # unique per admission, in the process (set by Scheduler.add)
 
     @staticmethod
     def new(request_id: str, prompt: list[int], sampling: SamplingParams,
@@ -55,6 +49,14 @@ class Request:
         out = list(output_so_far or [])
         return Request(RequestId(request_id), list(prompt), sampling, token_ids=list(prompt) + out,
                        num_prompt_tokens=len(prompt), num_initial_output_tokens=len(out), session=session)
+
+    @staticmethod
+    def of(spec: EngineRequest) -> "Request":
+        """The engine's live state for a submitted request."""
+        req = Request.new(spec.request_id, list(spec.prompt_token_ids), spec.sampling,
+                          list(spec.output_token_ids), spec.session)
+        req.remote_prefill, req.hold_blocks = spec.remote_prefill, spec.hold_blocks
+        return req
 
     @property
     def num_tokens(self) -> int:

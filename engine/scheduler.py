@@ -6,6 +6,9 @@ starting after its longest cached prefix. When the pool runs dry, the most recen
 running request is preempted: its blocks are freed (its computed blocks stay cached, so re-admission
 usually hits them) and it returns to the head of the queue. Plain Python; no torch.
 
+`schedule()` returns a `StepPlan` (engine/plan.py): plain data the runner reads. The live chunks
+behind it stay here, found again by the plan's `step_id`.
+
 A step goes schedule → (launch) → `commit` → `update`. `commit` runs as soon as the step is on the
 device: it advances each request past the step's tokens and appends a PENDING_TOKEN where the step
 samples. With async scheduling the engine schedules and launches the next step before calling
@@ -18,17 +21,20 @@ stop token costs one discarded step, and its blocks are freed only after that st
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
 from kvstore.block_pool import BlockPool, NoFreeBlocks
 from kvstore.hashing import hash_block
-from engine.request import PENDING_TOKEN, Request, RequestStatus
+from engine.plan import PENDING_TOKEN, PlanRow, StepPlan
+from engine.request import Request, RequestStatus
 from runtime.types import FinishReason, KvReservation, RequestOutput
 
 
 @dataclass(slots=True)
 class ScheduledChunk:
+    """The scheduler's own record of one row of a step (the live request; never leaves here)."""
     request: Request
     start: int              # first token position computed in this step
     num_tokens: int
@@ -39,6 +45,8 @@ class ScheduledChunk:
     def of(req: Request, start: int, num_tokens: int) -> "ScheduledChunk":
         return ScheduledChunk(req, start, num_tokens, start + num_tokens == req.num_tokens)
 
+
+_keys = itertools.count(1)      # PlanRow.key: unique in the process, so a runner shared by engines never mixes two
 
 _FINISH_STATUS = {FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
                   FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
@@ -65,11 +73,15 @@ class Scheduler:
         self.num_prompt_tokens = 0          # prompt tokens admitted (first admission only)
         self.num_prefix_hit_tokens = 0      # of which served from the prefix cache
         self._deferred_free: list[list[int]] = []   # blocks of requests finished mid-flight
+        self._steps: dict[int, list[ScheduledChunk]] = {}   # plans scheduled and not yet updated
+        self._next_step = 0
+        self._ended: list[int] = []         # keys of requests finished since the last plan with rows
 
     # ---- intake -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
+        request.key = next(_keys)
         self.waiting.append(request)
 
     def abort(self, request_id: str) -> Request | None:
@@ -84,7 +96,23 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- scheduling ---------------------------------------------------------------------
-    def schedule(self) -> list[ScheduledChunk]:
+    def schedule(self) -> StepPlan:
+        """The next step's plan (no rows: nothing to run now)."""
+        chunks = self._schedule_chunks()
+        self._next_step += 1
+        plan = StepPlan(self._next_step)
+        if not chunks:
+            return plan
+        self._steps[plan.step_id] = chunks
+        bs = self.block_size
+        plan.rows = [PlanRow(c.request.request_id, c.request.key, c.request.token_ids[c.start:c.start + c.num_tokens], c.start,
+                             c.request.block_ids[:(c.start + c.num_tokens + bs - 1) // bs],
+                             c.request.sampling, c.samples)
+                     for c in chunks]
+        plan.finished, self._ended = self._ended, []
+        return plan
+
+    def _schedule_chunks(self) -> list[ScheduledChunk]:
         budget = self.budget
         chunks: list[ScheduledChunk] = []
         preempted = False
@@ -147,6 +175,11 @@ class Scheduler:
         return budget
 
     # ---- disaggregation --------------------------------------------------------------------
+    def take_reservations(self) -> list[KvReservation]:
+        """Reservations made since the last call, for the caller to start their remote prefills."""
+        out, self.reservations = self.reservations, []
+        return out
+
     def kv_arrived(self, request_id: str, first_token: int) -> RequestOutput | None:
         """Decode side: the prompt's KV landed in the reserved blocks; continue from `first_token`."""
         req = self.awaiting_kv.pop(request_id, None)
@@ -194,9 +227,9 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ---- after the model ran -------------------------------------------------------------
-    def commit(self, chunks: list[ScheduledChunk]) -> None:
+    def commit(self, plan: StepPlan) -> None:
         """The step is launched: its tokens count as computed; each sampled token is pending."""
-        for chunk in chunks:
+        for chunk in self._steps.get(plan.step_id, ()):
             req = chunk.request
             req.num_computed_tokens += chunk.num_tokens
             if chunk.samples:
@@ -205,11 +238,11 @@ class Scheduler:
                 chunk.sample_index = len(req.token_ids) - 1
             self._register_full_blocks(req)
 
-    def update(self, chunks: list[ScheduledChunk], sampled: dict[str, int]) -> list[RequestOutput]:
+    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[RequestOutput]:
         """The committed step finished on the device: write its sampled tokens in, apply stops."""
         self.release_deferred()                 # the step that might have written them is done
         outputs = []
-        for chunk in chunks:
+        for chunk in self._steps.pop(plan.step_id, ()):
             req = chunk.request
             if req.finished:      # aborted while the step ran
                 continue
@@ -221,6 +254,11 @@ class Scheduler:
             self._register_full_blocks(req)
             outputs.append(self._emit(req, chunk.sample_index))
         return outputs
+
+    def abandon(self, plan: StepPlan) -> None:
+        """A launched step failed: forget it (its requests are failed by the caller)."""
+        self._steps.pop(plan.step_id, None)
+        self.release_deferred()
 
     def release_deferred(self) -> None:
         """Free the blocks of requests that finished while a launched step could still write them
@@ -294,3 +332,4 @@ class Scheduler:
         req.num_pending = 0
         req.block_ids = []
         self.requests.pop(req.request_id, None)
+        self._ended.append(req.key)

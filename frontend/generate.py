@@ -49,10 +49,10 @@ class Delta:
 
 class Generator:
     def __init__(self, pool: WorkerPool, tokenizer: ModelTokenizer, metrics: FrontendMetrics,
-                 max_model_len: int, block_size: int, wait_for_workers_s: float = 10.0,
+                 max_model_len: int, wait_for_workers_s: float = 10.0,
                  remote_prefill_min_tokens: int = 128, max_prefill_queue_tokens: int = 32768) -> None:
         self.pool, self.tokenizer, self.metrics = pool, tokenizer, metrics
-        self.max_model_len, self.block_size = max_model_len, block_size
+        self.max_model_len = max_model_len
         self.wait_for_workers_s = wait_for_workers_s
         self.remote_prefill_min_tokens = remote_prefill_min_tokens
         self.max_prefill_queue_tokens = max_prefill_queue_tokens
@@ -80,9 +80,9 @@ class Generator:
 
     def _remote_prefill(self, rid: str, hashes: list[int], inp: GenerateInput, overlap_blocks: int,
                         migrated: bool) -> worker_pb2.RemotePrefill | None:
-        """Conditional disaggregation (DESIGN.md §2 step 3): a prefill worker computes the prompt
+        """Conditional disaggregation (docs/architecture.md, step 3): a prefill worker computes the prompt
         when the decode worker would have many uncached tokens and the prefill pool has room."""
-        to_prefill = len(inp.prompt_token_ids) - overlap_blocks * self.block_size
+        to_prefill = len(inp.prompt_token_ids) - overlap_blocks * self.pool.block_size
         local = self.metrics.prefill_local
         if migrated or not self.pool.num_alive(prefill=True):
             local.labels("migrated" if migrated else "no_prefill_pool").inc()
@@ -112,7 +112,7 @@ class Generator:
         output: list[int] = []
         cached = 0
         exclude: set[str] = set()
-        hashes = block_hashes(inp.prompt_token_ids, self.block_size)
+        hashes: list[int] | None = None       # once a worker is in the pool, the block size is known
         m.running.inc()
         conn = None
         finished = False
@@ -120,6 +120,8 @@ class Generator:
             for attempt in range(MAX_MIGRATIONS + 1):
                 if not self.pool.num_alive() and not await self.pool.wait_for_workers(self.wait_for_workers_s):
                     raise Unavailable("no workers are available")
+                if hashes is None:
+                    hashes = block_hashes(inp.prompt_token_ids, self.pool.block_size)
                 try:
                     choice = self.pool.choose(rid, hashes, len(inp.prompt_token_ids), exclude)
                 except Unavailable:

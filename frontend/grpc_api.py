@@ -7,7 +7,6 @@ metadata `authorization: Bearer <key>`.
 
 from __future__ import annotations
 
-import hmac
 import math
 import uuid
 
@@ -17,11 +16,11 @@ from grpc_reflection.v1alpha import reflection
 
 from runtime.types import SamplingParams
 from frontend.generate import GenerateInput
-from frontend.http_api import FrontendState
+from frontend.state import FrontendState
 from frontend.tokenizer import ChatTurn
 from proto.splitserve.v1 import generation_pb2, generation_pb2_grpc
 from runtime.convert import FINISH_TO_PB
-from runtime.errors import InvalidRequest, NotFound, SplitserveError, Unauthenticated
+from runtime.errors import InvalidRequest, NotFound, SplitserveError
 
 MAX_STOP_STRINGS = 16
 
@@ -31,13 +30,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.state = state
 
     def _authorize(self, context) -> None:
-        key = self.state.api_key
-        if not key:
-            return
         md = dict(context.invocation_metadata())
-        scheme, _, token = md.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise Unauthenticated("invalid or missing API key (metadata authorization: Bearer <key>)")
+        self.state.api_key.check(md.get("authorization"), "metadata authorization")
 
     def _to_input(self, req: generation_pb2.GenerateRequest) -> GenerateInput:
         st = self.state

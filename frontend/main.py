@@ -1,4 +1,5 @@
-"""Runs the frontend process: HTTP (uvicorn) and gRPC servers on one event loop, worker discovery."""
+"""Runs the frontend process: HTTP (uvicorn) and gRPC servers on one event loop, worker discovery
+(which admits only workers of this frontend's model and block size: frontend/admission.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ from pathlib import Path
 import redis.asyncio as aioredis
 import uvicorn
 
-from runtime.model_config import ModelConfig
+from runtime.model_config import ModelConfig, model_fingerprint
+from frontend.admission import Admission
 from frontend.generate import Generator
 from frontend.grpc_api import start_grpc_server
-from frontend.http_api import FrontendState, create_app
+from frontend.auth import ApiKey
+from frontend.http_api import create_app
 from frontend.metrics_merge import WorkerMetricsScraper
 from frontend.routing import FrontendRouter
+from frontend.state import FrontendState
 from frontend.tokenizer import ModelTokenizer
 from frontend.workers import WorkerPool
 from runtime.config import FrontendConfig
@@ -31,16 +35,17 @@ async def serve_frontend(cfg: FrontendConfig) -> None:
     model_name = cfg.model_name or Path(cfg.model).resolve().name
     metrics = FrontendMetrics()
     redis = aioredis.Redis.from_url(cfg.redis.url)
-    router = FrontendRouter(cfg.router_policy, cfg.block_size, approximate=cfg.router_approximate)
-    pool = WorkerPool(redis, cfg.redis.namespace, router)
+    fingerprint = model_fingerprint(cfg.model)
+    router = FrontendRouter(cfg.router_policy, approximate=cfg.router_approximate)
+    pool = WorkerPool(redis, cfg.redis.namespace, router, Admission(fingerprint, cfg.block_size))
     await pool.start()
     router.start(redis, cfg.redis.namespace)
     max_model_len = cfg.max_model_len or model_cfg.max_position_embeddings
-    generator = Generator(pool, tokenizer, metrics, max_model_len, cfg.block_size,
+    generator = Generator(pool, tokenizer, metrics, max_model_len,
                           remote_prefill_min_tokens=cfg.remote_prefill_min_tokens,
                           max_prefill_queue_tokens=cfg.max_prefill_queue_tokens)
     state = FrontendState(generator=generator, tokenizer=tokenizer, metrics=metrics, model_name=model_name,
-                          max_model_len=max_model_len, api_key=cfg.api_key,
+                          max_model_len=max_model_len, api_key=ApiKey(cfg.api_key),
                           max_body_bytes=cfg.max_body_bytes, extra_metrics=WorkerMetricsScraper(pool).scrape)
     grpc_server, grpc_port = await start_grpc_server(state, cfg.host, cfg.grpc_port)
     http = uvicorn.Server(uvicorn.Config(create_app(state), host=cfg.host, port=cfg.http_port,
@@ -53,8 +58,8 @@ async def serve_frontend(cfg: FrontendConfig) -> None:
     gc.freeze()
     stop = asyncio.Event()
     install_stop_handlers(stop)
-    log.info("frontend: model %r, HTTP on %s:%d, gRPC on %s:%d", model_name, cfg.host, cfg.http_port,
-             cfg.host, grpc_port)
+    log.info("frontend: model %r (fingerprint %s), HTTP on %s:%d, gRPC on %s:%d", model_name, fingerprint,
+             cfg.host, cfg.http_port, cfg.host, grpc_port)
     done, _ = await asyncio.wait({http_task, asyncio.create_task(stop.wait())},
                                  return_when=asyncio.FIRST_COMPLETED)
     if http_task in done and http_task.exception():

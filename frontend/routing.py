@@ -2,7 +2,9 @@
 
 It keeps the router's worker set in step with discovery, feeds it KV events from Redis (resyncing
 a worker through its Snapshot RPC when events went missing) and worker-reported load, and turns
-its decisions into the pool's (worker id, cached blocks) answer.
+its decisions into the pool's (worker id, cached blocks) answer. The router is made when the first
+worker joins: the pool admits only workers of one block size (frontend/admission.py), and that
+block size may be learned from the first one.
 """
 
 from __future__ import annotations
@@ -24,13 +26,19 @@ ROLES = {"aggregated": WorkerRole.AGGREGATED, "decode": WorkerRole.DECODE, "pref
 
 
 class FrontendRouter:
-    def __init__(self, policy: str, block_size: int, approximate: bool = False, seed: int = 0) -> None:
-        self.router = Router(RouterConfig(policy=RoutingPolicy(policy), approximate=approximate), block_size, seed)
+    def __init__(self, policy: str, approximate: bool = False, seed: int = 0) -> None:
+        self._config, self._seed = RouterConfig(policy=RoutingPolicy(policy), approximate=approximate), seed
+        self.router: Router | None = None      # made by the first add_worker, with its block size
         self._stubs: dict[str, object] = {}
         self._tasks: list[asyncio.Task] = []
+        self._feeds: tuple[aioredis.Redis, str, float] | None = None
 
     # ---- membership (called by WorkerPool) ----------------------------------------------
     def add_worker(self, worker_id: str, info, stub=None) -> None:
+        if self.router is None:
+            self.router = Router(self._config, info.block_size, self._seed)
+            self._start_feeds()
+        assert info.block_size == self.router.block_size, "the pool admits one block size"
         self.router.add_worker(worker_id, ROLES[info.role])
         if stub is not None:
             self._stubs[worker_id] = stub
@@ -42,6 +50,8 @@ class FrontendRouter:
     # ---- decisions ----------------------------------------------------------------------
     def route(self, request_id: str, block_hashes: list[int], num_prompt_tokens: int,
               candidates: list[str], role: WorkerRole = WorkerRole.DECODE) -> tuple[str, int]:
+        if self.router is None:
+            raise Unavailable("no workers are available")
         exclude = set(self.router.workers()) - set(candidates)
         try:
             d = self.router.route(request_id, block_hashes, num_prompt_tokens, role, exclude)
@@ -54,10 +64,19 @@ class FrontendRouter:
         return self.router.load(worker_id) * self.router.block_size
 
     def finished(self, request_id: str, worker_id: str | None = None) -> None:
-        self.router.finished(request_id, worker_id)
+        if self.router is not None:
+            self.router.finished(request_id, worker_id)
 
     # ---- background feeds ---------------------------------------------------------------
     def start(self, redis: aioredis.Redis, namespace: str, load_interval_s: float = 0.5) -> None:
+        """Feed the router KV events and load from now on (or from when it is made)."""
+        self._feeds = (redis, namespace, load_interval_s)
+        self._start_feeds()
+
+    def _start_feeds(self) -> None:
+        if self.router is None or self._feeds is None or self._tasks:
+            return
+        redis, namespace, load_interval_s = self._feeds
         consumer = KvEventConsumer(redis, namespace, self.router, self._resync)
         self._tasks = [asyncio.create_task(consumer.run(), name="kv-events"),
                        asyncio.create_task(self._poll_load(load_interval_s), name="worker-load")]

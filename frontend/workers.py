@@ -1,6 +1,8 @@
 """The frontend's view of the worker fleet: discovery, one Session stream per worker, routing.
 
-Workers are discovered from their Redis leases. For each, the frontend keeps one gRPC channel and
+Workers are discovered from their Redis leases; those serving another model or another block size
+are refused (frontend/admission.py), with one log line each. For each accepted worker, the
+frontend keeps one gRPC channel and
 one long-lived bidirectional Session stream that multiplexes all of this frontend's requests on
 that worker: Submit/Cancel go out, one StepOutput per engine step comes back and is fanned out to
 the per-request queues. If a stream breaks (the worker died) or its lease expires, every request
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import grpc
 import redis.asyncio as aioredis
 
+from frontend.admission import Admission
 from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from runtime.discovery import WorkerInfo, list_workers
 from router import WorkerRole
@@ -123,10 +126,13 @@ class Choice:
 class WorkerPool:
     """Keeps connections in step with the leases in Redis and picks a worker per request."""
 
-    def __init__(self, redis: aioredis.Redis, namespace: str, router, poll_interval_s: float = 0.5) -> None:
+    def __init__(self, redis: aioredis.Redis, namespace: str, router, admission: Admission,
+                 poll_interval_s: float = 0.5) -> None:
         self._redis, self._namespace, self.router = redis, namespace, router
+        self.admission = admission
         self._poll_s = poll_interval_s
         self.workers: dict[str, WorkerConnection] = {}
+        self.refused: dict[str, str] = {}      # live workers that may not join: worker id -> why
         self._task: asyncio.Task | None = None
         self.changed = asyncio.Event()
 
@@ -151,13 +157,25 @@ class WorkerPool:
                 del self.workers[wid]
                 self.router.remove_worker(wid)
                 await conn.close()
+        self.refused = {wid: why for wid, why in self.refused.items() if wid in live}
         for wid, info in live.items():
-            if wid not in self.workers:
-                log.info("worker %s joined (%s at %s)", wid, info.role, info.address)
-                conn = WorkerConnection(info)
-                self.workers[wid] = conn
-                self.router.add_worker(wid, info, conn.stub)
+            if wid in self.workers or wid in self.refused:
+                continue
+            why = self.admission.refusal(info)
+            if why is not None:
+                log.warning("refusing worker %s (%s at %s): %s", wid, info.role, info.address, why)
+                self.refused[wid] = why
+                continue
+            log.info("worker %s joined (%s at %s, %d-token blocks)", wid, info.role, info.address, info.block_size)
+            conn = WorkerConnection(info)
+            self.workers[wid] = conn
+            self.router.add_worker(wid, info, conn.stub)
         self.changed.set()
+
+    @property
+    def block_size(self) -> int | None:
+        """Tokens per KV block of every worker in the pool (None before the first one joined)."""
+        return self.admission.block_size
 
     def choose(self, request_id: str, block_hashes: list[int], num_prompt_tokens: int,
                exclude: set[str], prefill: bool = False) -> Choice:

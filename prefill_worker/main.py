@@ -3,22 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from engine.engine import Engine, EngineLoop
 from kvstore.transfer import KvTransferAgent, nixl_available
 from prefill_worker.service import PrefillService
 from proto.splitserve.v1 import worker_pb2_grpc
 from runtime.config import WorkerConfig
+from runtime.process import process_age_s
 from runtime.worker_host import StatusService, WorkerHost, make_worker_id
 
 
 async def serve_prefill_worker(cfg: WorkerConfig) -> None:
     if not nixl_available():
         raise SystemExit("a prefill worker needs NIXL (pip install 'splitserve[nixl]')")
+    startup_s = {"process_start_to_main": round(process_age_s(), 3)}    # interpreter + imports
     worker_id = make_worker_id(cfg)
+    t0 = time.perf_counter()
     engine = await asyncio.to_thread(Engine, cfg.engine)
+    startup_s["engine"] = round(time.perf_counter() - t0, 3)
     host = WorkerHost(cfg, worker_id)
+    t0 = time.perf_counter()
     agent = KvTransferAgent(worker_id, engine.runner.kv_cache)
+    startup_s["nixl_agent"] = round(time.perf_counter() - t0, 3)
     service = PrefillService(worker_id, agent, host.metrics)
     loop = EngineLoop(engine, service.on_outputs, on_events=host.events_sink)
     service.attach(loop)
@@ -26,4 +33,4 @@ async def serve_prefill_worker(cfg: WorkerConfig) -> None:
     worker_pb2_grpc.add_PrefillServicer_to_server(service, host.server)
     worker_pb2_grpc.add_WorkerServicer_to_server(
         StatusService(worker_id, "prefill", cfg.engine.block_size, lambda: loop.stats, host.publisher), host.server)
-    await host.serve(loop, f"prefill worker {worker_id}", agent)
+    await host.serve(loop, f"prefill worker {worker_id}", agent, startup_s)

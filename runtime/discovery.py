@@ -21,11 +21,12 @@ log = logging.getLogger(__name__)
 class WorkerInfo:
     worker_id: str
     role: str                 # aggregated | decode | prefill
-    address: str              # host:port of its gRPC service
-    model: str
+    address: str              # host:port of its gRPC service, as others reach it (the advertised host)
+    model: str                # the model directory on the worker's machine (for people, not matching)
     block_size: int
     num_blocks: int
     metrics_url: str | None = None
+    model_fingerprint: str = ""   # runtime.model_config.model_fingerprint: what frontends match on
 
 
 def _key(namespace: str, worker_id: str) -> str:

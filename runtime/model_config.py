@@ -1,7 +1,9 @@
-"""What the engine needs from a HF `config.json` of the Llama family (Llama, Mistral, Qwen2)."""
+"""What the engine needs from a HF `config.json` of the Llama family (Llama, Mistral, Qwen2), and
+the model's identity across machines (`model_fingerprint`)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,6 +11,21 @@ from pathlib import Path
 from runtime.errors import InvalidRequest
 
 SUPPORTED = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+FINGERPRINTED = ("config.json", "tokenizer.json")
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """A short hash of the files that decide what tokens mean and what the model computes on them
+    (`FINGERPRINTED`), by content: the same model copied to another machine or path has the same
+    fingerprint. Weights are left out (too large to hash at start-up): two checkpoints of one
+    architecture and tokenizer look alike."""
+    h = hashlib.sha256()
+    for name in FINGERPRINTED:
+        path = Path(model_dir) / name
+        h.update(name.encode() + b"\0")
+        h.update(path.read_bytes() if path.is_file() else b"(missing)")
+        h.update(b"\0")
+    return h.hexdigest()[:16]
 
 
 @dataclass(frozen=True, slots=True)

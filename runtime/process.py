@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import os
 import signal
 import sys
 
@@ -17,6 +18,18 @@ def die_with_parent() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         except OSError:
             pass
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux: /proc; elsewhere 0.0)."""
+    try:
+        with open(f"/proc/{os.getpid()}/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime_s = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
 
 
 def install_stop_handlers(stop: asyncio.Event) -> None:

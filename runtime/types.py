@@ -8,7 +8,7 @@ consumes and produces them, the frontend validates into them. The engine's live 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import NewType
 
@@ -39,6 +39,18 @@ class SamplingParams:
     def greedy(self) -> bool:
         # below ~1e-5 a temperature only overflows the scaled logits; it means greedy (as in vLLM)
         return self.temperature < 1e-5 or self.top_k == 1
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """A request as a worker submits it to its engine (the engine builds its own live state)."""
+    request_id: RequestId
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)   # generated elsewhere (migration)
+    session: SessionId | None = None
+    remote_prefill: bool = False        # decode side: the prompt's KV arrives from a prefill worker
+    hold_blocks: bool = False           # prefill side: keep the blocks pinned after finishing
 
 
 @dataclass(slots=True)

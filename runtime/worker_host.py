@@ -2,13 +2,16 @@
 
 A gRPC server (health included) for the role's services, the worker's lease in Redis, the
 KV-event publisher (fed from the engine thread, one XADD per batch of steps), and a /metrics
-endpoint sampled from the engine's stats. It knows nothing about the engine itself: stats come
-from a callable, events through `events_sink`.
+endpoint sampled from the engine's stats. The servers bind `host`; the lease carries the address
+others reach them at (`advertised_host`: they differ behind Kubernetes services and NAT, and when
+binding 0.0.0.0), the block size and the model's fingerprint, which frontends match. It knows
+nothing about the engine itself: stats come from a callable, events through `events_sink`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import uuid
@@ -23,9 +26,42 @@ from runtime.config import WorkerConfig
 from runtime.discovery import Lease, WorkerInfo
 from runtime.kv_events import KvEventPublisher
 from runtime.metrics import WorkerMetrics, start_metrics_server
-from runtime.process import install_stop_handlers
+from runtime.model_config import model_fingerprint
+from runtime.process import install_stop_handlers, process_age_s
 
 log = logging.getLogger(__name__)
+
+
+_ALL_INTERFACES = ("", "0.0.0.0", "::")
+
+
+def advertised_host(cfg: WorkerConfig) -> str:
+    """The host other processes reach this worker at: --advertise-host, else the bind host, else
+    (binding every interface) this machine's address."""
+    if cfg.advertise_host:
+        return cfg.advertise_host
+    return cfg.host if cfg.host not in _ALL_INTERFACES else _this_machine()
+
+
+def _this_machine() -> str:
+    """The hostname's address (a pod's IP in Kubernetes); where that is loopback (Debian maps the
+    hostname to 127.0.1.1), the source address of the default route (a UDP connect sends nothing)."""
+    try:
+        ip = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        ip = "127.0.0.1"
+    if not ip.startswith("127."):
+        return ip
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))       # TEST-NET-1: never routed anywhere, only looked up
+            return s.getsockname()[0]
+    except OSError:
+        return ip
+
+
+def host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def make_worker_id(cfg: WorkerConfig) -> str:
@@ -80,28 +116,34 @@ class WorkerHost:
         cfg = self.cfg
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
-        port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        port = self.server.add_insecure_port(host_port(cfg.host, cfg.port))
         await self.server.start()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        host = advertised_host(cfg)
         metrics_url = None
         if cfg.metrics_port is not None:
             mport = start_metrics_server(cfg.host, cfg.metrics_port, self.metrics.registry)
-            metrics_url = f"http://{cfg.host}:{mport}/metrics"
-        info = WorkerInfo(worker_id=self.worker_id, role=cfg.role, address=f"{cfg.host}:{port}",
+            metrics_url = f"http://{host_port(host, mport)}/metrics"
+        info = WorkerInfo(worker_id=self.worker_id, role=cfg.role, address=host_port(host, port),
                           model=cfg.engine.model, block_size=cfg.engine.block_size, num_blocks=num_blocks,
-                          metrics_url=metrics_url)
+                          metrics_url=metrics_url,
+                          model_fingerprint=await asyncio.to_thread(model_fingerprint, cfg.engine.model))
         self._tasks = [asyncio.create_task(self._publish_events(), name="kv-event-publisher"),
                        asyncio.create_task(self._sample(stats), name="metrics-sampler")]
         self._lease = Lease(self.redis, cfg.redis.namespace, info, cfg.redis.lease_ttl_s)
         await self._lease.start()
         return info
 
-    async def serve(self, loop, describe: str, agent=None) -> None:
+    async def serve(self, loop, describe: str, agent=None, startup_s: dict | None = None) -> None:
         """A worker's whole life once its services are on `server`: take the lease, serve until
         SIGTERM/SIGINT, then leave the pool, stop the engine `loop` (an engine.EngineLoop) and close
-        the NIXL `agent` if there is one, in that order. `describe` names the worker in logs."""
+        the NIXL `agent` if there is one, in that order. `describe` names the worker in logs;
+        `startup_s` (phase -> seconds) is logged with the time from process start to the lease."""
         info = await self.start(loop.engine.pool.num_blocks, lambda: loop.stats)
         log.info("%s serving on %s (%d blocks)", describe, info.address, info.num_blocks)
+        phases = {**(startup_s or {}), **getattr(loop.engine.runner, "startup_s", {}),
+                  "process_start_to_lease": round(process_age_s(), 3)}
+        log.info("startup phases: %s", json.dumps(phases))
         try:
             stop = asyncio.Event()
             install_stop_handlers(stop)

@@ -23,7 +23,11 @@ def resolve_model(spec: str) -> str:
         if not (out / "model.safetensors").is_file():
             from splitserve.tiny_model import write_tiny_model
             tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-            write_tiny_model(tmp, arch=arch, seed=int(seed or 0))
+            try:
+                write_tiny_model(tmp, arch=arch, seed=int(seed or 0))
+            except ImportError as e:      # a control-plane install has no torch to make weights with
+                raise InvalidRequest(f"writing the tiny model needs the engine extra "
+                                     f"(pip install 'splitserve[engine]'): {e}") from None
             out.parent.mkdir(parents=True, exist_ok=True)
             try:
                 tmp.rename(out)

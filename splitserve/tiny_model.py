@@ -54,9 +54,13 @@ import math
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import (Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors,
                         trainers)
+
+if TYPE_CHECKING:     # torch is imported where weights are made: the CLI imports this module to parse
+    import torch
 
 ARCHS = ("llama", "qwen2")
 
@@ -152,7 +156,7 @@ def model_config(arch: str) -> dict:
             "max_window_layers": s.num_hidden_layers}
 
 
-def init_weights(arch: str, seed: int) -> dict[str, "torch.Tensor"]:
+def init_weights(arch: str, seed: int) -> dict[str, torch.Tensor]:
     """Seeded float32 weights under HF names; see the module docstring for the scheme."""
     import torch
 

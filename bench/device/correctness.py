@@ -30,7 +30,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import os
 import statistics
 from pathlib import Path
 
@@ -40,8 +39,7 @@ from common import Emitter  # noqa: E402  (sets sys.path)
 from engine.engine import Engine  # noqa: E402
 from engine.loader import write_arch_dir  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
-from engine.request import Request  # noqa: E402
-from runtime.types import SamplingParams  # noqa: E402
+from runtime.types import EngineRequest, SamplingParams  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
 from train_small import HD128, MAX_SECONDS, heldout_ids, train  # noqa: E402
 
@@ -81,9 +79,9 @@ def _record_logits(runner: ModelRunner, last: dict) -> None:
     outputs are reused by the next replay)."""
     inner = runner.execute
 
-    def execute(chunks):
-        out = inner(chunks)
-        reqs = [c.request.request_id for c in chunks if c.samples]
+    def execute(plan):
+        out = inner(plan)
+        reqs = [r.request_id for r in plan.rows if r.samples]
         last.clear()
         if reqs:
             last.update(zip(reqs, runner.last_logits.float().clone()))
@@ -104,7 +102,7 @@ def lockstep(runners: dict[str, ModelRunner], prompts, tokens: int, oracle: str 
     engines = {n: Engine(cfg, r) for n, r in runners.items()}
     for i, p in enumerate(prompts):
         for e in engines.values():
-            e.add_request(Request.new(str(i), p, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)))
+            e.add_request(EngineRequest(str(i), p, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)))
     last = {n: {} for n in names}
     for n, r in runners.items():
         _record_logits(r, last[n])
@@ -113,7 +111,7 @@ def lockstep(runners: dict[str, ModelRunner], prompts, tokens: int, oracle: str 
     st = {pr: {"agree": 0, "total": 0, "errs": [], "margins": [], "diffs": [], "diverged": set()} for pr in pairs}
     try:
         while engines[names[0]].has_work:
-            outs = {n: {o.request_id: o.new_token_ids[0] for o in e.step()} for n, e in engines.items()}
+            outs = {n: {o.request_id: o.new_token_ids[0] for o in e.step().outputs} for n, e in engines.items()}
             assert all(outs[n].keys() == outs[names[0]].keys() for n in names), "schedules differ"
             for rid in outs[names[0]]:
                 for n in names:
@@ -163,9 +161,9 @@ def alone(runner: ModelRunner, prompts, tokens: int) -> dict[str, list[int]]:
     engine = Engine(cfg, runner)
     seqs = {str(i): [] for i in range(len(prompts))}
     for i, p in enumerate(prompts):
-        engine.add_request(Request.new(str(i), p, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)))
+        engine.add_request(EngineRequest(str(i), p, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)))
     while engine.has_work:
-        for o in engine.step():
+        for o in engine.step().outputs:
             seqs[o.request_id].extend(o.new_token_ids)
     return seqs
 
@@ -190,14 +188,6 @@ def check_sampling(emit) -> None:
     emit(metric="sampling", greedy_rows_argmax=ok_greedy, topk4_freq=freq.tolist(),
          topk4_expected=expect.tolist(), max_abs_freq_dev=round(max_dev, 4),
          outside_top_k=int(freq[4].item() * n), passed=bool(ok_greedy and max_dev < 0.02 and freq[4] == 0))
-
-
-def _runner(cfg: EngineConfig, fused_kernels: bool = True) -> ModelRunner:
-    os.environ["SPLITSERVE_FUSED_KERNELS"] = "1" if fused_kernels else "0"
-    try:
-        return ModelRunner(cfg)
-    finally:
-        del os.environ["SPLITSERVE_FUSED_KERNELS"]
 
 
 def compare(emit, name: str, model_dir: Path, load_format: str, dtype: str, num_prompts: int, tokens: int,
@@ -232,7 +222,7 @@ def compare(emit, name: str, model_dir: Path, load_format: str, dtype: str, num_
     fi = dataclasses.replace(base, attention_backend="flashinfer", cuda_graphs=True)
     extra = {}
     if attention_only:
-        extra["fi_attn"] = _runner(dataclasses.replace(fi, cuda_graphs=False), fused_kernels=False)
+        extra["fi_attn"] = ModelRunner(dataclasses.replace(fi, cuda_graphs=False, fused_kernels=False))
     if xqa:
         extra["fast_xqa"] = ModelRunner(dataclasses.replace(fi, decode_kernel="xqa"))
     if fp8_kv:

@@ -62,7 +62,7 @@ def checksum(kv: torch.Tensor, blocks: list[int]) -> int:
 
 def run_until(engine, rid: str):
     while True:
-        for o in engine.step():
+        for o in engine.step().outputs:
             if o.request_id == rid:
                 return o
 
@@ -70,8 +70,7 @@ def run_until(engine, rid: str):
 def decode_side(conn, model_dir: str, num_blocks: int, budget: int, decode_tokens: int, device: str,
                 load_format: str) -> None:
     """D: reserve blocks, receive the push, continue decoding."""
-    from engine.request import Request
-    from runtime.types import SamplingParams
+    from runtime.types import EngineRequest, SamplingParams
     from kvstore.transfer import KvTransferAgent
     engine = make_engine(model_dir, num_blocks, budget, device, load_format)
     agent = KvTransferAgent("decode", engine.runner.kv_cache)
@@ -81,11 +80,9 @@ def decode_side(conn, model_dir: str, num_blocks: int, budget: int, decode_token
         if msg is None:
             break
         rid, prompt = msg
-        req = Request.new(rid, prompt, SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True))
-        req.remote_prefill = True
-        engine.add_request(req)
-        engine.step()                       # admits it: blocks reserved, no compute
-        (res,) = engine.take_reservations()
+        engine.add_request(EngineRequest(rid, prompt, SamplingParams(temperature=0, max_tokens=decode_tokens,
+                                                                     ignore_eos=True), remote_prefill=True))
+        (res,) = engine.step().reservations  # admits it: blocks reserved, no compute
         conn.send(res.block_ids)
         first_token = conn.recv()           # P's answer (arrives with or after the push)
         seen = None
@@ -94,13 +91,13 @@ def decode_side(conn, model_dir: str, num_blocks: int, budget: int, decode_token
                 if notif.decode() == rid:
                     seen = time.monotonic()
         d_sum = checksum(engine.runner.kv_cache, res.block_ids)    # before decoding writes into the last block
-        out = engine.scheduler.kv_arrived(rid, first_token)
+        out = engine.kv_arrived(rid, first_token)
         tokens = list(out.new_token_ids)
         sync(device)
         t0 = time.perf_counter()
         first_step = None
         while len(tokens) < decode_tokens:
-            for o in engine.step():
+            for o in engine.step().outputs:
                 tokens.extend(o.new_token_ids)
             if first_step is None:
                 sync(device)
@@ -122,8 +119,7 @@ def main() -> int:
     args = ap.parse_args()
     dev = args.device
     from engine.loader import write_arch_dir
-    from engine.request import Request
-    from runtime.types import SamplingParams
+    from runtime.types import EngineRequest, SamplingParams
     from kvstore.transfer import KvTransferAgent, TransferState
 
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -152,8 +148,8 @@ def main() -> int:
             rid = f"r{length}-{rep}"
             parent.send((rid, prompt))
             dest = parent.recv()
-            req = Request.new(rid, prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-            req.hold_blocks = True
+            req = EngineRequest(rid, prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                                hold_blocks=True)
             sync(dev)
             t0 = time.perf_counter()
             engine.add_request(req)
@@ -168,15 +164,15 @@ def main() -> int:
                 pass
             seen, first_step_s, d_tokens, d_sum = parent.recv()
             kv_match = d_sum == checksum(engine.runner.kv_cache, out.held_block_ids[:n])
-            engine.scheduler.release_held(rid)
+            engine.release_held(rid)
             assert h.state == TransferState.DONE
             # P decodes the same prompt itself: D's continuation must be identical
-            check = Request.new(rid + "-p", prompt, SamplingParams(temperature=0, max_tokens=args.decode_tokens,
+            check = EngineRequest(rid + "-p", prompt, SamplingParams(temperature=0, max_tokens=args.decode_tokens,
                                                                   ignore_eos=True))
             engine.add_request(check)
             p_tokens = []
             while len(p_tokens) < args.decode_tokens:
-                for o in engine.step():
+                for o in engine.step().outputs:
                     p_tokens.extend(o.new_token_ids)
             if rep:
                 rows.append((prefill_s, seen - start, first_step_s, h.num_bytes, p_tokens == d_tokens, kv_match))

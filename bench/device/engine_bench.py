@@ -9,7 +9,8 @@ spends before its launch, decode throughput at batch 8..128 with ~1k-token conte
 4k-token prompts against the GEMM ceiling (2 × matmul params × tokens FLOPs ÷ measured rate), a
 K/V-write micro-benchmark (with RoPE + K/V write: FlashInfer + index_copy_ against the fused Triton
 kernel, eager and inside a CUDA graph), and HF transformers `generate` on the same architecture as
-the baseline. SPLITSERVE_FUSED_ROPE_KV=0 runs the model without the fused kernel (field fused_rope_kv).
+the baseline. --no-fused-rope-kv runs the model without the fused kernel (field fused_rope_kv);
+--no-fused-kernels and --no-input-major-weights turn off the other two (EngineConfig fields all).
 `--kv-cache-dtypes auto,fp8` repeats every section with each KV cache dtype, `--decode-kernels
 flashinfer,xqa` with each decode attention kernel. Not in the default --only: section
 `offline`, the 1k/1k serving workload inside the engine, no HTTP — a closed loop of 128 requests
@@ -32,16 +33,19 @@ from common import Emitter, cuda_time_ms, graph_us, measure_ceilings  # noqa: E4
 from engine.engine import Engine  # noqa: E402
 from engine.loader import write_arch_dir  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
-from engine.request import Request  # noqa: E402
-from runtime.types import SamplingParams  # noqa: E402
+from runtime.types import EngineRequest, SamplingParams  # noqa: E402
+from runtime.cli_args import add_config_args, flag_values  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
 
 _uid = iter(range(1 << 30))
+# EngineConfig fields this bench takes as flags (as the workers do): --decode-tensor-cores auto|on|off,
+# --no-fused-kernels, --no-fused-rope-kv, --no-input-major-weights
+ENGINE_KNOBS = ("decode_tensor_cores", "fused_kernels", "fused_rope_kv", "input_major_weights")
 
 
-def _req(prompt_len: int, max_tokens: int, gen: torch.Generator, vocab: int) -> Request:
+def _req(prompt_len: int, max_tokens: int, gen: torch.Generator, vocab: int) -> EngineRequest:
     prompt = torch.randint(10, vocab - 10, (prompt_len,), generator=gen).tolist()
-    return Request.new(f"r{next(_uid)}", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+    return EngineRequest(f"r{next(_uid)}", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                                 ignore_eos=True))
 
 
@@ -117,14 +121,16 @@ def bench_decode_batches(emit, runner, common, batches=(8, 16, 32, 64, 128), ctx
         _drain(eng)
 
 
-def _steady_batch(eng: Engine, b: int, c: int, steps: int, g, vocab: int) -> list[Request]:
-    """b requests of c-token prompts, all decoding, none finishing within the next 2 x steps steps.
-    Chunked prefill lets the first requests decode while the last ones prefill, so by the time
-    every request has a few tokens the first have one per prefill step: max_tokens covers that."""
+def _steady_batch(eng: Engine, b: int, c: int, steps: int, g, vocab: int) -> list:
+    """b requests of c-token prompts, all decoding, none finishing within the next 2 x steps steps;
+    returns the engine's live requests (to count their tokens). Chunked prefill lets the first
+    requests decode while the last ones prefill, so by the time every request has a few tokens the
+    first have one per prefill step: max_tokens covers that."""
     prefill_steps = -(-b * c // eng.scheduler.budget) + 2
-    reqs = [_req(c, prefill_steps + 4 + 2 * steps + 8, g, vocab) for _ in range(b)]
-    for r in reqs:
+    specs = [_req(c, prefill_steps + 4 + 2 * steps + 8, g, vocab) for _ in range(b)]
+    for r in specs:
         eng.add_request(r)
+    reqs = [eng.scheduler.requests[r.request_id] for r in specs]
     while min(r.num_output_tokens for r in reqs) < 4:
         eng.step()
     torch.cuda.synchronize()
@@ -150,15 +156,16 @@ class StepClock:
         self.rows: list[tuple] = []       # (rows, prefill tokens, context tokens, start, end, host s, prepare s)
         runner.launch = self
 
-    def __call__(self, chunks, prev=None):
+    def __call__(self, plan, prev=None):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         t = time.perf_counter()
-        out = type(self.runner).launch(self.runner, chunks, prev)
+        out = type(self.runner).launch(self.runner, plan, prev)
         host = time.perf_counter() - t
         end.record()
-        self.rows.append((len(chunks), sum(c.num_tokens for c in chunks if c.num_tokens > 1),
-                          sum(c.start + c.num_tokens for c in chunks), start, end, host, self.runner.last_prepare_s))
+        rows = plan.rows
+        self.rows.append((len(rows), sum(r.num_tokens for r in rows if r.num_tokens > 1),
+                          sum(r.start + r.num_tokens for r in rows), start, end, host, self.runner.last_prepare_s))
         return out
 
     def close(self) -> None:
@@ -284,10 +291,10 @@ def bench_offline(emit, runner, common, concurrency=128, num_requests=384, isl=1
     schedule, kinds = eng.scheduler.schedule, []
 
     def recording_schedule():
-        chunks = schedule()
-        prefill = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
-        kinds.append((len(chunks), prefill))
-        return chunks
+        plan = schedule()
+        prefill = sum(r.num_tokens for r in plan.rows if r.num_tokens > 1)
+        kinds.append((len(plan.rows), prefill))
+        return plan
     # warm-up, untimed: a prefill-only step, then a step mixing a decode row into a prefill (each
     # attention kernel's first use JIT-compiles on a fresh machine: ~110 s, once polluting the wall)
     eng.add_request(_req(64, 8, g, vocab))
@@ -312,7 +319,7 @@ def bench_offline(emit, runner, common, concurrency=128, num_requests=384, isl=1
                 eng.add_request(_req(*queue.pop(), g, vocab))
                 live += 1
             t = time.perf_counter()
-            for o in eng.step():
+            for o in eng.step().outputs:
                 tokens += len(o.new_token_ids)
                 live -= o.finish_reason is not None
             times.append(time.perf_counter() - t)
@@ -505,8 +512,6 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--only", default="b1,batches,prefill,kv,profile,hf")
     ap.add_argument("--num-blocks", type=int, default=16000)   # 32 GB for the 8B: batch 128 at 1.5k context
-    ap.add_argument("--decode-tensor-cores", default="auto", choices=["auto", "on", "off"],
-                    help="FlashInfer decode on tensor cores (auto: the engine's default, on for GQA >= 4)")
     ap.add_argument("--kv-cache-dtypes", default="auto", help="comma list of auto|fp8: each runs every section")
     ap.add_argument("--decode-kernels", default="auto", help="comma list of auto|flashinfer|xqa: each runs every section")
     ap.add_argument("--offline-budget", type=int, default=2048, help="offline: max_num_batched_tokens per step")
@@ -514,7 +519,9 @@ def main() -> None:
                     help="offline: then rerun with the torch profiler over this many steps (kernel families, GPU idle)")
     ap.add_argument("--offline-profile-start", type=int, default=1200,
                     help="offline: the first profiled step (~950: the first wave's requests finish, mixed steps)")
+    add_config_args(ap, EngineConfig, only=ENGINE_KNOBS, config_file=False)
     args = ap.parse_args()
+    knobs = {k: v for k, v in flag_values(EngineConfig, args).items() if k in ENGINE_KNOBS}
     emit = Emitter("engine_bench", args.out)
     ceil = measure_ceilings()
     emit(metric="ceilings", **ceil)
@@ -525,8 +532,7 @@ def main() -> None:
         model_dir = write_arch_dir(arch, f"/tmp/splitserve-models/{arch}")
         cfg = EngineConfig(model=str(model_dir), load_format="dummy", num_blocks=args.num_blocks,
                            max_model_len=8192, max_num_seqs=256, max_num_batched_tokens=8192,
-                           enable_prefix_caching=False, kv_cache_dtype=kv_dtype, decode_kernel=decode_kernel,
-                           decode_tensor_cores={"auto": None, "on": True, "off": False}[args.decode_tensor_cores])
+                           enable_prefix_caching=False, kv_cache_dtype=kv_dtype, decode_kernel=decode_kernel, **knobs)
         t0 = time.perf_counter()
         runner = ModelRunner(cfg)
         sizes = model_sizes(runner)
@@ -534,6 +540,7 @@ def main() -> None:
                   "decode_tensor_cores": getattr(runner.backend, "decode_tensor_cores", None),
                   "decode_kernel": getattr(runner.backend, "decode_kernel", None),
                   "fused_rope_kv": runner.model.layers[0].self_attn.rope_kv is not None,
+                  "fused_kernels": cfg.fused_kernels, "input_major_weights": cfg.input_major_weights,
                   "kv_cache_dtype": str(runner.kv_cache.dtype).removeprefix("torch."),
                   "block_size": cfg.block_size, "num_blocks": cfg.num_blocks}
         emit(**common, metric="model", load_and_capture_s=round(time.perf_counter() - t0, 2),

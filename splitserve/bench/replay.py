@@ -187,7 +187,7 @@ async def replay(args: argparse.Namespace, specs: list[RequestSpec], url: str, d
 
 def run_policy(args: argparse.Namespace, policy: str, specs: list[RequestSpec]) -> tuple[dict, list[float]]:
     from runtime.redis_embedded import EmbeddedRedis, free_port
-    from splitserve.serve import Cluster, _wait_ready
+    from splitserve.serve import Cluster, wait_ready
 
     namespace = f"replay-{uuid.uuid4().hex[:6]}"
     http_port, grpc_port = free_port(), free_port()
@@ -198,9 +198,8 @@ def run_policy(args: argparse.Namespace, policy: str, specs: list[RequestSpec]) 
         cluster.spawn("serve", serve_argv(args, policy, redis.url, namespace, http_port, grpc_port),
                       env, stdout=sys.stderr)
         try:
-            ready = SimpleNamespace(host="127.0.0.1", http_port=http_port, decode_workers=args.workers, prefill_workers=0,
-                                    startup_timeout_s=args.startup_timeout_s)
-            if not _wait_ready(cluster, ready, {"sig": None}):
+            if not wait_ready(cluster, f"http://127.0.0.1:{http_port}/health", args.workers, 0,
+                              args.startup_timeout_s, {"sig": None}):
                 raise RuntimeError(f"the {policy} cluster did not start")
             with asyncio.Runner(loop_factory=_event_loop_factory("http://")) as runner:
                 run, statuses = runner.run(replay(args, specs, f"http://127.0.0.1:{http_port}", policy,

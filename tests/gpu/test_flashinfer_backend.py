@@ -29,18 +29,16 @@ from runtime.config import EngineConfig  # noqa: E402
 
 
 def _metadata(query_lens, context_lens, bs, num_blocks, device):
-    from engine.model_runner import build_host_step
-    from engine.request import Request
+    from engine.plan import PlanRow
+    from engine.step_inputs import build_host_step
     from runtime.types import SamplingParams
-    from engine.scheduler import ScheduledChunk
     g = torch.Generator().manual_seed(0)
     perm = torch.randperm(num_blocks, generator=g).tolist()
-    chunks = []
+    rows = []
     for i, (n, ctx) in enumerate(zip(query_lens, context_lens)):
-        r = Request.new(str(i), [1] * ctx, SamplingParams())
-        r.block_ids, perm = perm[: -(-ctx // bs)], perm[-(-ctx // bs):]
-        chunks.append(ScheduledChunk.of(r, ctx - n, n))
-    s = build_host_step(chunks, bs)
+        blocks, perm = perm[: -(-ctx // bs)], perm[-(-ctx // bs):]
+        rows.append(PlanRow(str(i), i, [1] * n, ctx - n, blocks, SamplingParams(), True))
+    s = build_host_step(rows, bs)
     return AttentionMetadata(
         query_lens=s.query_lens, context_lens=s.context_lens, block_tables=s.block_tables,
         slot_mapping=torch.from_numpy(s.slots).to(device), query_start_loc=torch.from_numpy(s.qo_indptr).to(device),
@@ -123,8 +121,7 @@ def test_async_scheduling_matches_sync_on_the_gpu(tmp_path, decode_kernel):
     input ids gathered on the device, in graph and eager steps): the same tokens as the synchronous
     engine. Every request ends by length, so both engines run the very same batches."""
     from engine.engine import Engine
-    from engine.request import Request
-    from runtime.types import SamplingParams
+    from runtime.types import EngineRequest, SamplingParams
     d = write_arch_dir("llama-3.1-8b", tmp_path / "m", hidden_size=512, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=1, head_dim=128, intermediate_size=1024,
                        vocab_size=2048)
@@ -143,9 +140,9 @@ def test_async_scheduling_matches_sync_on_the_gpu(tmp_path, decode_kernel):
         out = {str(i): [] for i in range(len(prompts))}
         for i, p in enumerate(prompts):
             sp = SamplingParams(temperature=0.7 if i % 2 else 0.0, seed=i, max_tokens=10 + 5 * i, ignore_eos=True)
-            eng.add_request(Request.new(str(i), p, sp))
+            eng.add_request(EngineRequest(str(i), p, sp))
         while eng.has_work:
-            for o in eng.step():
+            for o in eng.step().outputs:
                 out[o.request_id] += o.new_token_ids
         return out
 

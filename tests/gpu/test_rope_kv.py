@@ -1,5 +1,5 @@
 """The fused RoPE + K/V-write Triton kernel against FlashInfer's RoPE followed by write_kv_rows (the
-unfused path the model takes with SPLITSERVE_FUSED_ROPE_KV=0), eagerly and replayed from a CUDA
+unfused path the model takes with EngineConfig.fused_rope_kv off), eagerly and replayed from a CUDA
 graph whose inputs change between replays (skipped without CUDA, FlashInfer or Triton).
 """
 

@@ -112,7 +112,7 @@ def test_kill_worker_under_load(fault_reference, victim):
     with own_cluster("--prefill-workers", "2", "--decode-workers", "2", "--remote-prefill-min-tokens", "1",
                      "--max-num-batched-tokens", "256", "--lease-ttl-s", "2") as c:
         name = "prefill-0" if victim == "prefill-worker" else "decode-0"
-        (pid,) = c.child_pids(f"--worker-id {name} ")
+        (pid,) = c.child_pids(f"/{name}.json")      # serve runs it with --config DIR/NAME.json
         (info,) = [w for w in c.workers() if w.worker_id.startswith(name + "-")]
 
         def busy() -> bool:

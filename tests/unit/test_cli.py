@@ -1,18 +1,179 @@
-"""The `splitserve serve` launcher hands its workers every engine flag it accepts."""
+"""The `splitserve` command line: flags generated from the config classes reach the processes that
+use them, the flag names users know keep working, and bad input is a clear error, not a traceback."""
 
 from __future__ import annotations
 
-import argparse
+import json
+import os
+import stat
+from dataclasses import MISSING, fields
 
+import pytest
+
+from runtime.cli_args import config_from_args
+from runtime.config import EngineConfig, FrontendConfig, ServeConfig, WorkerConfig
+from runtime.config_fields import TRI_STATE, settings
 from splitserve import serve
-from splitserve.cli import _add_engine_args
-
-# flags the launcher passes another way: the model directory it resolves, and the switches
-_FORWARDED_ELSEWHERE = {"model", "no_prefix_caching", "no_cuda_graphs", "mock"}
+from splitserve.cli import build_parser, component_config, main
 
 
-def test_every_engine_flag_reaches_the_workers():
-    p = argparse.ArgumentParser()
-    _add_engine_args(p)
-    dests = {a.dest for a in p._actions if a.dest != "help"}
-    assert dests - _FORWARDED_ELSEWHERE == set(serve._ENGINE_FLAGS)
+@pytest.fixture
+def model_dir(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    return str(d.resolve())
+
+
+def parse(*argv: str):
+    return component_config(build_parser().parse_args(list(argv)))
+
+
+def not_default(s) -> tuple[list[str], object]:
+    """Flag arguments that set setting `s` to something other than its default, and that value."""
+    if s.tri_state:
+        return [s.flag, "on"], True
+    if s.type is bool:
+        return [s.flag], not s.default
+    if s.meta.choices:
+        value = next(c for c in reversed(s.meta.choices) if c != s.default)
+    elif s.type is str:
+        value = f"{s.default}-x"
+    else:
+        value = (s.default or 0) + (3 if s.type is int else 0.25)
+    return [s.flag, str(value)], value
+
+
+def test_every_engine_field_reaches_the_workers_through_their_config_files(tmp_path, model_dir):
+    argv, expected = ["--model", model_dir], {"model": model_dir}
+    for s in settings(EngineConfig):
+        if s.name != "model":
+            flag_args, expected[s.name] = not_default(s)
+            argv += flag_args
+    cfg = parse("serve", *argv, "--redis-url", "redis://r:1/0")
+    assert cfg.engine == EngineConfig(**expected)
+    cluster = serve.Cluster()
+    try:
+        for role in ("prefill", "decode"):
+            path = os.path.join(cluster.config_dir, f"{role}.json")
+            serve.write_config(serve.worker_config(cfg, model_dir, role, 0), path)
+            child = parse(f"{role}-worker", "--config", path)
+            assert child.engine == EngineConfig(**expected), role
+            assert (child.role, child.worker_id, child.redis.url) == (role, f"{role}-0", "redis://r:1/0")
+    finally:
+        cluster.stop()
+
+
+def test_every_frontend_field_reaches_the_frontend(model_dir):
+    argv, expected = ["--model", model_dir], {}
+    for s in settings(FrontendConfig):
+        if s.path.split(".")[0] not in ("model", "block_size", "max_model_len", "api_key"):
+            flag_args, expected[s.path] = not_default(s)
+            argv += flag_args
+    cfg = parse("serve", *argv)
+    fe = serve.frontend_config(cfg, model_dir)
+    for path, value in expected.items():
+        obj = fe
+        for part in path.split("."):
+            obj = getattr(obj, part)
+        assert obj == value, path
+    assert (fe.model, fe.block_size) == (model_dir, None)    # the frontend learns the block size
+
+
+def test_the_flags_users_know_keep_their_names_and_meaning(model_dir, monkeypatch):
+    monkeypatch.delenv("SPLITSERVE_REDIS_URL", raising=False)
+    w = parse("decode-worker", "--model", model_dir, "--redis-url", "redis://h:6379/0", "--no-prefix-caching",
+              "--no-cuda-graphs", "--kv-cpu-mib", "64", "--async-scheduling", "off", "--decode-tensor-cores", "on",
+              "--mock", "--metrics-port", "9100", "--worker-id", "w", "--role", "aggregated", "--block-size", "32",
+              "--kv-cache-dtype", "fp8", "--decode-kernel", "xqa", "--namespace", "ns", "--lease-ttl-s", "2")
+    e = w.engine
+    assert (e.enable_prefix_caching, e.cuda_graphs, e.kv_cpu_mib, e.async_scheduling, e.decode_tensor_cores,
+            e.mock, e.block_size, e.kv_cache_dtype, e.decode_kernel) == (False, False, 64, False, True, True, 32,
+                                                                        "fp8", "xqa")
+    assert (w.metrics_port, w.worker_id, w.role) == (9100, "w", "aggregated")
+    assert (w.redis.url, w.redis.namespace, w.redis.lease_ttl_s) == ("redis://h:6379/0", "ns", 2.0)
+    assert parse("prefill-worker", "--model", model_dir, "--redis-url", "redis://h/0").role == "prefill"
+    s = parse("serve", "--model", model_dir, "--decode-workers", "3", "--prefill-workers", "0",
+              "--startup-timeout-s", "9", "--router-policy", "round_robin", "--router-approximate",
+              "--remote-prefill-min-tokens", "7", "--max-prefill-queue-tokens", "9", "--http-port", "1",
+              "--grpc-port", "2", "--host", "0.0.0.0", "--model-name", "m", "--max-body-bytes", "5")
+    f = s.frontend
+    assert (s.decode_workers, s.prefill_workers, s.startup_timeout_s) == (3, 0, 9.0)
+    assert (f.router_policy, f.router_approximate, f.remote_prefill_min_tokens, f.max_prefill_queue_tokens,
+            f.http_port, f.grpc_port, f.host, f.model_name, f.max_body_bytes) == \
+        ("round_robin", True, 7, 9, 1, 2, "0.0.0.0", "m", 5)
+    fe = parse("frontend", "--model", model_dir, "--redis-url", "redis://h/0", "--block-size", "32",
+               "--max-model-len", "100")
+    assert (fe.block_size, fe.max_model_len) == (32, 100)
+
+
+def test_defaults_without_flags_are_the_config_classes_defaults(monkeypatch):
+    monkeypatch.delenv("SPLITSERVE_REDIS_URL", raising=False)
+    monkeypatch.delenv("SPLITSERVE_API_KEY", raising=False)
+    cfg = config_from_args(ServeConfig, build_parser().parse_args(["serve"]), given={"frontend.model": "tiny"})
+    assert cfg == ServeConfig(engine=EngineConfig(model="tiny"), frontend=FrontendConfig(model="tiny"))
+
+
+def test_tri_states_take_auto_on_off():
+    for word, value in TRI_STATE.items():
+        assert parse("serve", "--async-scheduling", word).engine.async_scheduling is value
+
+
+def test_help_shows_every_flag_with_its_default(capsys):
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for command, cls in (("serve", ServeConfig), ("frontend", FrontendConfig), ("decode-worker", WorkerConfig),
+                         ("prefill-worker", WorkerConfig)):
+        flags = {a.option_strings[0]: a.help for a in commands[command]._actions if a.option_strings}
+        for s in settings(cls):
+            if s.flag in flags:
+                assert "(default: " in flags[s.flag], (command, s.flag)
+        assert len(flags) >= len(list(settings(cls))) - 3, command
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "(default: $SPLITSERVE_REDIS_URL, else none)" in text
+        assert command == "frontend" or "--async-scheduling auto|on|off" in text
+
+
+def test_api_key_comes_from_the_environment_and_never_reaches_a_file(tmp_path, model_dir, monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_API_KEY", "sk-secret")
+    monkeypatch.setenv("SPLITSERVE_REDIS_URL", "redis://h/0")
+    cfg = parse("serve", "--model", model_dir)
+    assert cfg.frontend.api_key == "sk-secret"
+    fe = serve.frontend_config(cfg, model_dir)
+    assert fe.api_key is None
+    path = tmp_path / "fe.json"
+    serve.write_config(cfg.frontend, path)        # even a config holding the key leaves it out
+    assert "sk-secret" not in path.read_text() and "api_key" not in json.loads(path.read_text())
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert parse("frontend", "--config", str(path), "--model", model_dir).api_key == "sk-secret"   # by env
+
+
+def test_serve_keeps_its_children_configs_in_a_private_directory_and_removes_it():
+    cluster = serve.Cluster()
+    assert stat.S_IMODE(os.stat(cluster.config_dir).st_mode) == 0o700
+    cluster.stop()
+    assert not os.path.exists(cluster.config_dir)
+
+
+def test_bad_input_is_a_message_and_exit_code_2(tmp_path, model_dir, capsys, monkeypatch):
+    monkeypatch.delenv("SPLITSERVE_REDIS_URL", raising=False)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"engine": {"blok_size": 8}}))
+    cases = {("decode-worker", "--config", str(bad)): "unknown field 'engine.blok_size'",
+             ("decode-worker", "--config", str(tmp_path / "none.json")): "cannot read config file",
+             ("frontend", "--model", model_dir): "--redis-url",
+             ("decode-worker", "--model", str(tmp_path), "--redis-url", "redis://h/0"): "not a HF model directory",
+             ("decode-worker", "--role", "prefill", "--redis-url", "redis://h/0"): "prefill-worker"}
+    for argv, message in cases.items():
+        assert main(list(argv)) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (argv, err)
+
+
+def test_config_classes_declare_help_for_every_field():
+    for cls in (EngineConfig, FrontendConfig, WorkerConfig, ServeConfig):
+        leaves = {s.path.split(".")[0] for s in settings(cls)}
+        assert {f.name for f in fields(cls)} == leaves
+        assert all(s.meta.help for s in settings(cls))
+        assert all(s.default is not MISSING or s.meta.cli_default for s in settings(cls))

@@ -6,8 +6,7 @@ from __future__ import annotations
 import threading
 
 from engine.engine import Engine, EngineLoop
-from engine.request import Request
-from runtime.types import FinishReason, SamplingParams
+from runtime.types import EngineRequest, FinishReason, SamplingParams
 from runtime.config import EngineConfig
 from splitserve.models import resolve_model
 
@@ -17,11 +16,11 @@ def test_a_failing_step_is_an_internal_error_and_the_loop_keeps_serving():
     real_execute = engine.runner.execute
     calls = {"n": 0}
 
-    def flaky(chunks):
+    def flaky(plan):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("simulated device fault")
-        return real_execute(chunks)
+        return real_execute(plan)
 
     engine.runner.execute = flaky
     outputs, done = [], threading.Event()
@@ -35,14 +34,14 @@ def test_a_failing_step_is_an_internal_error_and_the_loop_keeps_serving():
     loop.start()
     try:
         greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-        loop.submit(Request.new("a", [5, 6, 7, 8], greedy))
+        loop.submit(EngineRequest("a", [5, 6, 7, 8], greedy))
         for _ in range(100):
             if any(o.request_id == "a" for o in outputs):
                 break
             done.wait(0.05)
         first = [o for o in outputs if o.request_id == "a"]
         assert first and first[-1].finish_reason == FinishReason.ERROR and first[-1].internal_error
-        loop.submit(Request.new("b", [5, 6, 7, 8], greedy))
+        loop.submit(EngineRequest("b", [5, 6, 7, 8], greedy))
         assert done.wait(30)
         b = [t for o in outputs if o.request_id == "b" for t in o.new_token_ids]
         assert len(b) == 4

@@ -9,8 +9,7 @@ import pytest
 from engine.engine import Engine
 from engine.mock_runner import MockModelRunner
 from runtime.profile import CurveTiming, ProfileTiming, load_timing
-from engine.request import Request
-from runtime.types import FinishReason, SamplingParams
+from runtime.types import EngineRequest, FinishReason, SamplingParams
 from runtime.config import EngineConfig
 from splitserve.models import resolve_model
 
@@ -38,13 +37,17 @@ def mock_engine(model_dir: str, clock: FakeClock, **kw) -> Engine:
     return Engine(cfg, runner=MockModelRunner(cfg, sleep=clock.sleep, clock=clock))
 
 
-def run_all(engine: Engine, max_steps: int = 10_000) -> dict[str, list]:
+def run_all(engine: Engine, max_steps: int = 10_000, events: list | None = None) -> dict[str, list]:
+    """Step until idle; the outputs per request (and, into `events`, every KV event the steps made)."""
     out: dict[str, list] = {}
     for _ in range(max_steps):
         if not engine.has_work:
             return out
-        for o in engine.step():
+        result = engine.step()
+        for o in result.outputs:
             out.setdefault(o.request_id, []).append(o)
+        if events is not None:
+            events += result.events
     raise AssertionError("engine did not finish")
 
 
@@ -126,7 +129,7 @@ def test_engine_generates_exactly_max_tokens_and_sleeps_the_modelled_time(model_
     clock = FakeClock()
     eng = mock_engine(model_dir, clock)
     for i in range(4):   # not ignore_eos: the mock never emits EOS, so lengths are max_tokens
-        eng.add_request(Request.new(f"r{i}", list(range(100 + i, 1100 + i)), SamplingParams(max_tokens=20)))
+        eng.add_request(EngineRequest(f"r{i}", list(range(100 + i, 1100 + i)), SamplingParams(max_tokens=20)))
     out = run_all(eng)
     assert all(sum(len(o.new_token_ids) for o in outs) == 20 for outs in out.values())
     assert all(outs[-1].finish_reason is FinishReason.LENGTH for outs in out.values())
@@ -144,10 +147,10 @@ def test_async_scheduling_hides_host_work_behind_the_modelled_step(model_dir, ov
     eng = mock_engine(model_dir, clock, async_scheduling=None if overlap else False)
     assert eng.async_scheduling == overlap
     for i in range(4):
-        eng.add_request(Request.new(f"r{i}", list(range(100 + i, 164 + i)), SamplingParams(max_tokens=40)))
+        eng.add_request(EngineRequest(f"r{i}", list(range(100 + i, 164 + i)), SamplingParams(max_tokens=40)))
     out: dict[str, list[int]] = {}
     while eng.has_work:
-        for o in eng.step():
+        for o in eng.step().outputs:
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
         clock.sleep(0.004)
     r = eng.runner
@@ -163,12 +166,13 @@ def test_prefix_hits_and_kv_events_under_the_real_engine(model_dir):
     clock = FakeClock()
     eng = mock_engine(model_dir, clock)
     prompt = list(range(2000))
-    eng.add_request(Request.new("a", prompt, SamplingParams(max_tokens=4)))
-    run_all(eng)
+    eng.add_request(EngineRequest("a", prompt, SamplingParams(max_tokens=4)))
+    events: list = []
+    run_all(eng, events=events)
     first = clock.now
-    stored = [e for e in eng.take_events() if type(e).__name__ == "BlockStored"]
+    stored = [e for e in events if type(e).__name__ == "BlockStored"]
     assert sum(len(e.block_hashes) for e in stored) >= 2000 // 16
-    eng.add_request(Request.new("b", prompt + [7, 8, 9], SamplingParams(max_tokens=4)))
+    eng.add_request(EngineRequest("b", prompt + [7, 8, 9], SamplingParams(max_tokens=4)))
     out = run_all(eng)
     assert out["b"][0].num_cached_tokens == 2000 // 16 * 16
     assert clock.now - first < first / 3          # the hit skipped almost all of the prefill
@@ -178,7 +182,7 @@ def test_preemption_when_blocks_run_out(model_dir):
     clock = FakeClock()
     eng = mock_engine(model_dir, clock, num_blocks=40, block_size=16)   # 640 tokens of KV
     for i in range(4):
-        eng.add_request(Request.new(f"p{i}", [i + 5] * 100 + list(range(50)), SamplingParams(max_tokens=100)))
+        eng.add_request(EngineRequest(f"p{i}", [i + 5] * 100 + list(range(50)), SamplingParams(max_tokens=100)))
     out = run_all(eng)
     assert eng.scheduler.num_preemptions > 0
     assert all(sum(len(o.new_token_ids) for o in outs) == 100 for outs in out.values())

@@ -13,10 +13,10 @@ import torch
 from engine.engine import Engine
 from engine.loader import ARCHS, write_arch_dir
 from runtime.model_config import ModelConfig
-from engine.model_runner import ModelRunner, build_host_step
-from engine.request import Request
-from runtime.types import FinishReason, SamplingParams
-from engine.scheduler import ScheduledChunk
+from engine.model_runner import ModelRunner
+from engine.step_inputs import build_host_step
+from runtime.types import EngineRequest, FinishReason, SamplingParams
+from engine.plan import PlanRow, StepPlan
 from runtime.config import EngineConfig
 from splitserve.tiny_model import write_tiny_model
 
@@ -29,10 +29,10 @@ def tiny_dir(tmp_path_factory):
 def _generate(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     for i, p in enumerate(prompts):
-        engine.add_request(Request.new(str(i), p, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+        engine.add_request(EngineRequest(str(i), p, SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                                  ignore_eos=True)))
     while engine.has_work:
-        for o in engine.step():
+        for o in engine.step().outputs:
             out[o.request_id] += o.new_token_ids
     return [out[str(i)] for i in range(len(prompts))]
 
@@ -50,35 +50,37 @@ def test_greedy_matches_hf_transformers(tiny_dir):
         assert got == ref[0, len(p):].tolist()
 
 
-def _chunk(req: Request, start: int, n: int) -> ScheduledChunk:
-    return ScheduledChunk.of(req, start, n)
+def _row(rid: str, tokens: list[int], blocks: list[int], start: int, n: int, bs: int) -> PlanRow:
+    """A plan row as the scheduler makes it: the chunk's ids and the pages it touches."""
+    return PlanRow(rid, int(rid), tokens[start:start + n], start, blocks[:-(-(start + n) // bs)], SamplingParams(),
+                   start + n == len(tokens))
 
 
 def test_host_step_matches_per_token_definition():
     bs = 4
     rng = np.random.default_rng(0)
-    reqs, chunks = [], []
+    seqs, rows = [], []
     for i, (start, n, total) in enumerate([(0, 9, 9), (5, 3, 12), (10, 1, 11), (0, 1, 2)]):
-        r = Request.new(str(i), rng.integers(0, 100, total).tolist(), SamplingParams())
-        r.block_ids = rng.permutation(50)[: (total + bs - 1) // bs].tolist()
-        reqs.append(r)
-        chunks.append(_chunk(r, start, n))
-    s = build_host_step(chunks, bs)
+        tokens = rng.integers(0, 100, total).tolist()
+        blocks = rng.permutation(50)[: (total + bs - 1) // bs].tolist()
+        seqs.append((tokens, blocks))
+        rows.append(_row(str(i), tokens, blocks, start, n, bs))
+    s = build_host_step(rows, bs)
     ids, pos, slots = [], [], []
-    for c in chunks:
-        for p in range(c.start, c.start + c.num_tokens):
-            ids.append(c.request.token_ids[p])
+    for r, (tokens, blocks) in zip(rows, seqs):
+        for p in range(r.start, r.start + r.num_tokens):
+            ids.append(tokens[p])
             pos.append(p)
-            slots.append(c.request.block_ids[p // bs] * bs + p % bs)
+            slots.append(blocks[p // bs] * bs + p % bs)
     assert s.input_ids.tolist() == ids and s.positions.tolist() == pos and s.slots.tolist() == slots
     blocks, offs = np.array(slots) // bs, np.array(slots) % bs
     assert s.kv_rows[0].tolist() == (blocks * 2 * bs + offs).tolist()
     assert s.kv_rows[1].tolist() == (blocks * 2 * bs + bs + offs).tolist()
     assert s.qo_indptr.tolist() == [0, 9, 12, 13, 14]
     assert s.kv_last_page_len.tolist() == [1, 4, 3, 1]
-    for i, c in enumerate(chunks):
+    for i, (r, (tokens, blocks)) in enumerate(zip(rows, seqs)):
         pages = s.kv_indices[s.kv_indptr[i]:s.kv_indptr[i + 1]].tolist()
-        assert pages == c.request.block_ids[: -(-(c.start + c.num_tokens) // bs)]
+        assert pages == blocks[: -(-(r.start + r.num_tokens) // bs)]
     assert s.samples == [True, False, True, False]
     assert s.sample_rows.tolist() == [8, 12]
     assert not s.is_decode_only
@@ -90,18 +92,18 @@ def test_padded_page_table_from_the_host_step():
     from engine.attention.base import fill_page_table
     bs = 4
     rng = np.random.default_rng(1)
-    chunks = []
+    rows, tables = [], []
     for i, total in enumerate([1, 4, 5, 13, 2]):
-        r = Request.new(str(i), rng.integers(0, 100, total).tolist(), SamplingParams())
-        r.block_ids = rng.permutation(40)[: -(-total // bs)].tolist()
-        chunks.append(_chunk(r, total - 1, 1))
-    s = build_host_step(chunks, bs)
+        blocks = rng.permutation(40)[: -(-total // bs)].tolist()
+        tables.append(blocks)
+        rows.append(_row(str(i), rng.integers(0, 100, total).tolist(), blocks, total - 1, 1, bs))
+    s = build_host_step(rows, bs)
     lens, table = np.zeros(5, np.int32), np.full((5, 6), -7, np.int32)
     fill_page_table(s.kv_indptr, s.kv_indices, s.kv_last_page_len, bs, lens, table)
     assert lens.tolist() == [1, 4, 5, 13, 2]
-    for i, c in enumerate(chunks):
-        n = len(c.request.block_ids)
-        assert table[i, :n].tolist() == c.request.block_ids
+    for i, blocks in enumerate(tables):
+        n = len(blocks)
+        assert table[i, :n].tolist() == blocks
         assert (table[i, n:] == -7).all()
 
 
@@ -154,12 +156,12 @@ def test_arch_presets_have_the_real_dimensions(tmp_path):
     assert json.loads((tmp_path / "8b" / "config.json").read_text())["model_type"] == "llama"
 
 
-def _run_all(engine: Engine, reqs: list[Request]) -> dict[str, tuple[list[int], object]]:
+def _run_all(engine: Engine, reqs: list[EngineRequest]) -> dict[str, tuple[list[int], object]]:
     out: dict[str, tuple[list[int], object]] = {}
     for r in reqs:
         engine.add_request(r)
     while engine.has_work:
-        for o in engine.step():
+        for o in engine.step().outputs:
             toks, _ = out.get(o.request_id, ([], None))
             out[o.request_id] = (toks + o.new_token_ids, o.finish_reason)
     return out
@@ -175,16 +177,16 @@ def test_async_scheduling_gives_the_same_tokens_as_sync(tiny_dir):
     prompts += [torch.randint(5, 4096, (n,), generator=g).tolist() for n in (1, 5, 90)]
     base = EngineConfig(model=str(tiny_dir), device="cpu", num_blocks=12, max_num_batched_tokens=64,
                         attention_backend="torch", async_scheduling=False)
-    probe = _run_all(Engine(base), [Request.new(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=12))
+    probe = _run_all(Engine(base), [EngineRequest(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=12))
                                     for i, p in enumerate(prompts)])
 
-    def requests() -> list[Request]:
+    def requests() -> list[EngineRequest]:
         reqs = []
         for i, p in enumerate(prompts):
             stop = frozenset({probe[f"p{i}"][0][5]}) if i % 3 == 0 else frozenset()
             sp = SamplingParams(temperature=0.8 if i % 2 else 0.0, seed=i if i % 2 else None,
                                 max_tokens=20 + i, stop_token_ids=stop)
-            reqs.append(Request.new(str(i), p, sp))
+            reqs.append(EngineRequest(str(i), p, sp))
         return reqs
 
     sync_engine = Engine(base)
@@ -196,6 +198,25 @@ def test_async_scheduling_gives_the_same_tokens_as_sync(tiny_dir):
     assert sync_engine.scheduler.num_preemptions > 0 and async_engine.scheduler.num_preemptions > 0
     for eng in (sync_engine, async_engine):
         assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_a_seeded_request_samples_alike_whatever_ran_before_on_the_runner(tiny_dir):
+    """Seeded generators belong to the runner, one per admission: the same requests (same ids)
+    run twice on one runner give the same tokens, and the generators of finished requests go."""
+    cfg = EngineConfig(model=str(tiny_dir), device="cpu", num_blocks=64, attention_backend="torch")
+    runner = ModelRunner(cfg)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(5, 4096, (n,), generator=g).tolist() for n in (4, 20, 33)]
+
+    def reqs():
+        return [EngineRequest(str(i), p, SamplingParams(temperature=1.0, seed=7 + i, max_tokens=10, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+
+    eng = Engine(cfg, runner)
+    first, again = _run_all(eng, reqs()), _run_all(eng, reqs())          # the same ids, admitted again
+    assert first == again == _run_all(Engine(cfg, runner), reqs())      # and on another engine
+    _run_all(eng, [EngineRequest("later", prompts[0], SamplingParams(temperature=1.0, seed=1, max_tokens=2))])
+    assert len(runner._generators) == 1 + 3      # "later"'s; the other engine's finished ones wait for its next plan
 
 
 def test_input_major_weights_compute_the_same_function(tiny_dir):
@@ -222,9 +243,7 @@ def test_fp8_kv_cache_stores_e4m3_of_the_same_keys_and_values(tiny_dir):
     prompt = torch.randint(5, 4096, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     logits, blocks = [], [5, 9, 2]
     for runner in (a, b):
-        req = Request.new("r", prompt, SamplingParams(temperature=0.0))
-        req.block_ids = blocks
-        runner.execute([_chunk(req, 0, 40)])
+        runner.execute(StepPlan(1, [PlanRow("r", 1, prompt, 0, blocks, SamplingParams(temperature=0.0), True)]))
         logits.append(runner.last_logits.clone())
     assert torch.equal(b.kv_cache[0, blocks].view(torch.uint8),
                        a.kv_cache[0, blocks].to(torch.float8_e4m3fn).view(torch.uint8))
@@ -252,3 +271,28 @@ def test_torch_backend_attends_over_fp8_values_exactly():
         outs.append(backend.forward(0, q, kk, vv, cache))
     assert torch.equal(cache8.float(), cache32)         # the new K/V landed rounded in both
     assert torch.equal(outs[0], outs[1])
+
+
+def test_the_streaming_weight_reader_matches_safetensors(tiny_dir, tmp_path):
+    """engine/weights_io.py reads the same tensors as safetensors' own reader, in every dtype the
+    loader meets, and refuses a truncated file."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from engine.weights_io import iter_tensors
+    path = tmp_path / "mixed.safetensors"
+    g = torch.Generator().manual_seed(0)
+    save_file({"a": torch.randn(3, 5, generator=g).to(torch.bfloat16), "b": torch.randn(7, generator=g),
+               "c": torch.arange(6, dtype=torch.int64).view(2, 3), "d": torch.tensor(2.5, dtype=torch.float16)},
+              str(path))
+    for file in [path, tiny_dir / "model.safetensors"]:
+        ours = dict(iter_tensors(file, torch.device("cpu")))
+        with safe_open(str(file), framework="pt") as f:
+            assert sorted(ours) == sorted(f.keys())
+            for name in f.keys():
+                ref = f.get_tensor(name)
+                assert ours[name].dtype == ref.dtype and torch.equal(ours[name], ref), name
+    data = path.read_bytes()
+    path.write_bytes(data[:-8])
+    with pytest.raises(ValueError, match="truncated"):
+        list(iter_tensors(path, torch.device("cpu")))

@@ -35,35 +35,41 @@ def next_token(seq: list[int]) -> int:
 
 
 class FakeModel:
+    """Reads only the step plan, as a runner does; checks the plan against the scheduler's own
+    requests (`truth`), which a real runner never sees."""
+
     def __init__(self, num_blocks: int, budget: int) -> None:
         self.kv: dict[int, int] = {}         # slot → token id written there
         self.budget = budget
         self.steps: list[list[tuple[str, int, int]]] = []
         self.eos_at: dict[str, int] = {}     # request id → output index that is EOS
+        self.truth: dict[str, Request] = {}  # the scheduler's requests (set by make())
 
-    def execute(self, chunks, prev: dict[str, int] | None = None) -> dict[str, int]:
+    def execute(self, plan, prev: dict[str, int] | None = None) -> dict[str, int]:
         """One step; `prev`: the previous step's samples, where pending input tokens are read."""
-        assert sum(c.num_tokens for c in chunks) <= self.budget
-        assert len({c.request.request_id for c in chunks}) == len(chunks)
-        self.steps.append([(c.request.request_id, c.start, c.num_tokens) for c in chunks])
+        rows = plan.rows
+        assert sum(r.num_tokens for r in rows) <= self.budget
+        assert len({r.request_id for r in rows}) == len(rows)
+        self.steps.append([(r.request_id, r.start, r.num_tokens) for r in rows])
         out = {}
-        for c in chunks:
-            req = c.request
-            assert c.num_tokens > 0 and c.start == req.num_computed_tokens
+        for row in rows:
+            req = self.truth[row.request_id]
+            assert row.num_tokens > 0 and row.start == req.num_computed_tokens
+            assert row.token_ids == req.token_ids[row.start:row.start + row.num_tokens]
             seq = list(req.token_ids)
             if seq[-1] == PENDING_TOKEN:                  # only ever the one token this step computes
-                assert c.start == len(seq) - 1 and c.num_tokens == 1
-                seq[-1] = prev[req.request_id]
+                assert row.start == len(seq) - 1 and row.num_tokens == 1 and row.token_ids == [PENDING_TOKEN]
+                seq[-1] = prev[row.request_id]
             assert PENDING_TOKEN not in seq
-            table = req.block_ids
-            assert len(table) * BS >= c.start + c.num_tokens
-            for p in range(c.start):                      # the context it attends to
-                assert self.kv.get(table[p // BS] * BS + p % BS) == seq[p], (req.request_id, p)
-            for p in range(c.start, c.start + c.num_tokens):
+            table = row.block_table
+            assert table == req.block_ids[:len(table)] and len(table) * BS >= row.start + row.num_tokens > (len(table) - 1) * BS
+            for p in range(row.start):                      # the context it attends to
+                assert self.kv.get(table[p // BS] * BS + p % BS) == seq[p], (row.request_id, p)
+            for p in range(row.start, row.start + row.num_tokens):
                 self.kv[table[p // BS] * BS + p % BS] = seq[p]
-            if c.samples:
+            if row.samples:
                 n_out = len(seq) - req.num_prompt_tokens
-                out[req.request_id] = EOS if self.eos_at.get(req.request_id) == n_out else next_token(seq)
+                out[row.request_id] = EOS if self.eos_at.get(row.request_id) == n_out else next_token(seq)
         return out
 
 
@@ -79,13 +85,13 @@ class Driver:
         return self.sched.has_work or self.in_flight is not None
 
     def step(self):
-        chunks = self.sched.schedule()
-        assert chunks or self.in_flight, "work is queued but nothing was scheduled"
-        sampled = self.model.execute(chunks, self.in_flight[1] if self.in_flight else None) if chunks else {}
-        self.sched.commit(chunks)
+        plan = self.sched.schedule()
+        assert plan or self.in_flight, "work is queued but nothing was scheduled"
+        sampled = self.model.execute(plan, self.in_flight[1] if self.in_flight else None) if plan else {}
+        self.sched.commit(plan)
         if not self.overlap:
-            return self.sched.update(chunks, sampled)
-        prev, self.in_flight = self.in_flight, ((chunks, sampled) if chunks else None)
+            return self.sched.update(plan, sampled)
+        prev, self.in_flight = self.in_flight, ((plan, sampled) if plan else None)
         return self.sched.update(*prev) if prev else []
 
 
@@ -98,7 +104,9 @@ def make(num_blocks: int = 64, budget: int = 32, max_num_seqs: int = 16, max_mod
          caching: bool = True):
     pool = BlockPool(num_blocks, enable_caching=caching)
     sched = Scheduler(pool, BS, max_model_len, max_num_seqs, budget, eos_token_ids=(EOS,))
-    return sched, FakeModel(num_blocks, budget)
+    model = FakeModel(num_blocks, budget)
+    model.truth = sched.requests
+    return sched, model
 
 
 def run(sched: Scheduler, model: FakeModel, overlap: bool = False, max_steps: int = 10_000):
@@ -285,11 +293,11 @@ def test_abort_frees_blocks_of_running_and_waiting_requests():
 def test_abort_while_the_step_runs_drops_its_output():
     sched, model = make()
     sched.add(req("a", rand_prompt(random.Random(9), 10)))
-    chunks = sched.schedule()
-    sampled = model.execute(chunks)
-    sched.commit(chunks)
+    plan = sched.schedule()
+    sampled = model.execute(plan)
+    sched.commit(plan)
     sched.abort("a")
-    assert sched.update(chunks, sampled) == []
+    assert sched.update(plan, sampled) == []
     assert sched.pool.num_free == sched.pool.num_blocks
     sched.pool.check_invariants()
 
@@ -306,7 +314,7 @@ def test_async_eos_costs_one_discarded_step_and_frees_blocks_only_after_it():
     while not any(o.finish_reason for o in outs):
         outs += driver.step()
     assert [t for o in outs for t in o.new_token_ids] == expected_tokens(p, 2) + [EOS]
-    assert driver.in_flight is not None and driver.in_flight[0][0].request.request_id == "a"
+    assert driver.in_flight is not None and driver.in_flight[0].rows[0].request_id == "a"
     assert sched.pool.num_free < sched.pool.num_blocks      # the discarded step may still write
     assert driver.step() == [] and driver.in_flight is None
     assert sched.pool.num_free == sched.pool.num_blocks

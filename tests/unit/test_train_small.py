@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from engine.engine import Engine
-from engine.request import Request
-from runtime.types import SamplingParams
+from runtime.types import EngineRequest, SamplingParams
 from runtime.config import EngineConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "device"))
@@ -91,11 +90,11 @@ def test_a_recipe_for_another_corpus_is_not_reused(trained_dir, tmp_path):
 
 def _run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict[str, list[int]]:
     for i, p in enumerate(prompts):
-        engine.add_request(Request.new(str(i), p, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+        engine.add_request(EngineRequest(str(i), p, SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                                  ignore_eos=True)))
     out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     while engine.has_work:
-        for o in engine.step():
+        for o in engine.step().outputs:
             out[o.request_id] += o.new_token_ids
     return out
 
