@@ -33,6 +33,8 @@ class RouterConfig:
     timing: StepTiming | None = None   # KV: the workers' step-time profile (None: the default curve)
     chunk_tokens: int = 2048           # KV: the workers' max_num_batched_tokens (prefill chunk)
     max_session_keys: int = 65_536     # KV: routing-hint keys whose pin is remembered
+    busy_period_weight: bool = True    # KV: weigh prefill seconds by 1/(1 - utilisation) (router.py)
+    use_hints: bool = True             # KV: honour routing hints (prompt_cache_key / user)
     overlap_weight: float = 1.0        # KV_BLOCKS: cost per prompt block still to prefill
     temperature: float = 0.0           # 0 = pick the cheapest; >0 = softmax over -cost/normaliser
     approximate: bool = False          # no KV events: assume routed prompts stay cached for a while

@@ -120,9 +120,12 @@ class Router:
         overlaps = self._overlaps(block_hashes)
         if self._ttft:
             now = self._clock()
+            if not self.config.use_hints:
+                hint = None
             pinned = self._pinned(hint, block_hashes, candidates, overlaps) if hint is not None else None
             util = self._utilisation[role]
-            weight = prefill_weight(util.value(now, len(self._eligible(role))))
+            weight = (prefill_weight(util.value(now, len(self._eligible(role))))
+                      if self.config.busy_period_weight else 1.0)
             worker, cost, cached = self._selector.select_ttft(
                 candidates, num_prompt_tokens, self.block_size, overlaps, self._queues.busy_until,
                 now, self._prefill, pinned, weight)

@@ -40,7 +40,7 @@ import numpy as np
 
 from kvstore.events import KvEventBatch
 from kvstore.hashing import block_hashes
-from router import Router, RouterConfig, WorkerRole
+from router import Router, RouterConfig, RoutingPolicy, WorkerRole
 from runtime.profile import DEFAULT_KV_TOKENS, StepTiming, load_timing
 from splitserve.bench.clients import RequestSpec
 from splitserve.bench.oracle import PooledCacheOracle
@@ -164,7 +164,7 @@ class Simulation:
         heapq.heappush(self._heap, (t, self._order, kind, payload))
 
     def _arrive(self, req: SimRequest) -> None:
-        if req.prompt_len >= self.cfg.max_model_len:
+        if req.prompt_len + req.output_len > self.cfg.max_model_len:    # the server refuses it
             self.rejected += 1
             return
         oracle_tokens = sum(self.oracle.observe(req.block_hashes, req.prompt_len))
@@ -313,3 +313,86 @@ def max_rss_mib() -> float:
 
 def machine() -> str:
     return f"{platform.node()} ({os.cpu_count()} CPUs, {platform.machine()})"
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+# name -> (router config fields, description); "kv" is the router's default configuration
+VARIANTS: dict[str, tuple[dict, str]] = {
+    "kv": ({}, "predicted TTFT (queue wait + uncached prefill), busy-period weight, session hints"),
+    "kv_no_hints": ({"use_hints": False}, "kv without prompt_cache_key / user hints"),
+    "kv_flat": ({"use_hints": False, "busy_period_weight": False},
+                "predicted TTFT alone: prefill seconds weigh as much as waiting seconds"),
+    "kv_blocks": ({"policy": RoutingPolicy.KV_BLOCKS},
+                  "Dynamo's formula: blocks to prefill + load blocks (the kv policy before issue 20)"),
+    "approx": ({"policy": RoutingPolicy.KV_BLOCKS, "approximate": True},
+               "SGLang-style approximate tree: no KV events, the router's own decisions, Dynamo's formula"),
+    "least_loaded": ({"policy": RoutingPolicy.LEAST_LOADED}, "load only"),
+    "round_robin": ({"policy": RoutingPolicy.ROUND_ROBIN}, "round robin"),
+    "random": ({"policy": RoutingPolicy.RANDOM}, "uniform random"),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from splitserve.bench import replay
+
+    replay.add_arguments(p)      # the same workloads and fleet flags as `bench replay`
+    p.set_defaults(policy="kv,kv_blocks,least_loaded,round_robin")
+    p.add_argument("--event-delay-s", type=float, default=0.0, help="KV events reach the router this late")
+    p.add_argument("--no-attribute", action="store_true",
+                   help="skip the miss attribution (faster; for scale runs)")
+    p.add_argument("--list-variants", action="store_true", help="print the policy variants and exit")
+
+
+def main(args: argparse.Namespace) -> int:
+    import sys
+
+    from splitserve.bench import replay
+    from splitserve.bench.serve import BenchInputError, emit, git_sha
+
+    if args.list_variants:
+        for name, (_, what) in VARIANTS.items():
+            print(f"{name:14s} {what}")
+        return 0
+    try:
+        policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+        if not policies or any(p not in VARIANTS for p in policies):
+            raise BenchInputError(f"--policy wants a comma list of {', '.join(VARIANTS)}")
+        if args.event_delay_s < 0:
+            raise BenchInputError("--event-delay-s must be >= 0")
+        specs, workload = replay.make_specs(args)
+    except BenchInputError as e:
+        print(f"bench routesim: {e}", file=sys.stderr)
+        return 2
+    timing = load_timing(args.mock_profile)
+    cfg = SimConfig(workers=args.workers, block_size=args.block_size,
+                    num_blocks=args.num_blocks or DEFAULT_KV_TOKENS // args.block_size,
+                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                    event_delay_s=args.event_delay_s, attribute=not args.no_attribute)
+    t0 = time.perf_counter()
+    requests = requests_from_specs(specs, cfg.block_size)
+    header = {"bench": "routesim", "git_sha": git_sha(), "machine": machine(), "label": args.label,
+              "workers": cfg.workers, "block_size": cfg.block_size, "num_blocks": cfg.num_blocks,
+              "seed": args.seed, "mock_profile": args.mock_profile or "h100-8b-curve",
+              "max_num_batched_tokens": cfg.max_num_batched_tokens, "event_delay_s": cfg.event_delay_s,
+              **workload, "offered_prefill_util": round(offered_prefill_util(
+                  requests, timing, cfg.max_num_batched_tokens, cfg.workers), 3),
+              "workload_build_s": round(time.perf_counter() - t0, 2)}
+    records = []
+    for name in policies:
+        fields, _ = VARIANTS[name]
+        sim = Simulation(cfg, RouterConfig(**fields, timing=timing, chunk_tokens=cfg.max_num_batched_tokens),
+                         requests, timing, seed=args.seed)
+        records.append(header | {"policy": name, **sim.run(), "max_rss_mib": round(max_rss_mib())})
+        emit(records[-1], args.output)
+    if len(records) > 1:
+        rr = next((r for r in records if r["policy"] == "round_robin"), None)
+        summary = header | {"bench": "routesim_summary", "policy": policies}
+        for k in ("prefix_hit_rate", "oracle_share", "ttft_p50_s", "ttft_p90_s", "max_over_mean_load"):
+            summary[k] = {r["policy"]: r[k] for r in records}
+        if rr and rr["ttft_p50_s"]:
+            summary["ttft_p50_vs_round_robin"] = {r["policy"]: round(r["ttft_p50_s"] / rr["ttft_p50_s"], 3)
+                                                  for r in records if r["ttft_p50_s"] is not None}
+        emit(summary, args.output)
+    return 0
