@@ -49,12 +49,14 @@ class FrontendRouter:
 
     # ---- decisions ----------------------------------------------------------------------
     def route(self, request_id: str, block_hashes: list[int], num_prompt_tokens: int,
-              candidates: list[str], role: WorkerRole = WorkerRole.DECODE) -> tuple[str, int]:
+              candidates: list[str], role: WorkerRole = WorkerRole.DECODE,
+              hint: str | None = None) -> tuple[str, int]:
+        """``hint``: the client's routing key (prompt_cache_key / user), see router/affinity.py."""
         if self.router is None:
             raise Unavailable("no workers are available")
         exclude = set(self.router.workers()) - set(candidates)
         try:
-            d = self.router.route(request_id, block_hashes, num_prompt_tokens, role, exclude)
+            d = self.router.route(request_id, block_hashes, num_prompt_tokens, role, exclude, hint)
         except NoWorkerAvailable as e:
             raise Unavailable(str(e)) from None
         return d.worker_id, d.overlap_blocks
@@ -62,6 +64,11 @@ class FrontendRouter:
     def queued_prefill_tokens(self, worker_id: str) -> float:
         """Prompt tokens queued on a prefill worker: its last report plus what we routed there since."""
         return self.router.load(worker_id) * self.router.block_size
+
+    def first_token(self, request_id: str) -> None:
+        """The request's prefill is done (the KV policy's queue estimate re-anchors on it)."""
+        if self.router is not None:
+            self.router.first_token(request_id)
 
     def finished(self, request_id: str, worker_id: str | None = None) -> None:
         if self.router is not None:

@@ -102,7 +102,7 @@ class FrontendConfig:
                               env="SPLITSERVE_API_KEY", secret=True)
     max_body_bytes: int = arg(4 << 20, "largest HTTP request body")
     router_policy: str = arg("kv", "how a request's worker is chosen",
-                             choices=("kv", "round_robin", "random", "least_loaded"))
+                             choices=("kv", "kv_blocks", "round_robin", "random", "least_loaded"))
     router_approximate: bool = arg(False, "build the prefix index from routing decisions instead of KV events")
     block_size: int | None = arg(None, "tokens per KV block; none: learned from the first worker "
                                  "(workers that disagree are refused either way)")

@@ -52,7 +52,7 @@ from splitserve.bench.serve import (BenchInputError, RequestSpec, _event_loop_fa
                                     load_trace, random_prompt, run_level, summarize_level, trace_specs)
 
 MODEL_NAME = "mock"
-POLICIES = ("kv", "round_robin", "random", "least_loaded")
+POLICIES = ("kv", "kv_blocks", "round_robin", "random", "least_loaded")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

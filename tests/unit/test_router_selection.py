@@ -186,3 +186,59 @@ def test_kv_policy_leaves_a_cached_prefix_once_the_queue_there_costs_more_than_r
     r.finished("a")
     r.update_worker_load("w0", active_blocks=0, waiting_prefill_tokens=4 * below + 4096)
     assert r.route("b", hs, 256, WorkerRole.DECODE).worker_id == "w1"
+
+
+def test_a_routing_hint_pins_a_session_to_one_worker_while_load_allows():
+    def one_by_one(r: Router, hint: str | None) -> set[str]:
+        """Unrelated prompts, each done before the next is sent: every worker costs the same."""
+        picks = set()
+        for i in range(12):
+            picks.add(r.route(f"s{i}", block_hashes(prompt(100 + i), BS), 256, WorkerRole.DECODE,
+                              hint=hint).worker_id)
+            r.first_token(f"s{i}")
+            r.finished(f"s{i}")
+        return picks
+
+    picks = one_by_one(make_router(n=4), "key:conv-1")
+    assert len(picks) == 1                       # the pin breaks the ties
+    assert len(one_by_one(make_router(n=4), None)) > 1       # without it, ties spread at random
+    # the pinned worker gets busy: a short queue is worth less than recomputing the session's
+    # context, so the session stays; a long one moves it, and the pin moves with it
+    pinned = picks.pop()
+    r2 = make_router(n=4)
+    turn1 = prompt(7, 1024)
+    turn2 = turn1 + prompt(8, 64)
+    first = r2.route("t1", block_hashes(turn1, BS), len(turn1), WorkerRole.DECODE, hint="key:c").worker_id
+    for w in r2.workers():                       # a busy fleet: every other worker has a queue too
+        if w != first:
+            r2.update_worker_load(w, active_blocks=0, waiting_prefill_tokens=512)
+    # turn 1 is still queued (no first token, no KV event yet): turn 2 follows it anyway
+    d = r2.route("t2", block_hashes(turn2, BS), len(turn2), WorkerRole.DECODE, hint="key:c")
+    assert d.worker_id == first and d.overlap_blocks == 64
+    r2.first_token("t1")
+    r2.first_token("t2")
+    r2.update_worker_load(first, active_blocks=0, waiting_prefill_tokens=1_000_000)
+    turn3 = turn2 + prompt(9, 64)
+    moved = r2.route("t3", block_hashes(turn3, BS), len(turn3), WorkerRole.DECODE, hint="key:c").worker_id
+    assert moved != first
+    # turn 3 still queued there, the other workers less busy than it: turn 4 follows the pin
+    for w in r2.workers():
+        if w not in (first, moved):
+            r2.update_worker_load(w, active_blocks=0, waiting_prefill_tokens=1024)
+    turn4 = turn3 + prompt(10, 64)
+    assert r2.route("t4", block_hashes(turn4, BS), len(turn4), WorkerRole.DECODE,
+                    hint="key:c").worker_id == moved
+    assert pinned in {"w0", "w1", "w2", "w3"}
+
+
+def test_hints_are_ignored_when_turned_off_and_forgotten_with_their_worker():
+    r = make_router(n=2, use_hints=False)
+    turn1 = prompt(11, 1024)
+    first = r.route("a", block_hashes(turn1, BS), len(turn1), WorkerRole.DECODE, hint="k").worker_id
+    d = r.route("b", block_hashes(turn1 + prompt(12, 64), BS), 1088, WorkerRole.DECODE, hint="k")
+    assert d.worker_id != first and d.overlap_blocks == 0   # its queue makes the other one sooner
+    r = make_router(n=2)
+    first = r.route("a", block_hashes(turn1, BS), len(turn1), WorkerRole.DECODE, hint="k").worker_id
+    r.remove_worker(first)
+    d = r.route("b", block_hashes(turn1, BS), len(turn1), WorkerRole.DECODE, hint="k")
+    assert d.worker_id != first and d.overlap_blocks == 0
