@@ -93,9 +93,12 @@ class FrontendRouter:
         if stub is None:
             raise Unavailable(f"no connection to {worker_id}")
         snap = await stub.Snapshot(worker_pb2.SnapshotRequest(), timeout=5.0)
-        by_tier: dict[Tier, list[int]] = {}
-        for h, t in zip(snap.block_hashes, snap.tiers):
-            by_tier.setdefault(Tier(t), []).append(h)
+        by_tier: dict[Tier, list[tuple[int, int | None]]] = {}
+        parents = snap.parent_hashes if len(snap.has_parent) == len(snap.block_hashes) else None
+        for i, (h, t) in enumerate(zip(snap.block_hashes, snap.tiers)):
+            parent = parents[i] if parents is not None and snap.has_parent[i] else None
+            # without parents (an older worker) the index takes the ones it learned from events
+            by_tier.setdefault(Tier(t), []).append((h, parent) if parents is not None else h)
         return snap.last_event_seq, list(by_tier.items())
 
     async def _poll_load(self, interval_s: float) -> None:
