@@ -68,6 +68,7 @@ class Router:
         self.block_size = block_size
         self._roles: dict[str, WorkerRole] = {}
         self._candidates: dict[WorkerRole, list[str]] = {}
+        self._positions: dict[WorkerRole, dict[str, int]] = {}     # candidate -> index in its list
         self._index = PrefixIndex(config.gap_max_buffered, config.gap_timeout_s, clock)
         self._approx = ApproxIndex(config.approx_ttl_s, clock) if config.approximate else None
         self._loads = LoadTracker(block_size)
@@ -111,8 +112,10 @@ class Router:
         ``hint`` is the client's routing key (prompt_cache_key or user): requests with one key are
         kept together while load allows (router/affinity.py). Only the KV policy reads it."""
         candidates = self._eligible(role)
+        positions = self._positions[role]
         if exclude:
             candidates = [c for c in candidates if c not in exclude]
+            positions = None
         if not candidates:
             raise NoWorkerAvailable(f"no {role.value} worker available "
                                     f"({len(self._roles)} registered, {len(exclude)} excluded)")
@@ -128,7 +131,7 @@ class Router:
                       if self.config.busy_period_weight else 1.0)
             worker, cost, cached = self._selector.select_ttft(
                 candidates, num_prompt_tokens, self.block_size, overlaps, self._queues.busy_until,
-                now, self._prefill, pinned, weight)
+                now, self._prefill, pinned, weight, positions)
             prefill_s = self._prefill.seconds(cached, num_prompt_tokens)
             self._queues.route(request_id, worker, prefill_s, cached)
             util.add(now, prefill_s)
@@ -202,6 +205,7 @@ class Router:
         if found is None:
             serves = _SERVES[role]
             found = self._candidates[role] = [w for w, r in self._roles.items() if r in serves]
+            self._positions[role] = {w: i for i, w in enumerate(found)}
         return found
 
     def _pinned(self, hint: str, block_hashes: Sequence[int], candidates: list[str],

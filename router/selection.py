@@ -62,27 +62,40 @@ class Selector:
     def select_ttft(self, candidates: Sequence[str], num_tokens: int, block_size: int,
                     overlaps: Mapping[str, float], busy_until: Mapping[str, float], now: float,
                     prefill: PrefillCost, prefer: str | None = None,
-                    prefill_weight: float = 1.0) -> tuple[str, float, int]:
+                    prefill_weight: float = 1.0,
+                    positions: Mapping[str, int] | None = None) -> tuple[str, float, int]:
         """The KV policy: the soonest predicted first token. Returns (worker, its predicted TTFT in
-        seconds, the prompt tokens it holds)."""
+        seconds, the prompt tokens it holds). ``positions``: candidate -> its index in
+        ``candidates`` (the router keeps one per candidate list)."""
         assert candidates
-        max_hit = (num_tokens - 1) // block_size * block_size
         cold = prefill_weight * prefill.seconds(0, num_tokens)
-        costs = [max(busy_until[c] - now, 0.0) + cold for c in candidates]
-        cached = dict.fromkeys(candidates, 0) if overlaps else None
-        if overlaps:   # usually few workers hold any of the prompt: correct only theirs
-            for i, c in enumerate(candidates):
-                blocks = overlaps.get(c)
-                if blocks:
-                    hit = min(int(blocks) * block_size, max_hit)
-                    cached[c] = hit
-                    costs[i] += prefill_weight * prefill.seconds(hit, num_tokens) - cold
+        # cost - (cold - now): when the worker would start the prompt, corrected below for what
+        # it holds; the constant is added back to the winner only
+        costs = [b if (b := busy_until[c]) > now else now for c in candidates]
+        cached = None
+        if overlaps:   # workers holding a prefix: one prefill estimate per distinct prefix length
+            max_hit = (num_tokens - 1) // block_size * block_size
+            cached = {}
+            saved: dict[int, float] = {}
+            pos = positions if positions is not None else {c: i for i, c in enumerate(candidates)}
+            for c, blocks in overlaps.items():
+                i = pos.get(c)
+                if i is None or not blocks:
+                    continue
+                hit = int(blocks) * block_size
+                if hit > max_hit:
+                    hit = max_hit
+                cached[c] = hit
+                d = saved.get(hit)
+                if d is None:
+                    d = saved[hit] = prefill_weight * prefill.seconds(hit, num_tokens) - cold
+                costs[i] += d
         if self._config.temperature > 0:
-            w, cost = self._sample(candidates, costs)
+            w, cost = self._sample(candidates, [x - now + cold for x in costs])
         else:
             w = self._cheapest(candidates, costs, prefer)
-            cost = costs[candidates.index(w)]
-        return w, cost, cached[w] if cached else 0
+            cost = costs[candidates.index(w)] - now + cold
+        return w, cost, cached.get(w, 0) if cached else 0
 
     def cost(self, worker_id: str, prompt_blocks: int, overlaps: Mapping[str, float],
              load: Mapping[str, float]) -> float:

@@ -68,6 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=8, help="mock workers")
     p.add_argument("--policy", default="kv", help=f"router policy, or a comma list of {', '.join(POLICIES)}")
     p.add_argument("--limit", type=int, default=None, help="replay only the first K requests")
+    p.add_argument("--skip", type=int, default=0,
+                   help="trace: drop the first N requests (before --limit; arrivals restart at 0)")
     p.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by this")
     p.add_argument("--trace-scale", type=float, default=1.0,
                    help="multiply trace lengths and the trace's 512-token block by this")
@@ -150,10 +152,17 @@ def _make_specs(args: argparse.Namespace) -> tuple[list[RequestSpec], dict]:
         specs = shared_prefix_specs(args)
         return specs, {"workload": "shared-prefix", "rate": args.rate, "prefix_len": args.prefix_len,
                        "tail_len": args.tail_len, "osl": args.osl}
-    rows, block = load_trace(args.trace, args.trace_scale, limit=args.limit)
+    if args.skip < 0:
+        raise BenchInputError("--skip must be >= 0")
+    rows, block = load_trace(args.trace, args.trace_scale,
+                             limit=None if args.limit is None else args.skip + args.limit)
+    rows = rows[args.skip:]
+    if not rows:
+        raise BenchInputError(f"--skip {args.skip} leaves no requests")
     specs = trace_specs(rows, block, args.vocab_size, (args.seed,), args.speedup)
     return specs, {"workload": "trace", "trace": os.path.basename(args.trace), "trace_scale": args.trace_scale,
-                   "trace_block_tokens": block, "limit": args.limit, "speedup": args.speedup}
+                   "trace_block_tokens": block, "skip": args.skip, "limit": args.limit,
+                   "speedup": args.speedup}
 
 
 def offered_prefill_util(specs: list[RequestSpec], args: argparse.Namespace) -> float | None:
