@@ -130,29 +130,45 @@ class ChainIndex:
         held = w.blocks[tier]
         chain = self._chain[tier]
         bit = w.bit
-        refs, parents = self._refs, self._parent
+        refs, parents, children = self._refs, self._parent, self._children
         chained = parent is None or bool(chain.get(parent, 0) & bit)
+        orphans = w.orphans[tier]
+        size = len(held)
         for h in block_hashes:
-            if h in held:                       # already here: the run goes on from it
+            held.add(h)
+            if len(held) == size:               # already here: the run goes on from it
                 chained = bool(chain.get(h, 0) & bit)
                 parent = h
                 continue
-            held.add(h)
+            size += 1
             r = refs.get(h)
-            if r is None:
+            if r is None:                       # a hash no worker holds: the common case
                 refs[h] = 1
                 parents[h] = parent
-                if parent is not None:
-                    self._link(parent, h)
+                if parent is not None:          # _link, inlined
+                    kids = children.get(parent)
+                    if kids is None:
+                        children[parent] = h
+                    elif type(kids) is int:
+                        if kids != h:
+                            children[parent] = {kids, h}
+                    else:
+                        kids.add(h)
+                if chained:
+                    chain[h] = bit              # no worker held it: no mask yet
             else:
                 refs[h] = r + 1
+                if chained:
+                    chain[h] = chain.get(h, 0) | bit
             if chained:
-                chain[h] = chain.get(h, 0) | bit
-                if w.orphans[tier]:
+                if orphans:
+                    w.orphans[tier] = orphans
                     self._adopt(w, tier, h)
+                    orphans = w.orphans[tier]
             else:
-                w.orphans[tier] += 1
+                orphans += 1
             parent = h
+        w.orphans[tier] = orphans
 
     def remove(self, w: Holdings, tier: Tier, block_hashes: Iterable[int]) -> None:
         held = w.blocks[tier]
