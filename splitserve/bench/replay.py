@@ -121,8 +121,8 @@ def make_specs(args: argparse.Namespace) -> tuple[list[RequestSpec], dict]:
     if args.offered_util is not None:
         if args.offered_util <= 0:
             raise BenchInputError("--offered-util must be positive")
-        util = offered_prefill_util(specs, args)
-        if util is None:
+        util = offered_prefill_util(specs, args, digits=None)
+        if not util:
             raise BenchInputError("--offered-util needs requests spread over time")
         factor = util / args.offered_util        # arrival times are multiplied by this
         specs = [dataclasses.replace(s, arrival_s=s.arrival_s * factor) for s in specs]
@@ -165,7 +165,8 @@ def _make_specs(args: argparse.Namespace) -> tuple[list[RequestSpec], dict]:
                    "speedup": args.speedup}
 
 
-def offered_prefill_util(specs: list[RequestSpec], args: argparse.Namespace) -> float | None:
+def offered_prefill_util(specs: list[RequestSpec], args: argparse.Namespace,
+                         digits: int | None = 3) -> float | None:
     """No-cache prefill seconds under the mock's timing model / (replay span * workers)."""
     from runtime.profile import load_timing
 
@@ -176,7 +177,10 @@ def offered_prefill_util(specs: list[RequestSpec], args: argparse.Namespace) -> 
         busy += sum(timing.step_s([(start, min(budget, s.prompt_len - start))])
                     for start in range(0, s.prompt_len, budget))
     span = specs[-1].arrival_s - specs[0].arrival_s
-    return round(busy / (span * args.workers), 3) if span > 0 else None
+    if span <= 0:
+        return None
+    util = busy / (span * args.workers)
+    return util if digits is None else round(util, digits)
 
 
 def oracle_fields(specs: list[RequestSpec], args: argparse.Namespace) -> dict:

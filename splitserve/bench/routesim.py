@@ -285,6 +285,7 @@ class Simulation:
             "router_ingest_blocks": c.ingest_blocks, "router_ingest_batches": c.ingest_batches,
             "router_report_s": round(c.report_s, 3), "router_finish_s": round(c.finish_s, 3),
             "indexed_blocks": self.router.index.num_entries(),
+            "router_index_tables_mib": round(index_tables_bytes(self.router) / 2**20, 1),
         }
         if self.cfg.attribute:
             out |= self.ledger.fields(prompt)
@@ -292,6 +293,22 @@ class Simulation:
             out["worker_prompt_tokens"] = served
             out["worker_computed_tokens"] = computed
         return out
+
+
+def index_tables_bytes(router: Router) -> int:
+    """The prefix index's hash tables (chain masks, parents, children, reference counts, each
+    worker's block sets), by sys.getsizeof: the tables themselves, not the int objects in them
+    (hashes are shared with the event batches; a 64-bit hash is another 32 bytes where unshared)."""
+    import sys
+
+    idx = router.index
+    chains = idx._chains                                          # noqa: SLF001 (a bench probe)
+    total = sum(sys.getsizeof(d) for d in chains._chain.values())  # noqa: SLF001
+    total += sys.getsizeof(chains._parent) + sys.getsizeof(chains._refs) + sys.getsizeof(chains._children)  # noqa: SLF001
+    total += sum(sys.getsizeof(s) for s in chains._children.values() if type(s) is set)  # noqa: SLF001
+    for w in idx._workers.values():                               # noqa: SLF001
+        total += sum(sys.getsizeof(s) for s in w.held.blocks.values())
+    return total
 
 
 def _pct(values: np.ndarray, q: float) -> float | None:
