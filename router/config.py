@@ -35,6 +35,7 @@ class RouterConfig:
     max_session_keys: int = 65_536     # KV: routing-hint keys whose pin is remembered
     busy_period_weight: bool = True    # KV: weigh prefill seconds by 1/(1 - utilisation) (router.py)
     use_hints: bool = True             # KV: honour routing hints (prompt_cache_key / user)
+    decode_delay: bool = True          # KV: count the delay a prefill imposes on a worker's decodes
     overlap_weight: float = 1.0        # KV_BLOCKS: cost per prompt block still to prefill
     temperature: float = 0.0           # 0 = pick the cheapest; >0 = softmax over -cost/normaliser
     approximate: bool = False          # no KV events: assume routed prompts stay cached for a while

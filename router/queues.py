@@ -42,14 +42,21 @@ class PrefillQueues:
         self._owner: dict[str, str] = {}            # queued request id -> worker id
         # worker -> when the prefill work queued there ends (selection reads it directly)
         self.busy_until: dict[str, float] = {}
+        # worker -> requests it is decoding for this router (first token out, not finished)
+        self.decoding: dict[str, int] = {}
+        self._decoder: dict[str, str] = {}          # decoding request id -> worker id
 
     def add_worker(self, worker_id: str) -> None:
         self._queues.setdefault(worker_id, _Queue())
         self.busy_until.setdefault(worker_id, 0.0)
+        self.decoding.setdefault(worker_id, 0)
 
     def remove_worker(self, worker_id: str) -> None:
         q = self._queues.pop(worker_id, None)
         self.busy_until.pop(worker_id, None)
+        self.decoding.pop(worker_id, None)
+        for rid in [r for r, w in self._decoder.items() if w == worker_id]:
+            del self._decoder[rid]
         if q is not None:
             for rid in q.items:
                 self._owner.pop(rid, None)
@@ -86,6 +93,8 @@ class PrefillQueues:
             rid, (_, cached) = q.items.popitem(last=False)
             del self._owner[rid]
             q.cached_tokens -= cached
+            self._decoder[rid] = worker_id          # prompts sent before it are done too
+            self.decoding[worker_id] += 1
             if rid == request_id:
                 break
         self.busy_until[worker_id] = self._clock() + sum(s for s, _ in q.items.values())
@@ -96,6 +105,10 @@ class PrefillQueues:
         owner = self._owner.get(request_id)
         if owner is not None and (worker_id is None or worker_id == owner):
             self._drop(request_id)
+        decoder = self._decoder.get(request_id)
+        if decoder is not None and (worker_id is None or worker_id == decoder):
+            del self._decoder[request_id]
+            self.decoding[decoder] -= 1
 
     def _drop(self, request_id: str) -> None:
         worker_id = self._owner.pop(request_id)

@@ -131,7 +131,8 @@ class Router:
                       if self.config.busy_period_weight else 1.0)
             worker, cost, cached = self._selector.select_ttft(
                 candidates, num_prompt_tokens, self.block_size, overlaps, self._queues.busy_until,
-                now, self._prefill, pinned, weight, positions)
+                now, self._prefill, pinned, weight, positions,
+                self._queues.decoding if self.config.decode_delay else None)
             prefill_s = self._prefill.seconds(cached, num_prompt_tokens)
             self._queues.route(request_id, worker, prefill_s, cached)
             util.add(now, prefill_s)

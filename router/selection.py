@@ -63,15 +63,22 @@ class Selector:
                     overlaps: Mapping[str, float], busy_until: Mapping[str, float], now: float,
                     prefill: PrefillCost, prefer: str | None = None,
                     prefill_weight: float = 1.0,
-                    positions: Mapping[str, int] | None = None) -> tuple[str, float, int]:
+                    positions: Mapping[str, int] | None = None,
+                    decoding: Mapping[str, int] | None = None) -> tuple[str, float, int]:
         """The KV policy: the soonest predicted first token. Returns (worker, its predicted TTFT in
         seconds, the prompt tokens it holds). ``positions``: candidate -> its index in
         ``candidates`` (the router keeps one per candidate list)."""
         assert candidates
-        cold = prefill_weight * prefill.seconds(0, num_tokens)
+        cold_s = prefill.seconds(0, num_tokens)
+        cold = prefill_weight * cold_s
         # cost - (cold - now): when the worker would start the prompt, corrected below for what
-        # it holds; the constant is added back to the winner only
+        # it holds and for the requests it is decoding; the constant is added back to the winner
         costs = [b if (b := busy_until[c]) > now else now for c in candidates]
+        if decoding:            # each running decode waits out the prompt's prefill steps too
+            for i, c in enumerate(candidates):
+                d = decoding.get(c)
+                if d:
+                    costs[i] += d * cold_s
         cached = None
         if overlaps:   # workers holding a prefix: one prefill estimate per distinct prefix length
             max_hit = (num_tokens - 1) // block_size * block_size
@@ -88,8 +95,8 @@ class Selector:
                 cached[c] = hit
                 d = saved.get(hit)
                 if d is None:
-                    d = saved[hit] = prefill_weight * prefill.seconds(hit, num_tokens) - cold
-                costs[i] += d
+                    d = saved[hit] = prefill.seconds(hit, num_tokens) - cold_s
+                costs[i] += d * (prefill_weight + (decoding.get(c, 0) if decoding else 0))
         if self._config.temperature > 0:
             w, cost = self._sample(candidates, [x - now + cold for x in costs])
         else:

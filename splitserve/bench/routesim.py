@@ -337,9 +337,11 @@ def machine() -> str:
 
 # name -> (router config fields, description); "kv" is the router's default configuration
 VARIANTS: dict[str, tuple[dict, str]] = {
-    "kv": ({}, "predicted TTFT (queue wait + uncached prefill), busy-period weight, session hints"),
-    "kv_no_hints": ({"use_hints": False}, "kv without prompt_cache_key / user hints"),
-    "kv_flat": ({"use_hints": False, "busy_period_weight": False},
+    "kv": ({}, "predicted TTFT (queue wait + uncached prefill), busy-period weight, session hints, "
+               "the delay a prefill imposes on the worker's running decodes"),
+    "kv_no_decode_delay": ({"decode_delay": False}, "kv without the decodes' delay"),
+    "kv_no_hints": ({"use_hints": False, "decode_delay": False}, "kv_no_decode_delay without hints"),
+    "kv_flat": ({"use_hints": False, "busy_period_weight": False, "decode_delay": False},
                 "predicted TTFT alone: prefill seconds weigh as much as waiting seconds"),
     "kv_blocks": ({"policy": RoutingPolicy.KV_BLOCKS},
                   "Dynamo's formula: blocks to prefill + load blocks (the kv policy before issue 20)"),

@@ -123,7 +123,7 @@ def test_simulated_kv_routing_reuses_what_round_robin_cannot():
         out[name] = sim.run()
         assert out[name]["unfinished"] == 0 and out[name]["errors"] == 0
         assert out[name]["oracle_hit_rate"] == pytest.approx(out["kv"]["oracle_hit_rate"])
-    assert out["kv"]["oracle_share"] > 0.9 > out["round_robin"]["oracle_share"] + 0.2
+    assert out["kv"]["oracle_share"] > 0.85 > out["round_robin"]["oracle_share"] + 0.3
     assert out["kv"]["prefix_hit_rate"] <= out["kv"]["oracle_unbounded_hit_rate"]
 
 

@@ -242,3 +242,30 @@ def test_hints_are_ignored_when_turned_off_and_forgotten_with_their_worker():
     r.remove_worker(first)
     d = r.route("b", block_hashes(turn1, BS), len(turn1), WorkerRole.DECODE, hint="k")
     assert d.worker_id != first and d.overlap_blocks == 0
+
+
+def test_a_worker_busy_decoding_costs_the_delay_a_prefill_would_impose_on_its_decodes():
+    r = make_router(n=2)
+    system = prompt(20, 512)
+    for w in ("w0", "w1"):
+        cache(r, w, block_hashes(system, BS))            # both hold the shared prefix
+    for i in range(20):                                  # w0 decodes 20 requests of this router
+        d = r.route(f"d{i}", block_hashes(prompt(300 + i, 64), BS), 64, WorkerRole.DECODE,
+                    exclude={"w1"})
+        r.first_token(f"d{i}")
+    picks = Counter()
+    for i in range(10):
+        toks = system + prompt(400 + i, 128)
+        picks[r.route(f"n{i}", block_hashes(toks, BS), len(toks), WorkerRole.DECODE).worker_id] += 1
+        r.first_token(f"n{i}")
+        r.finished(f"n{i}")
+    assert picks == {"w1": 10}
+    for i in range(20):
+        r.finished(f"d{i}")                              # w0's decodes end: both cost the same again
+    picks = Counter()
+    for i in range(40):
+        toks = system + prompt(500 + i, 128)
+        picks[r.route(f"m{i}", block_hashes(toks, BS), len(toks), WorkerRole.DECODE).worker_id] += 1
+        r.first_token(f"m{i}")
+        r.finished(f"m{i}")
+    assert set(picks) == {"w0", "w1"}
