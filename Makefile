@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# the CPU wheel of torch lies on this machine's disk; an unpinned torch pulls a CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[engine,test,chart]'
+	$(BIN)/pip install -q -e '.[engine,test,chart,ray,k8s]'
 	touch $(STAMP)
 
 install: $(STAMP)

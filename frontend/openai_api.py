@@ -22,7 +22,7 @@ from frontend.generate import Delta, GenerateInput
 from frontend.schemas import ChatCompletionRequest, CompletionRequest, _Common
 from frontend.state import FrontendState
 from frontend.tokenizer import ChatTurn, ModelTokenizer
-from runtime.errors import InvalidRequest, NotFound, SplitserveError
+from runtime.errors import InvalidRequest, NotFound, SplitserveError, Unavailable
 from runtime.types import FinishReason
 
 FINISH_TEXT = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort",
@@ -38,6 +38,8 @@ def openai_routes(state: FrontendState) -> APIRouter:
 
     async def parse(request: Request, model_cls: type[_Common]) -> _Common:
         authorize(request)
+        if state.generator.shutting_down:       # before a stream starts: a plain 503
+            raise Unavailable("the server is shutting down")
         raw = await request.body()
         try:
             body = json.loads(raw)

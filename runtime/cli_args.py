@@ -9,6 +9,7 @@ A field's flag follows from its type:
     bool, default False    --mock                   (a switch)
     bool, default True     --no-cuda-graphs         (a switch that turns it off)
     bool | None            --async-scheduling {auto,on,off}
+    const                  --ray [ADDRESS]          (given alone: the field's const)
 
 unless the field names its flag (`--redis-url`, `--no-prefix-caching`). Each value comes from, in
 order: the flag, the `--config` file, the field's environment variable, the field's default.
@@ -50,6 +51,8 @@ def _add(group: argparse._ArgumentGroup, s: Setting, prefix: str) -> None:
         kw.update(action="store_const", const=not s.default)
     else:
         kw.update(type=s.type, choices=s.meta.choices, metavar=None if s.meta.choices else s.name.upper())
+        if s.meta.const is not None:          # `--ray` alone means `--ray local`
+            kw.update(nargs="?", const=s.meta.const)
     group.add_argument(s.flag, **kw)
 
 

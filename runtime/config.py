@@ -86,6 +86,13 @@ class WorkerConfig:
     metrics_port: int | None = arg(None, "Prometheus /metrics port of this worker (0 picks one); none: off")
     worker_id: str | None = arg(None, "name in discovery and logs (a unique suffix is added); "
                                 "none: ROLE-HOSTNAME")
+    drain_timeout_s: float = arg(60.0, "on SIGTERM (or Worker.Drain) the worker takes no new requests and "
+                                 "finishes those in flight for this long; then it hands what remains back "
+                                 "to the frontends (they continue elsewhere) and exits. A second SIGTERM "
+                                 "stops at once")
+    prefill_lease_s: float = arg(15.0, "decode worker: how long a prefill worker may take to compute and push "
+                                 "a prompt before this worker computes it itself (a prefill worker that "
+                                 "expects to take longer refuses it at once)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +119,106 @@ class FrontendConfig:
                                         "as saturated")
     max_model_len: int | None = arg(None, "longest prompt + output accepted; none: the model's "
                                     "max_position_embeddings")
+    drain_timeout_s: float = arg(60.0, "on SIGTERM, open requests may finish for this long before they end "
+                                 "with an error event; new ones get 503 (under `serve`: the workers' drain "
+                                 "timeout too)")
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerConfig:
+    """controller: the pool controller (desired pool sizes, restarts) and its admin API"""
+    admin_host: str = arg("127.0.0.1", "address the admin API (gRPC splitserve.v1.Admin) binds")
+    admin_port: int = arg(50052, "admin API port; 0 picks a free one")
+    admin_token: str | None = arg(None, "bearer token the admin API requires; none: `serve` generates one and "
+                                  "writes it to a file only this user can read (the CLI finds it)",
+                                  env="SPLITSERVE_ADMIN_TOKEN", secret=True)
+    min_decode_workers: int = arg(1, "the decode pool never shrinks below this")
+    max_decode_workers: int = arg(8, "the decode pool never grows above this (`pools scale` beyond it is refused)")
+    min_prefill_workers: int = arg(0, "the prefill pool never shrinks below this")
+    max_prefill_workers: int = arg(8, "the prefill pool never grows above this")
+    restart_backoff_s: float = arg(1.0, "a crashed worker is restarted after this, doubling per crash in a row "
+                                   "(up to 30 s)")
+    crash_loop_restarts: int = arg(5, "after this many restarts in a row, each crashing within a minute, a "
+                                   "worker is left stopped and reported (log, metric, `pools status`)")
+
+
+@dataclass(frozen=True, slots=True)
+class SlaConfig:
+    """sla: the SLA planner's targets and control loop (planner/; docs/planner.md)"""
+    ttft_ms: float = arg(1000.0, "time-to-first-token target, milliseconds")
+    itl_ms: float = arg(50.0, "target for each request's mean inter-token latency, milliseconds")
+    attainment_goal: float = arg(0.99, "share of requests that must meet both targets")
+    interval_s: float = arg(30.0, "one planner decision per interval", flag="--planner-interval-s")
+    profile: str | None = arg(None, "JSON performance profile the planner sizes pools with (format 2, "
+                              "`splitserve profile`); none: the shipped H100 Llama-3.1-8B one",
+                              flag="--planner-profile")
+    startup_s: float | None = arg(None, "a new worker's start-to-ready, the planning horizon; none: the "
+                                  "profile's", flag="--planner-startup-s")
+    predictor: str | None = arg(None, "load predictor: constant, ewma[(a)], holt[(a,b,phi)]; none: the "
+                                "default damped Holt")
+    arrival_quantile: float = arg(0.9, "plan on this quantile of the predicted arrivals")
+    hysteresis: float = arg(0.1, "scale down only to what the load times (1 + this) needs")
+    down_delay_s: float | None = arg(None, "scale down only to what was needed all along this window; "
+                                     "none: the start-up time")
+    gpu_budget: int | None = arg(None, "workers of both pools at most (draining ones included); none: only "
+                                 "the pools' limits")
+
+
+@dataclass(frozen=True, slots=True)
+class ServePlannerConfig(SlaConfig):
+    """sla: the SLA planner's targets and control loop (planner/; docs/planner.md)"""
+    enabled: bool = arg(False, "run the SLA planner: it sets the pools' sizes from measured load and the "
+                        "targets (`pools scale` overrides it until `pools release`)", flag="--planner")
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerComponentConfig(SlaConfig):
+    """planner: the SLA planner as its own process, driving a pool controller's admin API"""
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    admin_address: str = arg("127.0.0.1:50052", "the pool controller's admin API (host:port) the "
+                             "decisions go to")
+    admin_token: str | None = arg(None, "the admin API's bearer token; none: the one `serve` wrote for "
+                                  "that port", env="SPLITSERVE_ADMIN_TOKEN", secret=True)
+    metrics_host: str = arg("127.0.0.1", "address /metrics binds")
+    metrics_port: int = arg(9090, "Prometheus /metrics port (decisions, targets); 0: none")
+
+
+@dataclass(frozen=True, slots=True)
+class KubernetesConfig:
+    """kubernetes: the worker Deployments `splitserve controller` scales (the Helm chart fills these in)"""
+    namespace: str = arg("default", "namespace of the worker Deployments", flag="--kube-namespace")
+    decode_deployment: str = arg("splitserve-decode", "the decode pool's Deployment")
+    prefill_deployment: str | None = arg(None, "the prefill pool's Deployment; none: aggregated serving "
+                                         "(the decode pool prefills its own prompts)")
+    api_url: str | None = arg(None, "the Kubernetes API's URL; none: the in-cluster config (the pod's "
+                              "ServiceAccount)", flag="--kube-api-url")
+    api_token: str | None = arg(None, "bearer token for --kube-api-url", flag="--kube-api-token",
+                                env="SPLITSERVE_KUBE_TOKEN", secret=True)
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerComponentConfig:
+    """component: the pool controller and its admin API on their own, scaling worker Deployments"""
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
+    metrics_host: str = arg("0.0.0.0", "address the Prometheus /metrics server binds")
+    metrics_port: int = arg(9090, "Prometheus /metrics port (pool sizes); 0 picks a free one")
+
+
+@dataclass(frozen=True, slots=True)
+class RayConfig:
+    """ray: run the frontend and the workers as Ray actors (docs/ray.md)"""
+    address: str | None = arg(None, "run on Ray: a cluster's address (HOST:PORT of its GCS, or auto), or, "
+                              "given alone, a new local Ray cluster; none: local processes", flag="--ray",
+                              const="local")
+    worker_gpus: float | None = arg(None, "GPUs each worker actor asks Ray for; none: 1 when the engine runs on "
+                                    "cuda (--device cuda, or auto on a cluster with GPUs, and not --mock), else 0",
+                                    flag="--ray-worker-gpus")
+    worker_cpus: float = arg(1.0, "CPUs each worker actor asks Ray for", flag="--ray-worker-cpus")
+    frontend_cpus: float = arg(1.0, "CPUs the frontend actor asks Ray for", flag="--ray-frontend-cpus")
+    local_cpus: int | None = arg(None, "CPUs of a new local Ray cluster (`--ray` alone); none: this machine's",
+                                 flag="--ray-local-cpus")
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,3 +230,8 @@ class ServeConfig:
     prefill_workers: int = arg(1, "prefill workers; 0: aggregated serving (each worker prefills its own "
                                "prompts)")
     startup_timeout_s: float = arg(300.0, "how long to wait for every worker to be healthy")
+    prefill_lease_s: float = arg(15.0, "how long a prefill worker may take to compute and push a prompt "
+                                 "before the decode worker computes it itself")
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    planner: ServePlannerConfig = field(default_factory=ServePlannerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)

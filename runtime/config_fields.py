@@ -35,12 +35,13 @@ class Meta:
     env: str | None = None           # read when the value is set neither by flag nor by file
     secret: bool = False             # never in a config file or argv: flag or environment only
     cli_default: Any = None          # a default for the command line only, for fields the class requires
+    const: Any = None                # the value of the flag given without one (`--ray` alone); none: it needs one
 
 
 def arg(default: Any, help: str, *, choices: tuple[str, ...] | None = None, flag: str | None = None,
-        env: str | None = None, secret: bool = False, cli_default: Any = None) -> Any:
+        env: str | None = None, secret: bool = False, cli_default: Any = None, const: Any = None) -> Any:
     """A dataclass field with its command-line and file metadata. `default=MISSING`: required."""
-    meta = {_KEY: Meta(help, choices, flag, env, secret, cli_default)}
+    meta = {_KEY: Meta(help, choices, flag, env, secret, cli_default, const)}
     return dataclasses.field(default=default, metadata=meta)
 
 

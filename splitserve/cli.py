@@ -1,10 +1,12 @@
-"""The `splitserve` command: serve a cluster, run one component, make the tiny model, benchmark.
+"""The `splitserve` command: serve a cluster, run one component, operate its pools, make the tiny
+model, benchmark.
 
 The flags of `serve` and of every component are generated from the config dataclasses in
 runtime/config.py (runtime/cli_args.py); a component also takes `--config FILE`, the JSON of its
 config, which is how `serve` hands each child its config. Secrets (the API key) are read from the
-environment (SPLITSERVE_API_KEY) as well as flags, so launchers can pass them without putting them
-on a command line that `ps` shows. Engine code is imported only by the commands that run one.
+environment (SPLITSERVE_API_KEY, SPLITSERVE_ADMIN_TOKEN) as well as flags, so launchers can pass
+them without putting them on a command line that `ps` shows. `pools` and `workers` talk to a running
+cluster's admin API (splitserve/admin_cli.py). Engine code is imported only by the commands that run one.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import dataclasses
 import sys
 
 from runtime.cli_args import add_config_args, config_from_args
-from runtime.config import EngineConfig, FrontendConfig, ServeConfig, WorkerConfig
+from runtime.config import (ControllerComponentConfig, EngineConfig, FrontendConfig, PlannerComponentConfig,
+                            ServeConfig, WorkerConfig)
 from runtime.config_fields import ConfigError
 from runtime.errors import InvalidRequest
 from runtime.logging import setup_logging
@@ -38,10 +41,23 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         add_config_args(p, WorkerConfig, skip=("role",) if name == "prefill-worker" else ())
 
+    p = sub.add_parser("planner", help="the SLA planner, driving a pool controller's admin API")
+    add_config_args(p, PlannerComponentConfig)
+    p = sub.add_parser("controller", help="the pool controller and admin API alone, scaling Kubernetes "
+                                          "worker Deployments")
+    add_config_args(p, ControllerComponentConfig)
+
+    from splitserve import admin_cli
+    admin_cli.add_arguments(sub)
+
     p = sub.add_parser("model", help="model utilities")
     msub = p.add_subparsers(dest="model_command", required=True)
     from splitserve import tiny_model
     tiny_model.add_arguments(msub.add_parser("tiny", help="write the tiny seeded-random model"))
+
+    from splitserve import profiler
+    profiler.add_arguments(sub.add_parser("profile", help="measure the engine: a performance profile for the "
+                                          "planner and the mock (format 2)"))
 
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="bench_command", required=True)
@@ -52,18 +68,30 @@ def build_parser() -> argparse.ArgumentParser:
     from splitserve.bench import routesim as bench_routesim
     bench_routesim.add_arguments(bsub.add_parser(
         "routesim", help="the real router driving simulated workers on a virtual clock"))
+    from splitserve.bench import plan as bench_plan
+    bench_plan.add_arguments(bsub.add_parser("plan", help="simulate the SLA planner on a trace (virtual clock)"))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cmd = args.command
+    if cmd in ("pools", "workers"):
+        from splitserve import admin_cli
+        return admin_cli.main(args)
+    if cmd == "profile":
+        from splitserve import profiler
+        setup_logging("profile")
+        return profiler.main(args)
     if cmd == "model":
         from splitserve import tiny_model
         return tiny_model.main(args)
     if cmd == "bench" and args.bench_command == "routesim":
         from splitserve.bench import routesim as bench_routesim
         return bench_routesim.main(args)
+    if cmd == "bench" and args.bench_command == "plan":
+        from splitserve.bench import plan as bench_plan
+        return bench_plan.main(args)
     if cmd == "bench" and args.bench_command == "replay":
         from splitserve.bench import replay as bench_replay
         return bench_replay.main(args)
@@ -75,10 +103,22 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, InvalidRequest) as e:
         print(f"splitserve {cmd}: {e}", file=sys.stderr)
         return 2
+    if cmd == "serve" and cfg.ray.address:
+        from splitserve.ray_serve import serve_ray
+        setup_logging("serve")
+        return serve_ray(cfg)
     if cmd == "serve":
         from splitserve.serve import serve
         setup_logging("serve")
         return serve(cfg)
+    if cmd == "planner":
+        setup_logging("planner")
+        from planner.live import run_planner
+        return asyncio.run(run_planner(cfg))
+    if cmd == "controller":
+        setup_logging("controller")
+        from planner.k8s_controller import run_controller
+        return asyncio.run(run_controller(cfg))
     if cmd == "frontend":
         setup_logging("frontend")
         from frontend.main import serve_frontend
@@ -94,14 +134,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def component_config(args: argparse.Namespace) -> ServeConfig | FrontendConfig | WorkerConfig:
+def component_config(args: argparse.Namespace) -> (ServeConfig | FrontendConfig | WorkerConfig | PlannerComponentConfig
+                                                     | ControllerComponentConfig):
     """The config of the command in `args`, its model resolved (tiny → the generated directory)."""
     from splitserve.models import resolve_model
     cmd = args.command
     if cmd == "serve":        # serve resolves the model itself, to report a bad one its own way
         engine = config_from_args(EngineConfig, args, prefix="engine.")
         return config_from_args(ServeConfig, args, given={"frontend.model": engine.model})
-    if cmd == "frontend":
+    if cmd == "planner":
+        cfg = config_from_args(PlannerComponentConfig, args)
+        from planner.live import check_sla
+        try:
+            check_sla(cfg)
+        except (ValueError, OSError) as e:
+            raise ConfigError(str(e)) from None
+    elif cmd == "controller":
+        cfg = config_from_args(ControllerComponentConfig, args)
+    elif cmd == "frontend":
         cfg = config_from_args(FrontendConfig, args)
         cfg = dataclasses.replace(cfg, model=resolve_model(cfg.model))
     else:

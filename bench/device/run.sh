@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command on the GPU machine, from the repository root there:
-#   bench/device/run.sh [jit] [pytest] [bench] [bench_cc] [kernels] [correctness] [serve] [gemv] [compare] [startup] ...
+#   bench/device/run.sh [jit] [pytest] [bench] [bench_cc] [kernels] [correctness] [serve] [gemv] [compare] [startup] [profile] ...
 # (jit: FlashInfer's JIT modules built in the background, all at once, for the stages after it;
 #  bench: the engine's defaults; bench_cc: the same with the CUDA-core decode kernel, to compare)
 # Installs the wheels from $WHL_DIRS (default: .whl .whl_web, carried beside the tree) into .site once,
@@ -22,6 +22,8 @@ done
 ROOT_SITE=$PWD/.site
 export PYTHONPATH=$PWD/.site:$PWD FLASHINFER_WORKSPACE_BASE=$PWD/.fiws MAX_JOBS=${MAX_JOBS:-16}
 export SPLITSERVE_CACHE=$PWD/.sscache
+# every record names the commit measured: GIT_SHA is carried beside the tree (the copy has no usable .git)
+[ -f GIT_SHA ] && export SPLITSERVE_GIT_SHA=${SPLITSERVE_GIT_SHA:-$(cat GIT_SHA)}
 mkdir -p .fiws
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv; python3 -c \
   "import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__)"; } \
@@ -55,6 +57,12 @@ for stage in "$@"; do
              done ;;
     startup) timeout "$(left 0 "${T_STARTUP:-300}")" python3 bench/device/startup.py --out "$OUT/startup.jsonl" \
                ${STARTUP_ARGS:-} 2>&1 | tee "$OUT/startup.log" | tail -20 ;;
+    profile) # the planner's profile of the 8B architecture (random weights), format 2 (docs/planner.md)
+             python3 -c "from engine.loader import write_arch_dir; write_arch_dir('llama-3.1-8b', '/tmp/splitserve-models/llama-3.1-8b')" \
+             && timeout "$(left 0 "${T_PROFILE:-300}")" python3 -m splitserve profile --model /tmp/splitserve-models/llama-3.1-8b \
+               --load-format dummy --device cuda --out "$OUT/h100-llama-3.1-8b.json" --name h100-llama-3.1-8b --startup-s 20.5 \
+               ${PROFILE_ARGS:---prefill-tokens 128,512,1024,2048,4096,8192,16384,32768 --cached-fractions 0,0.5,0.9 --decode-batches 1,8,32,64,128,256 --decode-contexts 512,2048,8192,32768 --steps 16 --repeats 3} \
+               2>&1 | tee "$OUT/profile.log" | grep -v Warning | tail -20 ;;
     gemv) timeout "$(left 0 120)" python3 bench/device/gemv_layouts.py --out "$OUT/gemv_layouts.jsonl" 2>&1 | grep -v Warning ;;
     *) echo "unknown stage $stage" ;;
   esac

@@ -85,6 +85,13 @@ def test_an_existing_secret_replaces_the_generated_one():
 def test_workers_probe_readiness_and_liveness_by_grpc_health(value_set):
     objs = manifests(value_set)
     for name, pod in pod_specs(objs).items():
+        if name.endswith("-planner"):        # the SLA planner beside the pool controller (the admin API)
+            c = {c["name"]: c for c in pod["containers"]}
+            assert sorted(c) == ["controller", "planner"]
+            assert c["controller"]["readinessProbe"]["tcpSocket"] == c["controller"]["livenessProbe"]["tcpSocket"] \
+                == {"port": "admin"}
+            assert c["planner"]["livenessProbe"]["tcpSocket"] == {"port": "metrics"}
+            continue
         (c,) = pod["containers"]
         if name.endswith(("-prefill", "-decode")):
             port = c["ports"][0]["containerPort"]
@@ -94,8 +101,6 @@ def test_workers_probe_readiness_and_liveness_by_grpc_health(value_set):
         elif name.endswith("-frontend"):
             assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
             assert c["livenessProbe"]["tcpSocket"] == {"port": "http"}
-        elif name.endswith("-planner"):
-            assert c["readinessProbe"]["tcpSocket"] == c["livenessProbe"]["tcpSocket"] == {"port": "admin"}
 
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)
@@ -176,7 +181,7 @@ def test_planner_rbac_is_limited_to_scaling_the_worker_deployments(value_set):
     (binding,) = bindings.values()
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "splitserve-planner", "namespace": "serving"}]
     assert pod_specs(objs)["splitserve-planner"]["serviceAccountName"] == "splitserve-planner"
-    k8s = component_configs(objs)["planner"]["kubernetes"]
+    k8s = component_configs(objs)["controller"]["kubernetes"]
     assert sorted(v for k, v in k8s.items() if k.endswith("_deployment")) == workers
 
 

@@ -30,13 +30,9 @@ CHART_OWNED = {
     WorkerConfig: {"engine.model", "redis.url", "role", "host", "advertise_host", "port", "metrics_port", "worker_id"},
     RedisConfig: {"url"},
 }
-# Fields the chart renders that runtime/config.py does not declare yet, by the work that adds them.
-# test_pending_fields_have_landed turns green when they exist; then empty this.
-PENDING = {
-    FrontendConfig: {"drain_timeout_s"},                     # worker lifecycle: the frontend's drain
-    WorkerConfig: {"drain_timeout_s", "prefill_lease_s"},    # worker lifecycle: drain, prefill lease
-}
-PENDING_PLANNER = "`splitserve planner` with its config (planner work; its `kubernetes` block: the K8s connector)"
+# Fields the chart renders that runtime/config.py does not declare yet, by the work that adds them
+# (none now: the lifecycle and planner work landed them).
+PENDING: dict[type, set[str]] = {}
 
 
 def leaves(cls) -> dict[str, object]:
@@ -107,7 +103,7 @@ def test_worker_values_mirror_worker_config(pool):
     own = {p: s for p, s in leaves(WorkerConfig).items()
            if not p.startswith(("engine.", "redis.")) and p not in CHART_OWNED[WorkerConfig]}
     in_schema = {k for k in schema_leaves(node) if not k.startswith("engine.")}
-    assert in_schema <= set(own) | PENDING[WorkerConfig]
+    assert in_schema <= set(own) | PENDING.get(WorkerConfig, set())
     if pool == "decode":            # the prefill pool needs no prefill lease
         assert set(own) <= in_schema
     assert resolve(node["properties"]["engine"]) is SCHEMA["definitions"]["engineOverrides"]
@@ -142,13 +138,12 @@ def test_container_commands_parse(value_set):
             assert ns.config.startswith("/etc/splitserve/") and ns.command == args[0]
 
 
-@pytest.mark.xfail(strict=True, reason="waiting for the lifecycle work (FrontendConfig.drain_timeout_s, "
-                   "WorkerConfig.drain_timeout_s, WorkerConfig.prefill_lease_s) and the planner work "
-                   f"({PENDING_PLANNER}); when this passes, empty PENDING and drop the marker")
-def test_pending_fields_have_landed():
-    for cls, names in PENDING.items():
-        assert names <= {f.name for f in fields(cls)}, (cls.__name__, names)
+def test_the_planner_pod_runs_splitserve_planner_with_its_targets():
+    """The planner container's command parses as `splitserve planner`, and the planner settings the
+    chart exposes besides the controller's limits (the SLA targets) are PlannerComponentConfig's."""
+    assert hasattr(config_module, "ControllerConfig")
     objs = manifests("default-values.yaml")
     args = pod_specs(objs)["splitserve-planner"]["containers"][0]["args"]
     assert build_parser().parse_args(args).command == "planner"
-    assert hasattr(config_module, "ControllerConfig")
+    sla = {k for k in VALUES["planner"]["config"] if k != "controller"}
+    assert sla and sla <= {f.name for f in fields(config_module.PlannerComponentConfig)}

@@ -114,6 +114,23 @@ def test_defaults_without_flags_are_the_config_classes_defaults(monkeypatch):
     assert cfg == ServeConfig(engine=EngineConfig(model="tiny"), frontend=FrontendConfig(model="tiny"))
 
 
+def test_ray_takes_an_address_or_alone_means_a_local_cluster():
+    assert parse("serve").ray.address is None
+    assert parse("serve", "--ray").ray.address == "local"
+    assert parse("serve", "--ray", "10.0.0.1:6380", "--mock").ray.address == "10.0.0.1:6380"
+    assert parse("serve", "--ray", "--mock").ray.address == "local"       # a flag after it is not its value
+    assert parse("serve", "--ray-worker-gpus", "0.5").ray.worker_gpus == 0.5
+
+
+def test_serve_on_an_unreachable_ray_address_is_a_message_and_exit_code_2(capsys):
+    pytest.importorskip("ray")
+    from runtime.redis_embedded import free_port
+    port = free_port()                     # nothing listens there
+    assert main(["serve", "--ray", f"127.0.0.1:{port}", "--mock", "--prefill-workers", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot reach the Ray cluster at 127.0.0.1:{port}: Connection refused" in err, err
+
+
 def test_tri_states_take_auto_on_off():
     for word, value in TRI_STATE.items():
         assert parse("serve", "--async-scheduling", word).engine.async_scheduling is value

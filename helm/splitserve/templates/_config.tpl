@@ -40,12 +40,13 @@ SPLITSERVE_ADMIN_TOKEN).
 {{- end }}
 
 {{/*
-The planner's config. Its `kubernetes` block names the two Deployments the Role lets it scale
-(templates/planner.yaml), so the connector and the RBAC rules cannot disagree.
+The pool controller's config (`splitserve controller`, runtime/config.py ControllerComponentConfig).
+Its `kubernetes` block names the two Deployments the Role lets it scale (templates/planner.yaml),
+so the connector and the RBAC rules cannot disagree. Its metrics port is picked at start; the
+frontends merge its /metrics (it publishes the URL in Redis).
 */}}
-{{- define "splitserve.plannerConfig" -}}
+{{- define "splitserve.controllerConfig" -}}
 {{- $c := dict }}
-{{- range $k, $v := .Values.planner.config }}{{ if ne $k "controller" }}{{ $_ := set $c $k $v }}{{ end }}{{ end }}
 {{- $ctl := dict }}
 {{- range $k, $v := (.Values.planner.config.controller | default dict) }}{{ $_ := set $ctl $k $v }}{{ end }}
 {{- $_ := set $ctl "admin_host" "0.0.0.0" }}
@@ -56,12 +57,24 @@ The planner's config. Its `kubernetes` block names the two Deployments the Role 
 {{- end }}
 {{- $_ := set $c "controller" $ctl }}
 {{- $_ := set $c "redis" (deepCopy .Values.redis.config) }}
-{{- $_ := set $c "metrics_port" .Values.planner.metricsPort }}
+{{- $_ := set $c "metrics_port" 0 }}
 {{- $k8s := dict "namespace" .Release.Namespace "decode_deployment" (include "splitserve.component" (dict "root" . "component" "decode")) }}
 {{- if .Values.prefill.enabled }}
 {{- $_ := set $k8s "prefill_deployment" (include "splitserve.component" (dict "root" . "component" "prefill")) }}
 {{- end }}
-{{- $_ := set $c "connector" "kubernetes" }}
 {{- $_ := set $c "kubernetes" $k8s }}
+{{- toPrettyJson $c }}
+{{- end }}
+
+{{/*
+The SLA planner's config: its targets; it drives the controller's admin API in the same pod.
+*/}}
+{{- define "splitserve.plannerConfig" -}}
+{{- $c := dict }}
+{{- range $k, $v := .Values.planner.config }}{{ if ne $k "controller" }}{{ $_ := set $c $k $v }}{{ end }}{{ end }}
+{{- $_ := set $c "redis" (deepCopy .Values.redis.config) }}
+{{- $_ := set $c "metrics_host" "0.0.0.0" }}
+{{- $_ := set $c "metrics_port" .Values.planner.metricsPort }}
+{{- $_ := set $c "admin_address" (printf "127.0.0.1:%v" .Values.planner.adminPort) }}
 {{- toPrettyJson $c }}
 {{- end }}

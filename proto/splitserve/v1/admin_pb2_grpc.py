@@ -44,10 +44,25 @@ class AdminStub:
                 request_serializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.ScalePoolRequest.SerializeToString,
                 response_deserializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.ScalePoolResponse.FromString,
                 _registered_method=True)
+        self.ReleasePools = channel.unary_unary(
+                '/splitserve.v1.Admin/ReleasePools',
+                request_serializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.ReleasePoolsRequest.SerializeToString,
+                response_deserializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.ReleasePoolsResponse.FromString,
+                _registered_method=True)
+        self.SetPoolLimits = channel.unary_unary(
+                '/splitserve.v1.Admin/SetPoolLimits',
+                request_serializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.SetPoolLimitsRequest.SerializeToString,
+                response_deserializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.SetPoolLimitsResponse.FromString,
+                _registered_method=True)
         self.DrainWorker = channel.unary_unary(
                 '/splitserve.v1.Admin/DrainWorker',
                 request_serializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.DrainWorkerRequest.SerializeToString,
                 response_deserializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.DrainWorkerResponse.FromString,
+                _registered_method=True)
+        self.SetPoolTargets = channel.unary_unary(
+                '/splitserve.v1.Admin/SetPoolTargets',
+                request_serializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.SetPoolTargetsRequest.SerializeToString,
+                response_deserializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.SetPoolTargetsResponse.FromString,
                 _registered_method=True)
 
 
@@ -66,7 +81,25 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleasePools(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetPoolLimits(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DrainWorker(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetPoolTargets(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -85,10 +118,25 @@ def add_AdminServicer_to_server(servicer, server):
                     request_deserializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.ScalePoolRequest.FromString,
                     response_serializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.ScalePoolResponse.SerializeToString,
             ),
+            'ReleasePools': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleasePools,
+                    request_deserializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.ReleasePoolsRequest.FromString,
+                    response_serializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.ReleasePoolsResponse.SerializeToString,
+            ),
+            'SetPoolLimits': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPoolLimits,
+                    request_deserializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.SetPoolLimitsRequest.FromString,
+                    response_serializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.SetPoolLimitsResponse.SerializeToString,
+            ),
             'DrainWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.DrainWorker,
                     request_deserializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.DrainWorkerRequest.FromString,
                     response_serializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.DrainWorkerResponse.SerializeToString,
+            ),
+            'SetPoolTargets': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPoolTargets,
+                    request_deserializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.SetPoolTargetsRequest.FromString,
+                    response_serializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.SetPoolTargetsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -156,6 +204,60 @@ class Admin:
             _registered_method=True)
 
     @staticmethod
+    def ReleasePools(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Admin/ReleasePools',
+            proto_dot_splitserve_dot_v1_dot_admin__pb2.ReleasePoolsRequest.SerializeToString,
+            proto_dot_splitserve_dot_v1_dot_admin__pb2.ReleasePoolsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPoolLimits(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Admin/SetPoolLimits',
+            proto_dot_splitserve_dot_v1_dot_admin__pb2.SetPoolLimitsRequest.SerializeToString,
+            proto_dot_splitserve_dot_v1_dot_admin__pb2.SetPoolLimitsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def DrainWorker(request,
             target,
             options=(),
@@ -172,6 +274,33 @@ class Admin:
             '/splitserve.v1.Admin/DrainWorker',
             proto_dot_splitserve_dot_v1_dot_admin__pb2.DrainWorkerRequest.SerializeToString,
             proto_dot_splitserve_dot_v1_dot_admin__pb2.DrainWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPoolTargets(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Admin/SetPoolTargets',
+            proto_dot_splitserve_dot_v1_dot_admin__pb2.SetPoolTargetsRequest.SerializeToString,
+            proto_dot_splitserve_dot_v1_dot_admin__pb2.SetPoolTargetsResponse.FromString,
             options,
             channel_credentials,
             insecure,

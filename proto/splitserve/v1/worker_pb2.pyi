@@ -64,33 +64,37 @@ class SessionRequest(_message.Message):
     def __init__(self, submit: _Optional[_Union[WorkerSubmit, _Mapping]] = ..., cancel: _Optional[_Union[WorkerCancel, _Mapping]] = ...) -> None: ...
 
 class RequestDelta(_message.Message):
-    __slots__ = ("request_id", "token_ids", "finish_reason", "num_cached_tokens", "error", "internal_error")
+    __slots__ = ("request_id", "token_ids", "finish_reason", "num_cached_tokens", "error", "internal_error", "migrate")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     INTERNAL_ERROR_FIELD_NUMBER: _ClassVar[int]
+    MIGRATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _generation_pb2.FinishReason
     num_cached_tokens: int
     error: str
     internal_error: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., internal_error: _Optional[bool] = ...) -> None: ...
+    migrate: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., internal_error: _Optional[bool] = ..., migrate: _Optional[bool] = ...) -> None: ...
 
 class StepOutput(_message.Message):
-    __slots__ = ("deltas",)
+    __slots__ = ("deltas", "draining")
     DELTAS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     deltas: _containers.RepeatedCompositeFieldContainer[RequestDelta]
-    def __init__(self, deltas: _Optional[_Iterable[_Union[RequestDelta, _Mapping]]] = ...) -> None: ...
+    draining: bool
+    def __init__(self, deltas: _Optional[_Iterable[_Union[RequestDelta, _Mapping]]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class WorkerStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "block_size", "num_prefix_hit_tokens", "num_prompt_tokens", "num_waiting_prefill_tokens")
+    __slots__ = ("worker_id", "role", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "block_size", "num_prefix_hit_tokens", "num_prompt_tokens", "num_waiting_prefill_tokens", "state")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +105,7 @@ class WorkerStatus(_message.Message):
     NUM_PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_total_blocks: int
@@ -111,7 +116,8 @@ class WorkerStatus(_message.Message):
     num_prefix_hit_tokens: int
     num_prompt_tokens: int
     num_waiting_prefill_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., block_size: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_waiting_prefill_tokens: _Optional[int] = ...) -> None: ...
+    state: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., block_size: _Optional[int] = ..., num_prefix_hit_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_waiting_prefill_tokens: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
     __slots__ = ()
@@ -132,6 +138,16 @@ class SnapshotResponse(_message.Message):
     has_parent: _containers.RepeatedScalarFieldContainer[bool]
     tiers: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, worker_id: _Optional[str] = ..., last_event_seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., parent_hashes: _Optional[_Iterable[int]] = ..., has_parent: _Optional[_Iterable[bool]] = ..., tiers: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    def __init__(self, state: _Optional[str] = ...) -> None: ...
 
 class ConnectRequest(_message.Message):
     __slots__ = ("decode_worker_id", "agent_metadata")

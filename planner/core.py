@@ -1,0 +1,315 @@
+"""The planner core: observations in, a decision out. No I/O, no clock of its own.
+
+Every interval the caller (the live loop, the simulator, a test) hands `Planner.decide` an
+`Observation` stamped with the time; the core answers a `Decision`: the desired size of each pool
+and why. Time exists only as `Observation.now_s`, so a trace replays at any speed.
+
+One decision, in order:
+
+1. Observe: the interval's arrival count feeds the predictor; the arrivals' lengths (with their
+   prefix-cache hits) join a window of recent requests; the arrivals' burstiness is measured; the
+   finished prefills and the decode steps update three corrections (prefill compute vs the
+   profile, prefill queue wait vs the queueing model, decode step vs the profile).
+2. Plan the load: a new worker serves `startup_s` after it is asked for and the next decision comes
+   `interval_s` later, so plan on the worst `arrival_quantile` of the predicted arrivals over
+   H = ceil((startup_s + interval_s) / interval_s) intervals.
+3. Size each pool (planner/sizing.py) at that load from the window's lengths, the profile and
+   the corrections, for the pool's share of the attainment goal: `required`; and at the load times
+   (1 + hysteresis): `required_down`.
+4. Act: up at once to `required` (starting workers count as capacity, so a start-up in progress is
+   never doubled). Down only to the largest `required_down` of the last `down_delay` seconds: the
+   hysteresis means the survivors must still meet the goal if the load rises by that much, and
+   since the model sizes from the total load, the N/(N-1) share the survivors absorb is already in
+   it. Scale-down is never blocked by workers still starting (the caller cancels those first).
+5. Clamp to each pool's min and max, then fit both pools in the GPU budget (draining workers
+   still hold GPUs), sharing it in proportion to what each pool wants.
+
+It knows nothing of Redis, processes, routers or how workers are started and stopped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import replace
+from typing import Sequence
+
+import numpy as np
+
+from planner.config import PlannerConfig, PoolLimits
+from planner.correction import Correction
+from planner.decision import (Bound, Decision, LoadEstimate, Observation, Pool, PoolDecision, PoolState,
+                              RequestSample)
+from planner.predictors import Forecast, Predictor, make_predictor
+from planner.sizing import (DecodeWorkload, decode_attainment, decode_batch_cap, prefill_attainment,
+                            prefill_wait, size_decode, size_prefill)
+from runtime.profile import Profile
+
+BURST_INTERVALS = 10         # burstiness is pooled over this many recent intervals
+WAIT_FLOOR_SHARE = 0.05      # waits below 5% of the TTFT target are noise to the wait correction
+MIN_BURST_ARRIVALS = 20      # fewer arrivals in an interval say nothing about burstiness
+NOISE_DECISIONS = 20         # the planned work's noise: its scatter over this many decisions, ...
+NOISE_LAG = 3                # ... in differences this many decisions apart, ...
+MAX_NOISE_HYSTERESIS = 0.25  # a transition inside the window still reads partly as noise: bound its cost
+NOISE_RANGE_SD = 4.0         # ... times the expected range of 30 normal draws, in standard deviations
+
+
+class Planner:
+    def __init__(self, config: PlannerConfig, profile: Profile, predictor: Predictor | None = None) -> None:
+        self.config = config
+        self.profile = profile
+        self.predictor = predictor or make_predictor(config.predictor)
+        # (prompt, cached, output, profile prefill seconds) of recent requests
+        self._samples: deque[tuple[int, int, int, float]] = deque(maxlen=config.num_samples)
+        self.service_correction = Correction()
+        self.wait_correction = Correction()
+        self.decode_correction = Correction()
+        self._burst = {Pool.PREFILL: 1.0, Pool.DECODE: 1.0}
+        self._arrivals: deque[tuple[float, float, np.ndarray, float]] = deque(maxlen=BURST_INTERVALS)
+        self._work: dict[Pool, deque[float]] = {p: deque(maxlen=NOISE_DECISIONS) for p in Pool}
+        self._history: dict[Pool, deque[tuple[float, int]]] = {Pool.PREFILL: deque(), Pool.DECODE: deque()}
+        self._first_s: float | None = None
+        self.last: Decision | None = None
+
+    # ---- the two entry points -----------------------------------------------------------------
+
+    def warm_start(self, counts: Sequence[float], samples: Sequence[RequestSample] = ()) -> None:
+        """Prime the predictor with past per-interval arrival counts (oldest first) and the length
+        window and burstiness with past requests, e.g. from a trace or the previous run."""
+        self.predictor.warm_start(counts)
+        self._add_samples(samples)
+        if samples:
+            t0 = samples[0].arrival_s
+            for k in range(int((samples[-1].arrival_s - t0) // self.config.interval_s) + 1):
+                lo = t0 + k * self.config.interval_s
+                chunk = [s.arrival_s for s in samples if lo <= s.arrival_s < lo + self.config.interval_s]
+                self._record_arrivals(chunk, lo, lo + self.config.interval_s, 1.0)
+            self._update_burst()
+
+    def _update_burst(self) -> None:
+        """Burstiness at the prefill queue's time scale (the TTFT target) and at the decode pool's
+        (a request's decode time at the ITL target)."""
+        steps = np.mean([s[2] for s in self._samples]) - 1 if self._samples else 0.0
+        self._burst[Pool.PREFILL] = self._burstiness(self.config.ttft_target_s)
+        self._burst[Pool.DECODE] = self._burstiness(max(steps, 1.0) * self.config.itl_target_s)
+
+    def decide(self, obs: Observation) -> Decision:
+        if self._first_s is None:
+            self._first_s = obs.now_s
+        self._observe(obs)
+        cfg = self.config
+        horizon = max(1, math.ceil((cfg.startup_s + cfg.interval_s) / cfg.interval_s))
+        forecasts = [self._rate_forecast(h) for h in range(1, horizon + 1)]
+        rate = forecasts[0].mean / cfg.interval_s
+        plan_rate = max(f.quantile(cfg.arrival_quantile) for f in forecasts) / cfg.interval_s
+        prompt, cached, output, service = self._arrays()
+        load = self._load_estimate(rate, plan_rate, horizon * cfg.interval_s, prompt, cached, output)
+        if not len(prompt):
+            pre = self._hold(Pool.PREFILL, obs.prefill, cfg.prefill)
+            dec = self._hold(Pool.DECODE, obs.decode, cfg.decode)
+        else:
+            service = service * self.service_correction.value
+            workload = DecodeWorkload.from_lengths(prompt, output)
+            h_pre = self._hysteresis(Pool.PREFILL, plan_rate * float(service.mean()))
+            h_dec = self._hysteresis(Pool.DECODE, plan_rate * workload.steps_per_request)
+            pre = self._pool(Pool.PREFILL, obs.now_s, obs.prefill, cfg.prefill, h_pre,
+                             *(self._prefill_workers(r, service) for r in (plan_rate, plan_rate * (1 + h_pre))))
+            dec = self._pool(Pool.DECODE, obs.now_s, obs.decode, cfg.decode, h_dec,
+                             *(self._decode_workers(r, workload) for r in (plan_rate, plan_rate * (1 + h_dec))))
+            pre, dec = self._fit_budget(pre, dec, obs)
+            pre, dec = self._predict(pre, plan_rate, service), self._predict_decode(dec, plan_rate, workload)
+        self.last = Decision(obs.now_s, pre, dec, load, self.wait_correction.value)
+        return self.last
+
+    def _hysteresis(self, pool: Pool, work: float) -> float:
+        """The scale-down margin: the configured hysteresis, or the expected range of the noise of
+        the pool's planned work (rate x work per request: the forecast's and the length window's
+        noise together) over about 30 decisions, 4 standard deviations, whichever is larger.
+
+        The noise is read from differences NOISE_LAG decisions apart (the forecast and the length
+        window remember about that long, so closer differences would hide their noise), by their
+        median absolute deviation: a ramp shifts all differences alike and a step moves only a few,
+        so neither reads as noise and neither holds a pool up after the load has really changed."""
+        history = self._work[pool]
+        if work > 0:
+            history.append(math.log(work))
+        if len(history) < NOISE_LAG + 4:
+            return self.config.hysteresis
+        y = np.array(history)
+        diffs = y[NOISE_LAG:] - y[:-NOISE_LAG]
+        mad = float(np.median(np.abs(diffs - np.median(diffs))))
+        noise = 1.4826 * mad / math.sqrt(2)       # normal sd; a difference holds two draws
+        return max(self.config.hysteresis, min(NOISE_RANGE_SD * noise, MAX_NOISE_HYSTERESIS))
+
+    def _rate_forecast(self, steps: int) -> Forecast:
+        """The predictor's forecast of the count, less the count's own sampling noise: given the
+        rate, the arrivals scatter with variance burst * mean, and the queueing models already
+        plan for that scatter (their burstiness terms). What is left is the uncertainty of the
+        rate itself, which is what the quantile must cover."""
+        f = self.predictor.forecast(steps)
+        noise = max(self._burst.values()) * f.mean
+        return Forecast(f.mean, math.sqrt(max(f.sd * f.sd - noise, 0.0)))
+
+    # ---- observing ----------------------------------------------------------------------------
+
+    def _observe(self, obs: Observation) -> None:
+        cfg = self.config
+        self.predictor.observe(obs.num_arrivals * cfg.interval_s / obs.interval_s)
+        self._add_samples(obs.requests)
+        times = obs.arrival_times if obs.arrival_times is not None else [r.arrival_s for r in obs.requests]
+        if times and obs.num_arrivals:
+            # only the arrivals inside the interval (requests that finished in it may have arrived
+            # before it), as the sampled share of the interval's arrivals
+            start = obs.now_s - obs.interval_s
+            inside = [t for t in times if start < t <= obs.now_s]
+            self._record_arrivals(inside, start, obs.now_s, min(len(inside) / obs.num_arrivals, 1.0))
+        self._update_burst()
+        self._correct_prefill(obs)
+        st = obs.decode_stats
+        if st.num_steps >= cfg.min_records and st.mean_batch > 0:
+            modelled = self.profile.decode_step_s(st.mean_batch, st.mean_context)
+            self.decode_correction.update(st.mean_step_s, modelled)
+
+    def _add_samples(self, samples: Sequence[RequestSample]) -> None:
+        prefill_s = self.profile.prefill_s
+        for s in samples:
+            self._samples.append((s.prompt_tokens, s.cached_tokens, s.output_tokens,
+                                  prefill_s(s.prompt_tokens, s.cached_tokens)))
+
+    def _correct_prefill(self, obs: Observation) -> None:
+        records = obs.prefills
+        if len(records) < self.config.min_records:
+            return
+        modelled = np.array([self.profile.prefill_s(r.prompt_tokens, r.cached_tokens) for r in records])
+        observed = np.array([r.compute_s for r in records])
+        self.service_correction.update(float(observed.sum()), float(modelled.sum()))
+        if obs.prefill.ready:
+            rate = obs.num_arrivals / obs.interval_s
+            _, wait = prefill_wait(obs.prefill.ready, rate, modelled * self.service_correction.value,
+                                   self._burst[Pool.PREFILL])
+            observed_wait = sum(r.wait_s for r in records) / len(records)
+            self.wait_correction.update(observed_wait, wait, WAIT_FLOOR_SHARE * self.config.ttft_target_s)
+
+    def _record_arrivals(self, arrivals: Sequence[float], start_s: float, end_s: float, fraction: float) -> None:
+        if len(arrivals) >= MIN_BURST_ARRIVALS and end_s > start_s:
+            self._arrivals.append((start_s, end_s, np.asarray(arrivals, dtype=np.float64), fraction))
+
+    def _burstiness(self, window_s: float) -> float:
+        """Index of dispersion (variance / mean) of arrival counts in windows of window_s, pooled
+        over the recent intervals, each against its own mean (so a trend across intervals is not
+        mistaken for bursts) and undoing the thinning of a sampled list. Never below 1: we do not
+        plan on smoother than Poisson."""
+        window_s = min(window_s, self.config.interval_s / 2)
+        num = den = dof = 0.0
+        for start, end, arrivals, fraction in self._arrivals:
+            bins = int((end - start) // window_s)
+            if bins < 2:
+                continue
+            counts = np.bincount(((arrivals - start) // window_s).astype(int), minlength=bins)[:bins]
+            mean = counts.mean()
+            if mean > 0:
+                num += float(((counts - mean) ** 2).sum()) / fraction
+                den += mean / fraction * (bins - 1)
+                dof += bins - 1
+        if den <= 0:
+            return 1.0
+        idc = num / den
+        # A variance ratio over `dof` degrees of freedom has a relative standard error of
+        # sqrt(2 / dof): count only the burstiness above one standard error, so that Poisson
+        # arrivals read as 1 instead of noise that moves the pools' step boundaries.
+        return max(idc * (1 - math.sqrt(2 / dof)), 1.0)
+
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        if not self._samples:
+            empty = np.zeros(0)
+            return empty, empty, empty, empty
+        a = np.array(self._samples, dtype=np.float64)
+        return a[:, 0], a[:, 1], a[:, 2], a[:, 3]
+
+    def _load_estimate(self, rate: float, plan_rate: float, horizon_s: float, prompt: np.ndarray,
+                       cached: np.ndarray, output: np.ndarray) -> LoadEstimate:
+        def q(x: np.ndarray, p: float) -> float:
+            return float(np.percentile(x, p)) if len(x) else 0.0
+        hit = float(cached.sum() / prompt.sum()) if len(prompt) and prompt.sum() else 0.0
+        return LoadEstimate(self.predictor.name, rate, plan_rate, horizon_s, len(prompt), q(prompt, 50),
+                            q(prompt, 90), hit, q(output, 50), q(output, 90),
+                            self._burst[Pool.PREFILL], self._burst[Pool.DECODE])
+
+    # ---- sizing -------------------------------------------------------------------------------
+
+    def _prefill_workers(self, rate: float, service: np.ndarray) -> int:
+        return size_prefill(rate, service, self.config.ttft_target_s, self.config.pool_goal,
+                            self._burst[Pool.PREFILL], self.wait_correction.value,
+                            self.config.prefill.max_workers + 1).workers
+
+    def _decode_step(self, batch: float, context: float) -> float:
+        return self.decode_correction.value * self.profile.decode_step_s(batch, context)
+
+    def _decode_workers(self, rate: float, workload: DecodeWorkload) -> int:
+        p = self.profile
+        return size_decode(rate, workload, self._decode_step, self.config.itl_target_s, self.config.pool_goal,
+                           self._burst[Pool.DECODE], p.max_num_seqs, p.kv_capacity_tokens,
+                           self.config.decode.max_workers + 1).workers
+
+    # ---- acting -------------------------------------------------------------------------------
+
+    def _pool(self, pool: Pool, now_s: float, state: PoolState, limits: PoolLimits, hysteresis: float,
+              required: int, required_down: int) -> PoolDecision:
+        history = self._history[pool]
+        history.append((now_s, required_down))
+        while history and history[0][0] < now_s - self.config.down_delay:
+            history.popleft()
+        current = state.active
+        if required >= current:
+            desired, bound = required, Bound.MODEL
+        elif self._first_s is None or now_s - self._first_s < self.config.down_delay:
+            desired, bound = current, Bound.DOWN_DELAY       # not yet a whole delay of evidence
+        else:
+            floor = max(v for _, v in history)
+            desired = min(current, max(required, floor))
+            bound = (Bound.MODEL if desired == required else
+                     Bound.HYSTERESIS if desired == required_down else Bound.DOWN_DELAY)
+        desired, bound = self._clamp(desired, bound, limits)
+        corr = self.service_correction.value if pool is Pool.PREFILL else self.decode_correction.value
+        return PoolDecision(pool, current, required, required_down, hysteresis, desired, bound, corr, 0.0, 0.0)
+
+    def _hold(self, pool: Pool, state: PoolState, limits: PoolLimits) -> PoolDecision:
+        desired, bound = self._clamp(state.active, Bound.NO_DATA, limits)
+        return PoolDecision(pool, state.active, desired, desired, self.config.hysteresis, desired, bound, 1.0,
+                            0.0, 0.0)
+
+    @staticmethod
+    def _clamp(desired: int, bound: Bound, limits: PoolLimits) -> tuple[int, Bound]:
+        if desired < limits.min_workers:
+            return limits.min_workers, Bound.MIN
+        if desired > limits.max_workers:
+            return limits.max_workers, Bound.MAX
+        return desired, bound
+
+    def _fit_budget(self, pre: PoolDecision, dec: PoolDecision, obs: Observation) -> tuple[PoolDecision, PoolDecision]:
+        cfg = self.config
+        if cfg.gpu_budget is None:
+            return pre, dec
+        avail = max(cfg.gpu_budget - obs.prefill.draining - obs.decode.draining,
+                    cfg.prefill.min_workers + cfg.decode.min_workers)
+        if pre.desired + dec.desired <= avail:
+            return pre, dec
+        share = round(avail * pre.desired / (pre.desired + dec.desired))
+        p = min(max(share, cfg.prefill.min_workers), avail - cfg.decode.min_workers, pre.desired)
+        d = min(avail - p, dec.desired)
+        p = min(avail - d, pre.desired)
+        return (replace(pre, desired=p, bound=Bound.BUDGET) if p < pre.desired else pre,
+                replace(dec, desired=d, bound=Bound.BUDGET) if d < dec.desired else dec)
+
+    def _predict(self, d: PoolDecision, rate: float, service: np.ndarray) -> PoolDecision:
+        s = prefill_attainment(d.desired, rate, service, self.config.ttft_target_s, self._burst[Pool.PREFILL],
+                               self.wait_correction.value)
+        return replace(d, predicted=s.attainment, per_worker=s.utilization)
+
+    def _predict_decode(self, d: PoolDecision, rate: float, wl: DecodeWorkload) -> PoolDecision:
+        p = self.profile
+        cap, limit = decode_batch_cap(self._decode_step, wl.context, self.config.itl_target_s, p.max_num_seqs,
+                                      p.kv_capacity_tokens, wl.reserved)
+        s = decode_attainment(max(d.desired, 1), rate, wl, self._decode_step, self.config.itl_target_s, cap,
+                              limit, self._burst[Pool.DECODE])
+        return replace(d, predicted=s.itl_s, per_worker=s.batch, limit=limit)

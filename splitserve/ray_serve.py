@@ -1,0 +1,195 @@
+"""`splitserve serve --ray [ADDRESS]`: the same cluster as `serve`, its components placed as Ray actors.
+
+This process (the Ray driver) connects to the Ray cluster at ADDRESS (or starts a local one with
+`--ray` alone), runs the embedded Redis on its own node bound to that node's address (or uses
+--redis-url), the pool controller and its admin API, and places:
+
+- the frontend as one actor pinned to this node (clients connect where they would without Ray);
+- each worker as one actor with --ray-worker-gpus GPUs and --ray-worker-cpus CPUs, anywhere Ray
+  finds them, through the Ray connector (planner/ray_connector.py), which the controller drives
+  like the local-process one: `pools scale` starts and drains actors, a dead actor is replaced.
+
+Every actor runs the component's ordinary process (planner/ray_connector.py); the processes talk
+gRPC (and NIXL for KV) to each other directly at their nodes' addresses. Ray carries no request data.
+Stopping drains as `serve` does; then the actors are killed, and a local Ray cluster is shut down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+
+import ray
+
+from planner.pools import PoolName
+from planner.ray_connector import RAY_NAMESPACE, RayConnector, kill_actor, start_component
+from planner.restarts import RestartPolicy
+from runtime.config import RayConfig, ServeConfig
+from splitserve.serve import STOP_MARGIN_S, Launcher, frontend_config, serve, worker_config
+
+log = logging.getLogger("splitserve.serve")
+
+# what an actor's process gets from this one's environment (cache dir, UCX transports), never a secret;
+# the rest, node-specific settings included, it inherits from `ray start` on its node
+PASSED_ENV_PREFIXES = ("SPLITSERVE_", "UCX_")
+SECRET_ENV = ("SPLITSERVE_API_KEY", "SPLITSERVE_ADMIN_TOKEN", "SPLITSERVE_KUBE_TOKEN")
+
+
+def serve_ray(cfg: ServeConfig) -> int:
+    return serve(cfg, RayLauncher, connect=_connect)
+
+
+def _connect(cfg: ServeConfig) -> bool:
+    problem = unreachable(cfg.ray.address)
+    if problem:      # Ray itself retries a wrong address for minutes
+        print(f"splitserve serve: cannot reach the Ray cluster at {cfg.ray.address}: {problem}", file=sys.stderr)
+        return False
+    try:
+        connect_ray(cfg.ray)
+        return True
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        print(f"splitserve serve: cannot reach the Ray cluster at {cfg.ray.address}: {e}", file=sys.stderr)
+        return False
+
+
+def unreachable(address: str, timeout_s: float = 5.0) -> str:
+    """Why HOST:PORT takes no TCP connection ("" if it does, or if `address` is not HOST:PORT)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "/" in address:
+        return ""                     # local, auto, ray://: Ray's own checks
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        return ""
+    except OSError as e:
+        return f"{e.strerror or e} (is `ray start --head --port {port}` running there?)"
+
+
+def connect_ray(cfg: RayConfig) -> None:
+    """Join the cluster at cfg.address, or start a local one (`local`)."""
+    if cfg.address == "local":
+        ray.init(address="local", num_cpus=cfg.local_cpus, include_dashboard=False, namespace=RAY_NAMESPACE)
+    else:
+        ray.init(address=cfg.address, namespace=RAY_NAMESPACE)
+
+
+def worker_gpus(cfg: ServeConfig) -> float:
+    """GPUs per worker actor: --ray-worker-gpus, else 1 where the engine will run on cuda."""
+    if cfg.ray.worker_gpus is not None:
+        return cfg.ray.worker_gpus
+    if cfg.engine.mock or cfg.engine.device == "cpu":
+        return 0.0
+    if cfg.engine.device == "cuda":
+        return 1.0
+    return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+
+
+class ActorProcess:
+    """The frontend actor, seen as the Popen `Launcher` supervises (poll, send_signal, returncode)."""
+
+    def __init__(self, actor) -> None:
+        self.actor = actor
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                self.returncode = ray.get(self.actor.poll.remote(), timeout=2.0)
+            except ray.exceptions.GetTimeoutError:
+                return None                    # not placed yet
+            except ray.exceptions.RayActorError:
+                self.returncode = -signal.SIGKILL    # the actor died: its process with it
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if sig == signal.SIGTERM:
+            self.actor.drain.remote()
+        else:
+            self.kill()
+
+    def kill(self) -> None:
+        kill_actor(self.actor)
+
+
+class RayLauncher(Launcher):
+    def __init__(self, cfg: ServeConfig, model_dir: str, book) -> None:
+        super().__init__(cfg, model_dir, book)
+        self.node = ray.util.get_node_ip_address()
+        self.gpus = worker_gpus(cfg)
+        self.frontends = 0
+        # actors on other nodes resolve a tiny model there; any other model must lie at the same path on each node
+        self.actor_model = cfg.engine.model if cfg.engine.model.startswith("tiny") else model_dir
+        self.actor_env = {k: v for k, v in os.environ.items()
+                          if k.startswith(PASSED_ENV_PREFIXES) and k not in SECRET_ENV}
+
+    def redis_host(self) -> str:
+        return self.node
+
+    def make_connector(self, policy: RestartPolicy) -> RayConnector:
+        ns = self.cfg.frontend.redis.namespace
+        return RayConnector(self._launch_worker, self.roles, policy,
+                            on_restart=lambda pool: self.metrics.restarts.labels(pool).inc(),
+                            on_crash_loop=lambda pool: self.metrics.crash_loops.labels(pool).inc(),
+                            prefix=ns)
+
+    def _launch_worker(self, pool: PoolName, name: str, actor_name: str):
+        role = self.roles[pool]
+        command = "prefill-worker" if role == "prefill" else "decode-worker"
+        wcfg = worker_config(self.cfg, self.actor_model, role, name.rsplit("-", 1)[1])
+        return start_component(actor_name, command, wcfg, self.actor_env, self.cfg.ray.worker_cpus, self.gpus)
+
+    def _start_frontend(self) -> None:
+        fcfg = dataclasses.replace(frontend_config(self.cfg, self.model_dir), model=self.actor_model)
+        env = dict(self.actor_env)
+        if self.cfg.frontend.api_key:
+            env["SPLITSERVE_API_KEY"] = self.cfg.frontend.api_key   # to the actor's environment, never argv
+        name = f"{self.cfg.frontend.redis.namespace}-frontend.{self.frontends}"
+        self.frontends += 1
+        # pinned to this node: clients connect to --host:--http-port here, as without Ray
+        actor = start_component(name, "frontend", fcfg, env, self.cfg.ray.frontend_cpus,
+                                resources={f"node:{self.node}": 0.001})
+        self.frontend = ActorProcess(actor)
+        self.frontend_started = time.monotonic()
+
+    async def _shutdown(self) -> None:
+        if self.controller is not None:
+            await self.controller.close()            # no restarts, no scaling from here on
+        if self.frontend is not None and self.frontend.poll() is None:
+            self.frontend.send_signal(signal.SIGTERM)
+        c = self.connector
+        if c is not None:
+            for h in c.list():
+                try:
+                    await c.drain(h.name)
+                except KeyError:
+                    pass
+            deadline = time.monotonic() + self.cfg.frontend.drain_timeout_s + STOP_MARGIN_S
+            while c.running() and time.monotonic() < deadline and not self.kill_now.is_set():
+                await c.refresh()
+                await asyncio.sleep(0.2)
+            if c.running() and not self.kill_now.is_set():
+                log.warning("%d worker actor(s) did not stop in time; killing them", c.running())
+            c.kill_all()
+        if self.frontend is not None:
+            deadline = time.monotonic() + 10
+            while self.frontend.poll() is None and time.monotonic() < deadline and not self.kill_now.is_set():
+                await asyncio.sleep(0.1)
+            self.frontend.kill()
+        if self.admin is not None:
+            await self.admin.stop(grace=0.5)
+        if self.redis is not None:
+            self.redis.close()
+        if self.token_path is not None:
+            self.token_path.unlink(missing_ok=True)
+        ray.shutdown()
+
+    def _banner(self) -> str:
+        where = "a local Ray cluster" if self.cfg.ray.address == "local" else f"the Ray cluster at {self.cfg.ray.address}"
+        return (super()._banner().rstrip("\n") +
+                f"\nOn {where}: frontend and workers are actors in Ray namespace {RAY_NAMESPACE!r} "
+                f"({self.gpus:g} GPU(s) per worker).\n")

@@ -1,0 +1,144 @@
+"""`splitserve serve --mock --planner`: the SLA planner scales the decode pool up under a load that
+rises and down once it falls, with no failed request (real Redis, frontend, router, controller and
+local connector; mock workers timed by a slow profile that both the mock and the planner read).
+
+The profile makes one worker hold 2 sequences (max_num_seqs 2) at ~25 ms a step, so that ~5
+requests a second of 40 tokens keep ~3 workers busy at the 100 ms ITL target, small enough for
+the 2-core CI machine. Then: an override from `pools scale` holds against the planner until
+`pools release`; `pools status` shows the last decision; /metrics counts the decisions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import re
+
+import grpc
+import httpx
+import pytest
+
+from proto.splitserve.v1 import admin_pb2, admin_pb2_grpc
+from runtime.admin_auth import read_token_file
+from tests.integration.cluster import own_cluster, until
+from tests.integration.streams import prompts, stream_one
+
+pytestmark = pytest.mark.slow
+
+PROFILE = {"format": 2, "name": "slow-mock", "curve": {"base_s": 0.02, "per_token_s": 5e-5},
+           "max_num_seqs": 2, "startup_s": 3.0}
+MAX_TOKENS = 40
+RATE_RPS = 5.0
+
+
+def pool(cluster, name: str) -> admin_pb2.PoolStatus:
+    with grpc.insecure_channel(cluster.admin_url) as ch:
+        md = [("authorization", f"Bearer {read_token_file(cluster.admin_port)}")]
+        r = admin_pb2_grpc.AdminStub(ch).GetStatus(admin_pb2.GetStatusRequest(), metadata=md, timeout=10)
+    return next(p for p in r.pools if p.pool == name)
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(float(m.group(2)) for m in re.finditer(rf"^{name}(?:{{([^}}]*)}})? (\S+)$", text, re.M)
+               if all(w in (m.group(1) or "") for w in want))
+
+
+async def load(url: str, rate_rps: float, duration_s: float) -> list:
+    """Open-loop arrivals at `rate_rps` for `duration_s`; every stream's outcome."""
+    rng_prompts = prompts(int(rate_rps * duration_s) + 1, seed=3, lengths=(20, 60))
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=200)) as client:
+        tasks = []
+        t0 = time.monotonic()
+        for i, p in enumerate(rng_prompts):
+            await asyncio.sleep(max(t0 + i / rate_rps - time.monotonic(), 0))
+            tasks.append(asyncio.create_task(stream_one(client, url, p, MAX_TOKENS)))
+        return await asyncio.gather(*tasks)
+
+
+def test_the_planner_scales_decode_up_and_down_with_no_failed_request(tmp_path):
+    profile = tmp_path / "slow-mock.json"
+    profile.write_text(json.dumps(PROFILE))
+    with own_cluster("--mock", "--prefill-workers", "0", "--decode-workers", "1", "--max-decode-workers", "4",
+                     "--max-num-seqs", "2", "--mock-profile", str(profile), "--planner",
+                     "--planner-profile", str(profile), "--ttft-ms", "2000", "--itl-ms", "100",
+                     "--planner-interval-s", "1", "--drain-timeout-s", "10", "--lease-ttl-s", "2",
+                     tmp_dir=tmp_path) as c:
+        peak = {"desired": 1, "ready": 1}
+
+        async def watch(stop: asyncio.Event) -> None:
+            while not stop.is_set():
+                d = await asyncio.to_thread(pool, c, "decode")
+                peak["desired"], peak["ready"] = max(peak["desired"], d.desired), max(peak["ready"], d.ready)
+                await asyncio.sleep(0.5)
+
+        async def run() -> list:
+            stop = asyncio.Event()
+            watcher = asyncio.create_task(watch(stop))
+            streams = await load(c.url, RATE_RPS, 15.0)
+            stop.set()
+            await watcher
+            return streams
+
+        streams = asyncio.run(run())
+        bad = [s for s in streams if not s.ok or len(s.tokens) != MAX_TOKENS]
+        assert not bad, f"{len(bad)} of {len(streams)} requests failed: {bad[:3]}"
+        assert peak["desired"] >= 2 and peak["ready"] >= 2, (peak, c.log()[-3000:])
+        # the load is gone: back to one worker (down delay = the profile's 3 s start-up)
+        until(lambda: pool(c, "decode").desired == 1 and pool(c, "decode").ready == 1, 60, 0.5,
+              "the decode pool back at 1 after the load")
+        d = pool(c, "decode")
+        assert "down" in d.last_decision or "hold" in d.last_decision, d.last_decision
+        assert metric(c.url, "splitserve_planner_decisions_total", pool="decode", direction="up") >= 1
+        assert metric(c.url, "splitserve_planner_decisions_total", pool="decode", direction="down") >= 1
+        out = c.cli("pools", "status").stdout
+        assert "LAST DECISION" in out and "need" in out, out
+
+        # an operator's override wins over the planner until released
+        c.cli("pools", "scale", "--decode", "2")
+        until(lambda: pool(c, "decode").ready == 2, 30, 0.5, "the override's second worker")
+        time.sleep(3.0)                                   # three planner decisions that want 1
+        d = pool(c, "decode")
+        assert d.desired == 2 and d.HasField("override") and "override 2 holds" in d.last_decision, d
+        c.cli("pools", "release")
+        until(lambda: pool(c, "decode").desired == 1, 20, 0.5, "the planner's size after the release")
+    log = c.log()
+    assert "planner: t=" in log and "Traceback" not in log and " ERROR " not in log, log[-3000:]
+
+
+def test_splitserve_planner_drives_a_serve_through_its_admin_api(tmp_path):
+    """`splitserve planner` as its own process: it reads the frontends' load from Redis, decides,
+    and sets the pools through serve's admin API (token from the file serve wrote); its decisions
+    show in `pools status` and on its own /metrics; SIGTERM stops it cleanly."""
+    import signal
+    import subprocess
+    import sys
+
+    from runtime.redis_embedded import free_port
+    from tests.integration.cluster import ROOT
+
+    with own_cluster("--mock", "--prefill-workers", "0", "--decode-workers", "1", tmp_dir=tmp_path) as c:
+        mport = free_port()
+        log = open(tmp_path / "planner.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", "splitserve", "planner", "--redis-url", c.redis_url,
+                                 "--admin-address", c.admin_url, "--ttft-ms", "2000", "--itl-ms", "50",
+                                 "--planner-interval-s", "1", "--metrics-port", str(mport)],
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        def planner_log() -> str:
+            return (tmp_path / "planner.log").read_text(errors="replace")[-3000:]
+        try:
+            try:
+                until(lambda: "need" in pool(c, "decode").last_decision, 60, 0.5, "the planner's first decision")
+            except AssertionError as e:
+                raise AssertionError(f"{e}\nplanner log:\n{planner_log()}") from None
+            assert pool(c, "decode").desired == 1, planner_log()   # no load: it holds what there is
+            assert metric(f"http://127.0.0.1:{mport}", "splitserve_planner_decisions_total", pool="decode") >= 1
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=30)
+            log.close()
+        text = planner_log()
+        assert code == 0 and "planner: t=" in text and "Traceback" not in text, text[-3000:]
