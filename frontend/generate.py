@@ -37,6 +37,7 @@ class GenerateInput:
     sampling: SamplingParams
     stop: list[str] = field(default_factory=list)
     request_id: str = ""
+    routing_key: str | None = None      # prompt_cache_key / user: the router's affinity hint
 
 
 @dataclass(slots=True)
@@ -148,11 +149,13 @@ class Generator:
                 if hashes is None:
                     hashes = block_hashes(inp.prompt_token_ids, self.pool.block_size)
                 try:
-                    choice = self.pool.choose(rid, hashes, len(inp.prompt_token_ids), exclude)
+                    choice = self.pool.choose(rid, hashes, len(inp.prompt_token_ids), exclude,
+                                              hint=inp.routing_key)
                 except Unavailable:
                     if conn is not None and await self.pool.wait_for_workers(self.wait_for_workers_s):
                         exclude.clear()
-                        choice = self.pool.choose(rid, hashes, len(inp.prompt_token_ids), exclude)
+                        choice = self.pool.choose(rid, hashes, len(inp.prompt_token_ids), exclude,
+                                                  hint=inp.routing_key)
                     else:
                         raise
                 conn = choice.conn
@@ -178,6 +181,7 @@ class Generator:
                     now = time.perf_counter()
                     if not output and delta.token_ids:
                         m.ttft.observe(now - start)
+                        self.pool.router.first_token(rid)
                         if self.on_first_token is not None:
                             self.on_first_token(now - start, remote is not None)
                         cached = delta.num_cached_tokens

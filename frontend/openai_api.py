@@ -63,7 +63,7 @@ def openai_routes(state: FrontendState) -> APIRouter:
         max_tokens = state.generator.check_prompt(prompt, req.max_tokens if isinstance(req, CompletionRequest)
                                                   else req.requested_max_tokens, default_max)
         return GenerateInput(prompt, req.to_sampling(max_tokens, state.tokenizer.vocab_size),
-                             req.stop_strings(), uuid.uuid4().hex)
+                             req.stop_strings(), uuid.uuid4().hex, req.routing_key())
 
     @router.post("/v1/completions")
     async def completions(request: Request):

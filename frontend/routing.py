@@ -52,12 +52,14 @@ class FrontendRouter:
 
     # ---- decisions ----------------------------------------------------------------------
     def route(self, request_id: str, block_hashes: list[int], num_prompt_tokens: int,
-              candidates: list[str], role: WorkerRole = WorkerRole.DECODE) -> tuple[str, int]:
+              candidates: list[str], role: WorkerRole = WorkerRole.DECODE,
+              hint: str | None = None) -> tuple[str, int]:
+        """``hint``: the client's routing key (prompt_cache_key / user), see router/affinity.py."""
         if self.router is None:
             raise Unavailable("no workers are available")
         exclude = set(self.router.workers()) - set(candidates)
         try:
-            d = self.router.route(request_id, block_hashes, num_prompt_tokens, role, exclude)
+            d = self.router.route(request_id, block_hashes, num_prompt_tokens, role, exclude, hint)
         except NoWorkerAvailable as e:
             raise Unavailable(str(e)) from None
         return d.worker_id, d.overlap_blocks
@@ -65,6 +67,11 @@ class FrontendRouter:
     def queued_prefill_tokens(self, worker_id: str) -> float:
         """Prompt tokens queued on a prefill worker: its last report plus what we routed there since."""
         return self.router.load(worker_id) * self.router.block_size
+
+    def first_token(self, request_id: str) -> None:
+        """The request's prefill is done (the KV policy's queue estimate re-anchors on it)."""
+        if self.router is not None:
+            self.router.first_token(request_id)
 
     def finished(self, request_id: str, worker_id: str | None = None) -> None:
         if self.router is not None:
@@ -89,9 +96,12 @@ class FrontendRouter:
         if stub is None:
             raise Unavailable(f"no connection to {worker_id}")
         snap = await stub.Snapshot(worker_pb2.SnapshotRequest(), timeout=5.0)
-        by_tier: dict[Tier, list[int]] = {}
-        for h, t in zip(snap.block_hashes, snap.tiers):
-            by_tier.setdefault(Tier(t), []).append(h)
+        by_tier: dict[Tier, list[tuple[int, int | None]]] = {}
+        parents = snap.parent_hashes if len(snap.has_parent) == len(snap.block_hashes) else None
+        for i, (h, t) in enumerate(zip(snap.block_hashes, snap.tiers)):
+            parent = parents[i] if parents is not None and snap.has_parent[i] else None
+            # without parents (an older worker) the index takes the ones it learned from events
+            by_tier.setdefault(Tier(t), []).append((h, parent) if parents is not None else h)
         return snap.last_event_seq, list(by_tier.items())
 
     async def _poll_load(self, interval_s: float) -> None:

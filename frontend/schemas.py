@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from runtime.types import SamplingParams
 from runtime.errors import InvalidRequest
 
+MAX_ROUTING_KEY_CHARS = 256     # prompt_cache_key and user: the router remembers keys, so bound them
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -36,6 +38,17 @@ class _Common(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
+    prompt_cache_key: str | None = None
+
+    def routing_key(self) -> str | None:
+        """The client's hint that requests share context: ``prompt_cache_key``, else ``user``. The
+        router keeps requests with one key on one worker while load allows (router/affinity.py)."""
+        for name in ("prompt_cache_key", "user"):
+            key = getattr(self, name)
+            if key is not None and len(key) > MAX_ROUTING_KEY_CHARS:
+                raise InvalidRequest(f"{name} must be at most {MAX_ROUTING_KEY_CHARS} characters", name)
+        key = self.prompt_cache_key or self.user
+        return f"key:{key}" if self.prompt_cache_key else (f"user:{key}" if key else None)
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

@@ -238,12 +238,12 @@ class WorkerPool:
         return self.admission.block_size
 
     def choose(self, request_id: str, block_hashes: list[int], num_prompt_tokens: int,
-               exclude: set[str], prefill: bool = False) -> Choice:
+               exclude: set[str], prefill: bool = False, hint: str | None = None) -> Choice:
         role = WorkerRole.PREFILL if prefill else WorkerRole.DECODE
         wid, overlap = self.router.route(request_id, block_hashes, num_prompt_tokens,
                                          [w for w, c in self.workers.items()
                                           if c.routable and w not in exclude and (c.info.role == "prefill") == prefill],
-                                         role)
+                                         role, hint)
         return Choice(self.workers[wid], overlap)
 
     def num_alive(self, prefill: bool = False) -> int:

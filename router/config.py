@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from kvstore.events import Tier
+from runtime.profile import StepTiming
 
 
 class WorkerRole(Enum):
@@ -19,7 +20,8 @@ class WorkerRole(Enum):
 
 
 class RoutingPolicy(Enum):
-    KV = "kv"                    # lowest cost: prefill still to do + current load
+    KV = "kv"                    # lowest predicted time to first token: queue wait + uncached prefill
+    KV_BLOCKS = "kv_blocks"      # Dynamo's formula: overlap_weight x blocks to prefill + load blocks
     ROUND_ROBIN = "round_robin"
     RANDOM = "random"
     LEAST_LOADED = "least_loaded"
@@ -28,7 +30,13 @@ class RoutingPolicy(Enum):
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     policy: RoutingPolicy = RoutingPolicy.KV
-    overlap_weight: float = 1.0        # cost per prompt block a worker would still have to prefill
+    timing: StepTiming | None = None   # KV: the workers' step-time profile (None: the default curve)
+    chunk_tokens: int = 2048           # KV: the workers' max_num_batched_tokens (prefill chunk)
+    max_session_keys: int = 65_536     # KV: routing-hint keys whose pin is remembered
+    busy_period_weight: bool = True    # KV: weigh prefill seconds by 1/(1 - utilisation) (router.py)
+    use_hints: bool = True             # KV: honour routing hints (prompt_cache_key / user)
+    decode_delay: bool = True          # KV: count the delay a prefill imposes on a worker's decodes
+    overlap_weight: float = 1.0        # KV_BLOCKS: cost per prompt block still to prefill
     temperature: float = 0.0           # 0 = pick the cheapest; >0 = softmax over -cost/normaliser
     approximate: bool = False          # no KV events: assume routed prompts stay cached for a while
     approx_ttl_s: float = 120.0
@@ -39,6 +47,8 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         if self.overlap_weight < 0 or self.temperature < 0 or not 0 <= self.lower_tier_weight <= 1:
+            raise ValueError(f"bad router config: {self}")
+        if self.chunk_tokens < 1 or self.max_session_keys < 1:
             raise ValueError(f"bad router config: {self}")
         if self.gap_max_buffered < 1 or self.gap_timeout_s <= 0 or self.approx_ttl_s <= 0:
             raise ValueError(f"bad router config: {self}")

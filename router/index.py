@@ -5,11 +5,10 @@ It consumes workers' numbered KV event batches (kvstore.events), keeps them in o
 too long and the worker must be resynced from a snapshot. It answers one question fast: for a
 prompt's block hashes, how many LEADING blocks does each worker hold?
 
-Representation: per tier, ``hash -> bitmask of worker slots``; per worker, the set of hashes it
-holds per tier (needed to forget a worker, clear a tier or replace its state from a snapshot).
-A lookup walks the prompt once and ANDs the masks, so it stops at the first block no worker
-holds. Because the hashes are chained (kvstore.hashing), equal hashes mean equal prefixes, so the
-index needs no tree and ignores ``BlockStored.parent_hash``.
+Each worker gets a slot, i.e. a bit in the masks of router/chains.py, which keeps per block the
+workers holding the whole chain up to it and answers a lookup in a few dozen dict reads however
+long the prompt (see there). Hashes must be chained (kvstore.hashing): a hash names its prefix,
+and ``BlockStored.parent_hash`` ties a run to the block before it.
 
 It does not know about roles, load, Redis or time beyond the injected clock.
 """
@@ -21,9 +20,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 from kvstore.events import AllCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, Tier
+from router.chains import ChainIndex, Holdings
 
-# A snapshot: for each tier, every block hash the worker holds there.
-SnapshotEntries = Iterable[tuple[Tier, Iterable[int]]]
+# A snapshot: for each tier, every block the worker holds there, as (hash, parent hash or None)
+# pairs (or bare hashes, whose parents the index may have learned from events).
+SnapshotEntries = Iterable[tuple[Tier, Iterable[int | tuple[int, int | None]]]]
 
 _TIERS = tuple(Tier)
 
@@ -41,11 +42,10 @@ class ApplyResult:
 @dataclass(slots=True)
 class _Worker:
     slot: int
-    bit: int
+    held: Holdings
     applied_seq: int = 0
     needs_resync: bool = False
     pending: dict[int, tuple[float, KvEventBatch]] = field(default_factory=dict)  # seq -> (arrival, batch)
-    blocks: dict[Tier, set[int]] = field(default_factory=lambda: {t: set() for t in _TIERS})
 
 
 class PrefixIndex:
@@ -58,7 +58,7 @@ class PrefixIndex:
         self._gap_timeout_s = gap_timeout_s
         self._clock = clock
         self._on_resync_needed = on_resync_needed
-        self._holders: dict[Tier, dict[int, int]] = {t: {} for t in _TIERS}
+        self._chains = ChainIndex()
         self._workers: dict[str, _Worker] = {}
         self._slot_owner: list[str | None] = []
         self._free_slots: list[int] = []
@@ -73,36 +73,22 @@ class PrefixIndex:
         lacks) ends that worker's run even if it holds later blocks.
         """
         if len(tiers) == 1:
-            get = self._holders[tiers[0]].get
+            runs = self._chains.runs(block_hashes, tiers[0])
         else:
-            gets = [self._holders[t].get for t in tiers]
-            get = lambda h, d: _or_all(gets, h)  # noqa: E731
+            runs = self._chains.runs_any_tier(block_hashes, tiers,
+                                              {w.held.bit: w.held for w in self._workers.values()})
         out: dict[str, int] = {}
-        mask = -1
-        i = 0
-        for h in block_hashes:
-            m = get(h, 0) & mask
-            if m != mask:
-                if i:
-                    self._record(out, mask & ~m, i)
-                if not m:
-                    return out
-                mask = m
-            i += 1
-        if i:
-            self._record(out, mask, i)
-        return out
-
-    def _record(self, out: dict[str, int], bits: int, run: int) -> None:
         owner = self._slot_owner
-        while bits:
-            low = bits & -bits
-            out[owner[low.bit_length() - 1]] = run  # type: ignore[index]
-            bits ^= low
+        for bits, run in runs:
+            while bits:
+                low = bits & -bits
+                out[owner[low.bit_length() - 1]] = run  # type: ignore[index]
+                bits ^= low
+        return out
 
     def worker_blocks(self, worker_id: str, tier: Tier = Tier.GPU) -> frozenset[int]:
         w = self._workers.get(worker_id)
-        return frozenset(w.blocks[tier]) if w else frozenset()
+        return frozenset(w.held.blocks[tier]) if w else frozenset()
 
     def workers(self) -> list[str]:
         return list(self._workers)
@@ -111,13 +97,16 @@ class PrefixIndex:
         w = self._workers.get(worker_id)
         return w.applied_seq if w else 0
 
-    def num_hashes(self, tier: Tier = Tier.GPU) -> int:
-        """Distinct block hashes held by at least one worker on ``tier``."""
-        return len(self._holders[tier])
+    def num_hashes(self, tier: Tier | None = None) -> int:
+        """Distinct block hashes held by at least one worker (on ``tier``, if given: that count
+        walks every worker's set)."""
+        if tier is None:
+            return self._chains.num_hashes()
+        return len(set().union(*(w.held.blocks[tier] for w in self._workers.values())))
 
     def num_entries(self) -> int:
         """(worker, tier, block) entries in the index."""
-        return sum(len(s) for w in self._workers.values() for s in w.blocks.values())
+        return sum(len(s) for w in self._workers.values() for s in w.held.blocks.values())
 
     # ---- event batches ---------------------------------------------------------------------
 
@@ -164,10 +153,11 @@ class PrefixIndex:
         snapshot starts a fresh gap timer.
         """
         w = self._worker(worker_id)
-        for tier in _TIERS:
-            self._clear(w, tier)
+        by_tier: dict[Tier, list] = {}
         for tier, hashes in entries:
-            self._store(w, Tier(tier), hashes)
+            by_tier.setdefault(Tier(tier), []).extend(hashes)
+        for tier in _TIERS:
+            self._chains.replace(w.held, tier, by_tier.get(tier, ()))
         w.applied_seq = last_seq
         w.needs_resync = False
         now = self._clock()
@@ -182,19 +172,21 @@ class PrefixIndex:
         if w is None:
             return
         for tier in _TIERS:
-            self._clear(w, tier)
+            self._chains.clear(w.held, tier)
         self._slot_owner[w.slot] = None
         self._free_slots.append(w.slot)
 
     # ---- direct edits (approximate mode, tests) ---------------------------------------------
 
-    def store(self, worker_id: str, block_hashes: Iterable[int], tier: Tier = Tier.GPU) -> None:
-        self._store(self._worker(worker_id), tier, block_hashes)
+    def store(self, worker_id: str, block_hashes: Iterable[int], tier: Tier = Tier.GPU,
+              parent: int | None = None) -> None:
+        """The worker holds this chain (continuing from ``parent``; None: from the root)."""
+        self._chains.store(self._worker(worker_id).held, tier, block_hashes, parent)
 
     def remove(self, worker_id: str, block_hashes: Iterable[int], tier: Tier = Tier.GPU) -> None:
         w = self._workers.get(worker_id)
         if w is not None:
-            self._remove(w, tier, block_hashes)
+            self._chains.remove(w.held, tier, block_hashes)
 
     # ---- internals -------------------------------------------------------------------------
 
@@ -207,7 +199,7 @@ class PrefixIndex:
             else:
                 slot = len(self._slot_owner)
                 self._slot_owner.append(worker_id)
-            w = self._workers[worker_id] = _Worker(slot=slot, bit=1 << slot)
+            w = self._workers[worker_id] = _Worker(slot, Holdings(1 << slot))
         return w
 
     def _drain(self, w: _Worker) -> int:
@@ -235,55 +227,14 @@ class PrefixIndex:
                 del w.pending[s]
 
     def _apply_events(self, w: _Worker, events: list[KvEvent]) -> None:
+        chains, held = self._chains, w.held
         for ev in events:
             kind = type(ev)
             if kind is BlockStored:
-                self._store(w, ev.tier, ev.block_hashes)
+                chains.store(held, ev.tier, ev.block_hashes, ev.parent_hash)
             elif kind is BlockRemoved:
-                self._remove(w, ev.tier, ev.block_hashes)
+                chains.remove(held, ev.tier, ev.block_hashes)
             elif kind is AllCleared:
-                self._clear(w, ev.tier)
+                chains.clear(held, ev.tier)
             else:
                 raise TypeError(f"not a KV event: {ev!r}")
-
-    def _store(self, w: _Worker, tier: Tier, hashes: Iterable[int]) -> None:
-        held = w.blocks[tier]
-        holders = self._holders[tier]
-        get = holders.get
-        bit = w.bit
-        for h in hashes:
-            if h not in held:
-                held.add(h)
-                holders[h] = get(h, 0) | bit
-
-    def _remove(self, w: _Worker, tier: Tier, hashes: Iterable[int]) -> None:
-        held = w.blocks[tier]
-        holders = self._holders[tier]
-        keep = ~w.bit
-        for h in hashes:
-            if h in held:
-                held.discard(h)
-                m = holders[h] & keep
-                if m:
-                    holders[h] = m
-                else:
-                    del holders[h]
-
-    def _clear(self, w: _Worker, tier: Tier) -> None:
-        held = w.blocks[tier]
-        holders = self._holders[tier]
-        keep = ~w.bit
-        for h in held:
-            m = holders[h] & keep
-            if m:
-                holders[h] = m
-            else:
-                del holders[h]
-        held.clear()
-
-
-def _or_all(gets: list, h: int) -> int:
-    m = 0
-    for g in gets:
-        m |= g(h, 0)
-    return m

@@ -1,10 +1,15 @@
 """The router's facade: the one object the frontend talks to. Pure logic, no I/O.
 
 It composes the prefix index (fed by KV events, or the approximate index built from its own
-decisions), the load tracker and the selector. Roles decide who may take what: a PREFILL request
-goes to PREFILL workers; DECODE and AGGREGATED requests go to DECODE or AGGREGATED workers (both
-can prefill locally). Transport of events (runtime/kv_events.py) and discovery of workers live
-elsewhere and call in here.
+decisions), the prefill queues and the cost model (the KV policy's time to first token), the
+session pins (routing hints), the load tracker (the other policies' load) and the selector. Roles
+decide who may take what: a PREFILL request goes to PREFILL workers; DECODE and AGGREGATED requests
+go to DECODE or AGGREGATED workers (both can prefill locally). Transport of events
+(runtime/kv_events.py) and discovery of workers live elsewhere and call in here.
+
+A request's life as the router sees it: ``route`` (charge the chosen worker), ``first_token`` (its
+prefill is done), ``finished`` (release it). A request routed twice (decode worker, then a prefill
+worker that computes its prompt) moves its prefill work to the prefill worker.
 """
 
 from __future__ import annotations
@@ -15,12 +20,16 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from kvstore.events import KvEventBatch, Tier
+from router.affinity import SessionAffinity
 from router.approx import ApproxIndex
-from router.config import RouterConfig, WorkerRole
+from router.config import RouterConfig, RoutingPolicy, WorkerRole
+from router.cost import PrefillCost
 from router.errors import NoWorkerAvailable, UnknownWorker
 from router.index import ApplyResult, PrefixIndex, SnapshotEntries
 from router.load import LoadTracker
+from router.queues import PrefillQueues, Utilisation
 from router.selection import Selector
+from runtime.profile import CurveTiming
 
 _SERVES: dict[WorkerRole, frozenset[WorkerRole]] = {
     WorkerRole.PREFILL: frozenset({WorkerRole.PREFILL}),
@@ -33,8 +42,22 @@ _SERVES: dict[WorkerRole, frozenset[WorkerRole]] = {
 class RouteDecision:
     worker_id: str
     overlap_blocks: int        # leading prompt blocks already cached on the worker (config.tiers)
-    cost: float                # the KV cost of this worker (also reported for non-KV policies)
+    cost: float                # the policy's cost of this worker (KV: predicted TTFT in seconds)
     prefill_blocks: int        # prompt blocks the worker still has to compute
+
+
+MAX_UTILISATION = 0.95      # caps the prefill weight at 20
+
+
+def prefill_weight(utilisation: float) -> float:
+    """How much a second of prefill work weighs against a second of waiting, at this utilisation.
+
+    Work added to a busy worker delays the request itself and every request served after it in
+    the same busy period: 1 / (1 - utilisation) requests on average (an M/G/1 busy period), so
+    the KV cost counts prefill seconds that many times. Idle fleets trade seconds one for one;
+    loaded ones keep a prefix's requests on its worker longer, rather than recompute it.
+    """
+    return 1.0 / (1.0 - min(max(utilisation, 0.0), MAX_UTILISATION))
 
 
 class Router:
@@ -45,22 +68,32 @@ class Router:
         self.block_size = block_size
         self._roles: dict[str, WorkerRole] = {}
         self._candidates: dict[WorkerRole, list[str]] = {}
+        self._positions: dict[WorkerRole, dict[str, int]] = {}     # candidate -> index in its list
         self._index = PrefixIndex(config.gap_max_buffered, config.gap_timeout_s, clock)
         self._approx = ApproxIndex(config.approx_ttl_s, clock) if config.approximate else None
         self._loads = LoadTracker(block_size)
         self._selector = Selector(config, random.Random(seed))
+        self._clock = clock
+        self._ttft = config.policy is RoutingPolicy.KV
+        self._prefill = PrefillCost(config.timing or CurveTiming(), config.chunk_tokens)
+        self._queues = PrefillQueues(clock)
+        self._pins = SessionAffinity(config.max_session_keys)
+        self._utilisation = {role: Utilisation() for role in WorkerRole}
 
     # ---- workers -----------------------------------------------------------------------
 
     def add_worker(self, worker_id: str, role: WorkerRole) -> None:
         self._roles[worker_id] = role
         self._loads.add_worker(worker_id)
+        self._queues.add_worker(worker_id)
         self._candidates.clear()
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker entirely (lease expired or drained): cache, load, role."""
         self._roles.pop(worker_id, None)
         self._loads.remove_worker(worker_id)
+        self._queues.remove_worker(worker_id)
+        self._pins.remove_worker(worker_id)
         self._index.remove_worker(worker_id)
         if self._approx:
             self._approx.remove_worker(worker_id)
@@ -72,18 +105,42 @@ class Router:
     # ---- requests ----------------------------------------------------------------------
 
     def route(self, request_id: str, block_hashes: Sequence[int], num_prompt_tokens: int,
-              role: WorkerRole, exclude: set[str] | frozenset[str] = frozenset()) -> RouteDecision:
-        """Choose a worker of ``role`` for the prompt and charge it the request's load."""
+              role: WorkerRole, exclude: set[str] | frozenset[str] = frozenset(),
+              hint: str | None = None) -> RouteDecision:
+        """Choose a worker of ``role`` for the prompt and charge it the request's load.
+
+        ``hint`` is the client's routing key (prompt_cache_key or user): requests with one key are
+        kept together while load allows (router/affinity.py). Only the KV policy reads it."""
         candidates = self._eligible(role)
+        positions = self._positions[role]
         if exclude:
             candidates = [c for c in candidates if c not in exclude]
+            positions = None
         if not candidates:
             raise NoWorkerAvailable(f"no {role.value} worker available "
                                     f"({len(self._roles)} registered, {len(exclude)} excluded)")
         prompt_blocks = max(len(block_hashes), -(-num_prompt_tokens // self.block_size))
         overlaps = self._overlaps(block_hashes)
-        load = self._loads.prefill if role is WorkerRole.PREFILL else self._loads.decode
-        worker, cost = self._selector.select(candidates, prompt_blocks, overlaps, load)
+        if self._ttft:
+            now = self._clock()
+            if not self.config.use_hints:
+                hint = None
+            pinned = self._pinned(hint, block_hashes, candidates, overlaps) if hint is not None else None
+            util = self._utilisation[role]
+            weight = (prefill_weight(util.value(now, len(self._eligible(role))))
+                      if self.config.busy_period_weight else 1.0)
+            worker, cost, cached = self._selector.select_ttft(
+                candidates, num_prompt_tokens, self.block_size, overlaps, self._queues.busy_until,
+                now, self._prefill, pinned, weight, positions,
+                self._queues.decoding if self.config.decode_delay else None)
+            prefill_s = self._prefill.seconds(cached, num_prompt_tokens)
+            self._queues.route(request_id, worker, prefill_s, cached)
+            util.add(now, prefill_s)
+            if hint is not None:
+                self._pins.record(hint, worker, request_id, block_hashes)
+        else:
+            load = self._loads.prefill if role is WorkerRole.PREFILL else self._loads.decode
+            worker, cost = self._selector.select(candidates, prompt_blocks, overlaps, load)
         overlap = int(overlaps.get(worker, 0))
         to_prefill = prompt_blocks - overlap
         if role is WorkerRole.PREFILL:
@@ -94,17 +151,24 @@ class Router:
             self._approx.record(worker, block_hashes)
         return RouteDecision(worker, overlap, cost, to_prefill)
 
+    def first_token(self, request_id: str) -> None:
+        """The request's first token is out: its prefill (and everything queued before it on that
+        worker) is done. Unknown ids are ignored."""
+        self._queues.first_token(request_id)
+
     def finished(self, request_id: str, worker_id: str | None = None) -> None:
         """Release the load ``route`` charged for this request (only on ``worker_id`` if given,
         e.g. when the prefill half of a disaggregated request is done). Unknown ids are ignored:
         a cancel may race the normal finish."""
         self._loads.finish(request_id, worker_id)
+        self._queues.finished(request_id, worker_id)
 
     def update_worker_load(self, worker_id: str, active_blocks: int,
                            waiting_prefill_tokens: int) -> None:
         if worker_id not in self._roles:
             raise UnknownWorker(worker_id)
         self._loads.report(worker_id, active_blocks, waiting_prefill_tokens)
+        self._queues.report(worker_id, waiting_prefill_tokens, self._prefill.linear_seconds)
 
     def load(self, worker_id: str) -> float:
         """The load the KV cost uses for this worker (decode blocks, or queued prefill blocks)."""
@@ -147,7 +211,21 @@ class Router:
         if found is None:
             serves = _SERVES[role]
             found = self._candidates[role] = [w for w, r in self._roles.items() if r in serves]
+            self._positions[role] = {w: i for i, w in enumerate(found)}
         return found
+
+    def _pinned(self, hint: str, block_hashes: Sequence[int], candidates: list[str],
+                overlaps: dict[str, float]) -> str | None:
+        """The hint's pinned worker if it may take the request; while the key's last request is
+        still queued there, its prompt counts as cached there (the index cannot know yet)."""
+        pin = self._pins.get(hint)
+        if pin is None or pin.worker_id not in candidates:
+            return None
+        if self._queues.is_queued(pin.request_id):
+            common = pin.common_prefix(block_hashes)
+            if common > overlaps.get(pin.worker_id, 0):
+                overlaps[pin.worker_id] = common
+        return pin.worker_id
 
     def _overlaps(self, block_hashes: Sequence[int]) -> dict[str, float]:
         if self._approx:

@@ -121,7 +121,7 @@ class FrontendConfig:
                               env="SPLITSERVE_API_KEY", secret=True)
     max_body_bytes: int = arg(4 << 20, "largest HTTP request body")
     router_policy: str = arg("kv", "how a request's worker is chosen",
-                             choices=("kv", "round_robin", "random", "least_loaded"))
+                             choices=("kv", "kv_blocks", "round_robin", "random", "least_loaded"))
     router_approximate: bool = arg(False, "build the prefix index from routing decisions instead of KV events")
     router_lower_tier_weight: float = arg(0.5, "a prompt block a worker holds only in host RAM or on disk "
                                           "(KV tiers) counts this fraction of a GPU hit (0: only GPU hits count)")

@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 
 FIELD = b"b"
 
-Snapshot = tuple[int, list[tuple[Tier, list[int]]]]   # (last seq applied, per-tier block hashes)
+# (last seq applied, per tier its blocks as (hash, parent hash or None): the router's index keeps
+# per block the workers holding its whole chain, so it needs the parents, router/chains.py)
+Snapshot = tuple[int, list[tuple[Tier, list[tuple[int, int | None]]]]]
 ResyncFn = Callable[[str], Awaitable[Snapshot]]
 
 
@@ -47,7 +49,7 @@ class EventSink(Protocol):
     """What the consumer feeds (router.Router satisfies it)."""
     def apply_events(self, batch: KvEventBatch) -> object: ...
     def apply_snapshot(self, worker_id: str, last_seq: int,
-                       entries: Iterable[tuple[Tier, Iterable[int]]]) -> None: ...
+                       entries: Iterable[tuple[Tier, Iterable[tuple[int, int | None]]]]) -> None: ...
     def check_gaps(self) -> list[str]: ...
     def workers_needing_resync(self) -> list[str]: ...
     def resync_all(self) -> None: ...
@@ -56,7 +58,7 @@ class EventSink(Protocol):
 class KvEventPublisher:
     """A worker's side: numbers its event batches and appends each to the stream in one XADD.
 
-    With ``track_blocks`` it also keeps the set of blocks it has announced per tier, so that it
+    With ``track_blocks`` it also keeps the blocks it has announced per tier (with their parents), so that it
     can answer a resync with ``snapshot()`` (a worker whose pools can list their blocks needn't).
     """
 
@@ -67,7 +69,8 @@ class KvEventPublisher:
         self.worker_id = worker_id
         self._maxlen = maxlen
         self._seq = 0
-        self._blocks: dict[Tier, set[int]] | None = {t: set() for t in Tier} if track_blocks else None
+        self._blocks: dict[Tier, dict[int, int | None]] | None = (
+            {t: {} for t in Tier} if track_blocks else None)
 
     @property
     def last_seq(self) -> int:
@@ -92,15 +95,20 @@ class KvEventPublisher:
 
     def snapshot(self) -> Snapshot:
         assert self._blocks is not None, "snapshot() needs track_blocks=True"
-        return self._seq, [(t, list(s)) for t, s in self._blocks.items() if s]
+        return self._seq, [(t, list(s.items())) for t, s in self._blocks.items() if s]
 
 
-def _apply_to_sets(blocks: dict[Tier, set[int]], events: Iterable[KvEvent]) -> None:
+def _apply_to_sets(blocks: dict[Tier, dict[int, int | None]], events: Iterable[KvEvent]) -> None:
     for ev in events:
         if isinstance(ev, BlockStored):
-            blocks[ev.tier].update(ev.block_hashes)
+            held, parent = blocks[ev.tier], ev.parent_hash
+            for h in ev.block_hashes:
+                held[h] = parent
+                parent = h
         elif isinstance(ev, BlockRemoved):
-            blocks[ev.tier].difference_update(ev.block_hashes)
+            held = blocks[ev.tier]
+            for h in ev.block_hashes:
+                held.pop(h, None)
         elif isinstance(ev, AllCleared):
             blocks[ev.tier].clear()
 

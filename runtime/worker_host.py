@@ -148,12 +148,16 @@ class StatusService(worker_pb2_grpc.WorkerServicer):
 
     async def Snapshot(self, request, context):
         last_seq, per_tier = self.publisher.snapshot()
-        hashes, tiers = [], []
+        hashes, parents, has_parent, tiers = [], [], [], []
         for tier, blocks in per_tier:
-            hashes.extend(blocks)
+            for h, parent in blocks:
+                hashes.append(h)
+                parents.append(parent or 0)
+                has_parent.append(parent is not None)
             tiers.extend([int(tier)] * len(blocks))
         return worker_pb2.SnapshotResponse(worker_id=self.worker_id, last_event_seq=last_seq,
-                                           block_hashes=hashes, tiers=tiers)
+                                           block_hashes=hashes, parent_hashes=parents,
+                                           has_parent=has_parent, tiers=tiers)
 
 
 class WorkerHost:

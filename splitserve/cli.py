@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_arguments(bsub.add_parser("serve", help="load-generate against a running server"))
     from splitserve.bench import replay as bench_replay
     bench_replay.add_arguments(bsub.add_parser("replay", help="replay a trace on a local mock cluster"))
+    from splitserve.bench import routesim as bench_routesim
+    bench_routesim.add_arguments(bsub.add_parser(
+        "routesim", help="the real router driving simulated workers on a virtual clock"))
     from splitserve.bench import plan as bench_plan
     bench_plan.add_arguments(bsub.add_parser("plan", help="simulate the SLA planner on a trace (virtual clock)"))
     return parser
@@ -83,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "model":
         from splitserve import tiny_model
         return tiny_model.main(args)
+    if cmd == "bench" and args.bench_command == "routesim":
+        from splitserve.bench import routesim as bench_routesim
+        return bench_routesim.main(args)
     if cmd == "bench" and args.bench_command == "plan":
         from splitserve.bench import plan as bench_plan
         return bench_plan.main(args)

@@ -25,6 +25,7 @@ class RequestSpec:
     max_tokens: int
     make_prompt: Callable[[], np.ndarray]
     arrival_s: float = 0.0  # trace replay: when to send, from the start of the level
+    cache_key: str | None = None  # sent as OpenAI's prompt_cache_key (the router's affinity hint)
 
 
 @dataclass(slots=True)
@@ -196,11 +197,14 @@ class HttpClient:
         return [{"id": m["id"], "max_model_len": m.get("max_model_len")} for m in resp.json()["data"]]
 
     def _body(self, spec: RequestSpec) -> bytes:
-        return json.dumps({
+        body = {
             "model": self.model, "prompt": spec.make_prompt().tolist(), "max_tokens": spec.max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}, "return_token_ids": True,
-        }).encode()
+        }
+        if spec.cache_key is not None:
+            body["prompt_cache_key"] = spec.cache_key
+        return json.dumps(body).encode()
 
     async def send(self, spec: RequestSpec) -> RequestResult:
         res = RequestResult(spec.prompt_len, spec.max_tokens)

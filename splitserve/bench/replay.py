@@ -8,8 +8,14 @@ every worker's status, stops the cluster, and prints one JSON line. With several
 summary line comes last; `--plot` draws the TTFT CDF of each.
 
 Workloads: a Mooncake-format trace (prompts rebuilt from hash_ids by serve.trace_prompt,
-arrivals divided by --speedup), or `--workload shared-prefix` (every request = one long system
-prompt + a unique tail, Poisson arrivals) for the load-balance check.
+arrivals divided by --speedup), `--workload shared-prefix` (every request = one long system
+prompt + a unique tail, Poisson arrivals) for the load-balance check, or `--workload sessions`
+(multi-turn conversations whose context grows turn by turn, on the Azure conversation trace's
+arrivals and lengths given by --azure-trace; sessions.py). `--offered-util U` sets the speedup that
+makes the workload's offered prefill utilisation U (below).
+
+Beside each policy's hit rate it prints the pooled-cache oracle (oracle.py: one LRU with the whole
+fleet's capacity, fed the same prompts in order) and the policy's share of it.
 
 Definitions (besides serve.py's TTFT / ITL / throughput):
 
@@ -19,6 +25,8 @@ Definitions (besides serve.py's TTFT / ITL / throughput):
 - worker load: the prompt tokens a worker admitted (cached or not) over the run, read from its
   GetStatus; max_over_mean_load = the largest over the mean across workers (1.0 = perfectly even).
   `worker_computed_tokens` (admitted minus prefix hits: the prefill work it did) is reported too.
+- oracle_hit_rate: the pooled-cache oracle's hit rate for the same prompts, block size and
+  capacity (workers x --num-blocks); oracle_share = prefix_hit_rate / oracle_hit_rate.
 - offered_prefill_util: the workload's prefill time with no cache hits under the mock's timing
   model (chunked by --max-num-batched-tokens), divided by the replay span and the worker count —
   how loaded the cluster would be if no prefix were reused. It states the regime of a run.
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import functools
 import os
 import platform
@@ -37,20 +46,30 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from splitserve.bench.oracle import PooledCacheOracle
+from splitserve.bench.sessions import SessionsConfig, load_azure, session_specs
 from splitserve.bench.serve import (BenchInputError, RequestSpec, _event_loop_factory, emit, git_sha,
                                     load_trace, random_prompt, run_level, summarize_level, trace_specs)
 
 MODEL_NAME = "mock"
-POLICIES = ("kv", "round_robin", "random", "least_loaded")
+POLICIES = ("kv", "kv_blocks", "round_robin", "random", "least_loaded")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=None, help="Mooncake JSONL trace (timestamp, lengths, hash_ids)")
-    p.add_argument("--workload", default=None, choices=["shared-prefix"],
+    p.add_argument("--workload", default=None, choices=["shared-prefix", "sessions"],
                    help="a synthetic workload instead of --trace")
+    p.add_argument("--azure-trace", default=None,
+                   help="sessions: the Azure conversation trace CSV (arrivals and lengths)")
+    p.add_argument("--new-session-prob", type=float, default=SessionsConfig().new_session_prob,
+                   help="sessions: probability that a request starts a new conversation")
+    p.add_argument("--offered-util", type=float, default=None,
+                   help="set --speedup so that the offered prefill utilisation is this")
     p.add_argument("--workers", type=int, default=8, help="mock workers")
     p.add_argument("--policy", default="kv", help=f"router policy, or a comma list of {', '.join(POLICIES)}")
     p.add_argument("--limit", type=int, default=None, help="replay only the first K requests")
+    p.add_argument("--skip", type=int, default=0,
+                   help="trace: drop the first N requests (before --limit; arrivals restart at 0)")
     p.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by this")
     p.add_argument("--trace-scale", type=float, default=1.0,
                    help="multiply trace lengths and the trace's 512-token block by this")
@@ -101,23 +120,57 @@ def shared_prefix_specs(args: argparse.Namespace) -> list[RequestSpec]:
 
 
 def make_specs(args: argparse.Namespace) -> tuple[list[RequestSpec], dict]:
+    """The workload's requests; with --offered-util, arrivals are compressed to reach it."""
+    specs, workload = _make_specs(args)
+    if args.offered_util is not None:
+        if args.offered_util <= 0:
+            raise BenchInputError("--offered-util must be positive")
+        util = offered_prefill_util(specs, args, digits=None)
+        if not util:
+            raise BenchInputError("--offered-util needs requests spread over time")
+        factor = util / args.offered_util        # arrival times are multiplied by this
+        specs = [dataclasses.replace(s, arrival_s=s.arrival_s * factor) for s in specs]
+        workload["speedup"] = round(workload.get("speedup", 1.0) / factor, 4)
+    return specs, workload
+
+
+def _make_specs(args: argparse.Namespace) -> tuple[list[RequestSpec], dict]:
     if (args.trace is None) == (args.workload is None):
         raise BenchInputError("give exactly one of --trace or --workload")
     if args.workers < 1 or args.speedup <= 0 or args.block_size < 1:
         raise BenchInputError("--workers, --speedup and --block-size must be positive")
+    if args.workload == "sessions":
+        if args.azure_trace is None:
+            raise BenchInputError("--workload sessions needs --azure-trace")
+        if not 0 < args.new_session_prob <= 1:
+            raise BenchInputError("--new-session-prob must be in (0, 1]")
+        rows = load_azure(args.azure_trace, args.limit)
+        cfg = SessionsConfig(new_session_prob=args.new_session_prob)
+        specs, facts = session_specs(rows, args.vocab_size, args.seed, args.speedup, cfg)
+        return specs, {"workload": "sessions", "trace": os.path.basename(args.azure_trace),
+                       "limit": args.limit, "speedup": args.speedup,
+                       "new_session_prob": args.new_session_prob, **facts}
     if args.workload == "shared-prefix":
         if min(args.num_requests, args.prefix_len, args.tail_len, args.osl) < 1 or args.rate <= 0:
             raise BenchInputError("shared-prefix sizes and --rate must be positive")
         specs = shared_prefix_specs(args)
         return specs, {"workload": "shared-prefix", "rate": args.rate, "prefix_len": args.prefix_len,
                        "tail_len": args.tail_len, "osl": args.osl}
-    rows, block = load_trace(args.trace, args.trace_scale, limit=args.limit)
+    if args.skip < 0:
+        raise BenchInputError("--skip must be >= 0")
+    rows, block = load_trace(args.trace, args.trace_scale,
+                             limit=None if args.limit is None else args.skip + args.limit)
+    rows = rows[args.skip:]
+    if not rows:
+        raise BenchInputError(f"--skip {args.skip} leaves no requests")
     specs = trace_specs(rows, block, args.vocab_size, (args.seed,), args.speedup)
     return specs, {"workload": "trace", "trace": os.path.basename(args.trace), "trace_scale": args.trace_scale,
-                   "trace_block_tokens": block, "limit": args.limit, "speedup": args.speedup}
+                   "trace_block_tokens": block, "skip": args.skip, "limit": args.limit,
+                   "speedup": args.speedup}
 
 
-def offered_prefill_util(specs: list[RequestSpec], args: argparse.Namespace) -> float | None:
+def offered_prefill_util(specs: list[RequestSpec], args: argparse.Namespace,
+                         digits: int | None = 3) -> float | None:
     """No-cache prefill seconds under the mock's timing model / (replay span * workers)."""
     from runtime.profile import load_timing
 
@@ -128,7 +181,27 @@ def offered_prefill_util(specs: list[RequestSpec], args: argparse.Namespace) -> 
         busy += sum(timing.step_s([(start, min(budget, s.prompt_len - start))])
                     for start in range(0, s.prompt_len, budget))
     span = specs[-1].arrival_s - specs[0].arrival_s
-    return round(busy / (span * args.workers), 3) if span > 0 else None
+    if span <= 0:
+        return None
+    util = busy / (span * args.workers)
+    return util if digits is None else round(util, digits)
+
+
+def oracle_fields(specs: list[RequestSpec], args: argparse.Namespace) -> dict:
+    """The pooled-cache oracle of this workload on this fleet (every request, in arrival order)."""
+    from kvstore.hashing import block_hashes
+    from runtime.profile import DEFAULT_KV_TOKENS
+
+    per_worker = args.num_blocks or DEFAULT_KV_TOKENS // args.block_size
+    oracle = PooledCacheOracle.for_fleet(args.block_size, args.workers, per_worker)
+    for s in sorted(specs, key=lambda s: s.arrival_s):
+        if s.prompt_len + s.max_tokens <= args.max_model_len:      # the server refuses longer ones
+            oracle.observe(block_hashes(s.make_prompt(), args.block_size), s.prompt_len)
+    return oracle.summary()
+
+
+def share_of_oracle(hit_rate: float | None, oracle_hit_rate: float) -> float | None:
+    return round(hit_rate / oracle_hit_rate, 3) if hit_rate is not None and oracle_hit_rate else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,7 +321,7 @@ def plot_ttft_cdf(ttfts: dict[str, list[float]], path: str, title: str) -> None:
     plt.close(fig)
 
 
-SUMMARY_KEYS = ("requests", "errors", "prefix_hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
+SUMMARY_KEYS = ("requests", "errors", "prefix_hit_rate", "oracle_share", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
                 "itl_p50_s", "output_tok_s", "max_over_mean_load")
 
 
@@ -269,10 +342,11 @@ def main(args: argparse.Namespace) -> int:
               "mock_profile": args.mock_profile or "h100-8b-curve", "num_blocks": args.num_blocks,
               "kv_host_gib": args.kv_host_gib, "lower_tier_weight": args.lower_tier_weight,
               "max_num_batched_tokens": args.max_num_batched_tokens, **workload,
-              "offered_prefill_util": offered_prefill_util(specs, args)}
+              "offered_prefill_util": offered_prefill_util(specs, args), **oracle_fields(specs, args)}
     records, ttfts = [], {}
     for policy in policies:
         record, ttfts[policy] = run_policy(args, policy, specs)
+        record["oracle_share"] = share_of_oracle(record["prefix_hit_rate"], header["oracle_hit_rate"])
         records.append(header | record)
         emit(records[-1], args.output)
     if args.plot:

@@ -110,7 +110,7 @@ async def _a_lost_entry_is_detected_and_repaired_by_resync(client):
         assert router.workers_needing_resync() == []
         assert router.index.applied_seq("w0") == 4
         for tier in Tier:
-            assert router.index.worker_blocks("w0", tier) == set(dict(pub.snapshot()[1]).get(tier, []))
+            assert router.index.worker_blocks("w0", tier) == {h for h, _ in dict(pub.snapshot()[1]).get(tier, [])}
         # block 0 moved to the host tier: no GPU prefix is left; batches after the resync apply
         assert router.overlaps(hs) == {}
         await pub.publish([BlockStored(tuple(hs[:1]), None)])
@@ -140,7 +140,7 @@ async def _malformed_entries_are_skipped_and_a_failing_resync_is_retried(client)
                                resync_retry_s=0.05)
     await client.xadd(stream_name(NS), {b"b": b"garbage"})
     pub._seq = 1                                   # as if batch 1 had been lost before the XADD
-    pub._blocks[Tier.GPU].update([7, 8])
+    pub._blocks[Tier.GPU].update({7: None, 8: 7})   # (hash: parent), as the lost batch stored them
     await pub.publish([BlockStored((9,), 8)])
     task = asyncio.create_task(consumer.run())
     try:

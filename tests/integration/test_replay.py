@@ -52,8 +52,8 @@ def test_replay_kv_beats_round_robin_on_prefix_reuse(tmp_path):
     runs = {r["policy"]: r for r in map(json.loads, lines[:-1])}
     assert summary["bench"] == "replay_summary" and summary["policy"] == ["kv", "round_robin"]
     for policy, r in runs.items():
-        for key in ("requests", "prefix_hit_rate", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s",
-                    "output_tok_s", "max_over_mean_load"):
+        for key in ("requests", "prefix_hit_rate", "oracle_share", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
+                    "itl_p50_s", "output_tok_s", "max_over_mean_load"):
             assert r[key] is not None, (policy, key)
             assert summary[key][policy] == r[key]
         assert r["requests"] == 40 and r["errors"] == 0 and r["token_mismatches"] == 0
@@ -61,6 +61,9 @@ def test_replay_kv_beats_round_robin_on_prefix_reuse(tmp_path):
         assert r["output_tokens"] == 40 * 8
         assert 1.0 <= r["max_over_mean_load"] < 3.0
         assert sum(r["worker_prompt_tokens"].values()) == r["input_tokens"]
+        # the pooled-cache oracle of the same prompts, and the policy's share of it
+        assert r["oracle_hit_rate"] > 0.5
+        assert r["oracle_share"] == round(r["prefix_hit_rate"] / r["oracle_hit_rate"], 3)
     # 8 conversations over 3 workers: kv keeps each conversation where its history is
     assert runs["kv"]["prefix_hit_rate"] > 0.5
     assert runs["kv"]["prefix_hit_rate"] > runs["round_robin"]["prefix_hit_rate"] + 0.15

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from kvstore.events import AllCleared, BlockRemoved, BlockStored, KvEventBatch, Tier
+from kvstore.hashing import block_hashes
 from router.index import PrefixIndex
 
 
@@ -18,18 +19,50 @@ class FakeClock:
         return self.t
 
 
-def stored(*hashes: int, tier: Tier = Tier.GPU) -> BlockStored:
-    return BlockStored(tuple(hashes), None, tier)
+def stored(*hashes: int, tier: Tier = Tier.GPU, parent: int | None = None) -> BlockStored:
+    return BlockStored(tuple(hashes), parent, tier)
+
+
+def chain(text: str) -> list[int]:
+    """Chained hashes of a prompt whose blocks are its letters (one-token blocks)."""
+    return block_hashes([ord(c) for c in text], 1)
 
 
 def test_overlap_counts_leading_blocks_and_a_hole_ends_the_run():
     idx = PrefixIndex()
-    idx.apply(KvEventBatch("a", 1, [stored(1, 2, 3, 4)]))
-    idx.apply(KvEventBatch("b", 1, [stored(1, 2, 4)]))      # lacks block 3
-    idx.apply(KvEventBatch("c", 1, [stored(2, 3, 4)]))      # lacks the first block
-    assert idx.overlaps([1, 2, 3, 4]) == {"a": 4, "b": 2}
-    assert idx.overlaps([9, 1, 2]) == {}
+    a, b, c, d = chain("abcd")
+    idx.apply(KvEventBatch("a", 1, [stored(a, b, c, d)]))
+    idx.apply(KvEventBatch("b", 1, [stored(a, b), stored(d, parent=c)]))    # lacks block c
+    idx.apply(KvEventBatch("c", 1, [stored(b, c, d, parent=a)]))            # lacks the first block
+    assert idx.overlaps([a, b, c, d]) == {"a": 4, "b": 2}
+    assert idx.overlaps(chain("abx")) == {"a": 2, "b": 2}
+    assert idx.overlaps(chain("x")) == {}
     assert idx.overlaps([]) == {}
+
+
+def test_a_block_stored_again_reconnects_the_chain_below_it_and_a_removed_one_cuts_it():
+    idx = PrefixIndex()
+    h = chain("abcdefgh")
+    idx.store("w", h)
+    assert idx.overlaps(h) == {"w": 8}
+    idx.remove("w", [h[2]])                  # a hole in the middle: the run stops before it
+    assert idx.overlaps(h) == {"w": 2}
+    idx.remove("w", [h[0]])
+    assert idx.overlaps(h) == {}
+    idx.store("w", h[:1])                    # the head comes back: still cut at the hole
+    assert idx.overlaps(h) == {"w": 2}
+    idx.store("w", [h[2]], parent=h[1])      # the hole is filled: the tail it held counts again
+    assert idx.overlaps(h) == {"w": 8}
+    assert idx.overlaps(h[:5]) == {"w": 5}
+
+
+def test_runs_of_many_workers_are_found_at_every_length():
+    idx = PrefixIndex()
+    h = chain("abcdefghijklmnopqrstuvwxyz" * 4)
+    for n in range(1, len(h) + 1):
+        idx.store(f"w{n}", h[:n])
+    assert idx.overlaps(h) == {f"w{n}": n for n in range(1, len(h) + 1)}
+    assert idx.overlaps(h[:7]) == {f"w{n}": min(n, 7) for n in range(1, len(h) + 1)}
 
 
 def test_lower_tiers_are_invisible_unless_asked_for():
@@ -109,12 +142,29 @@ def test_removing_a_worker_forgets_it_and_frees_its_slot():
     assert idx.applied_seq("a") == 0
 
 
+class _Tree:
+    """24 chained blocks: block k's parent is a random earlier block or the root."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.parent: dict[int, int | None] = {1: None}
+        for k in range(2, 25):
+            self.parent[k] = rng.choice([None, *range(1, k)])
+
+    def path(self, k: int) -> list[int]:
+        out = []
+        while k is not None:
+            out.append(k)
+            k = self.parent[k]
+        return out[::-1]
+
+
 class _Publisher:
     """The truth: one worker's block sets after each of its batches."""
 
-    def __init__(self, worker_id: str, rng: random.Random) -> None:
+    def __init__(self, worker_id: str, rng: random.Random, tree: _Tree) -> None:
         self.worker_id = worker_id
         self.rng = rng
+        self.tree = tree
         self.history: list[dict[Tier, frozenset[int]]] = [{t: frozenset() for t in Tier}]
 
     @property
@@ -128,11 +178,13 @@ class _Publisher:
         for _ in range(rng.randint(1, 3)):
             tier = rng.choice([Tier.GPU, Tier.GPU, Tier.HOST])
             roll = rng.random()
-            if roll < 0.6:
-                hs = tuple(rng.randint(1, 24) for _ in range(rng.randint(1, 5)))
-                events.append(BlockStored(hs, None, tier))
+            if roll < 0.6:                       # a run of a chain, from any depth
+                path = self.tree.path(rng.randint(1, 24))
+                start = rng.randrange(len(path))
+                hs = tuple(path[start:start + rng.randint(1, 5)])
+                events.append(BlockStored(hs, path[start - 1] if start else None, tier))
                 state[tier].update(hs)
-            elif roll < 0.95:
+            elif roll < 0.95:                    # any blocks, in any order: holes and orphans
                 pool = sorted(state[tier]) or [1]
                 hs = tuple(rng.sample(pool, min(len(pool), rng.randint(1, 3))))
                 events.append(BlockRemoved(hs, tier))
@@ -143,8 +195,9 @@ class _Publisher:
         self.history.append({t: frozenset(s) for t, s in state.items()})
         return KvEventBatch(self.worker_id, self.seq, events)
 
-    def snapshot(self) -> tuple[int, list[tuple[Tier, list[int]]]]:
-        return self.seq, [(t, sorted(s)) for t, s in self.history[-1].items()]
+    def snapshot(self) -> tuple[int, list[tuple[Tier, list[tuple[int, int | None]]]]]:
+        return self.seq, [(t, [(h, self.tree.parent[h]) for h in sorted(s)])
+                          for t, s in self.history[-1].items()]
 
 
 def _leading(held: frozenset[int], prompt: list[int]) -> int:
@@ -162,14 +215,15 @@ def test_index_matches_a_brute_force_model_under_loss_duplication_reordering_and
     clock = FakeClock()
     idx = PrefixIndex(gap_max_buffered=6, gap_timeout_s=2.0, clock=clock)
     pubs: dict[str, _Publisher] = {}
+    tree = _Tree(rng)
     next_id = 0
     in_flight: list[tuple[float, KvEventBatch]] = []
     for step in range(600):
         clock.t += 0.1
         if len(pubs) < 5 or rng.random() < 0.01:
-            pubs[f"w{next_id}"] = _Publisher(f"w{next_id}", rng)
+            pubs[f"w{next_id}"] = _Publisher(f"w{next_id}", rng, tree)
             next_id += 1
-        if rng.random() < 0.01:                  # lease expiry: the worker and its traffic vanish
+        if len(pubs) > 1 and rng.random() < 0.01:   # lease expiry: the worker and its traffic vanish
             gone = rng.choice(sorted(pubs))
             del pubs[gone]
             idx.remove_worker(gone)
@@ -194,10 +248,12 @@ def test_index_matches_a_brute_force_model_under_loss_duplication_reordering_and
             seq = idx.applied_seq(wid)
             for tier in Tier:
                 assert idx.worker_blocks(wid, tier) == p.history[seq][tier], (step, wid, seq)
-        prompt = [rng.randint(1, 24) for _ in range(rng.randint(1, 8))]
-        expect = {wid: n for wid, p in pubs.items()
-                  if (n := _leading(p.history[idx.applied_seq(wid)][Tier.GPU], prompt))}
-        assert idx.overlaps(prompt) == expect
+        prompt = tree.path(rng.randint(1, 24))
+        for tiers in ((Tier.GPU,), (Tier.GPU, Tier.HOST)):
+            expect = {wid: n for wid, p in pubs.items()
+                      if (n := _leading(frozenset().union(*(p.history[idx.applied_seq(wid)][t] for t in tiers)),
+                                        prompt))}
+            assert idx.overlaps(prompt, tiers) == expect, (step, tiers)
     # Quiesce: deliver everything, let gaps time out, resync: the index converges to the truth.
     for _, b in in_flight:
         idx.apply(b)
@@ -208,6 +264,8 @@ def test_index_matches_a_brute_force_model_under_loss_duplication_reordering_and
     for wid in idx.workers_needing_resync():
         idx.apply_snapshot(wid, *pubs[wid].snapshot())
     assert set(idx.workers()) <= set(pubs)      # removed workers are gone for good
+    # the index keeps parents and children only for blocks some worker holds
+    assert idx.num_hashes() == len(frozenset().union(*(idx.worker_blocks(w, t) for w in idx.workers() for t in Tier)))
     for wid in idx.workers():                   # (a worker whose every batch was lost is unseen)
         assert idx.applied_seq(wid) == pubs[wid].seq
         for tier in Tier:

@@ -1,0 +1,157 @@
+"""Each worker's prefill queue as the router predicts it: when would a new prompt start?
+
+A worker admits prompts in arrival order and prefills them ahead of nothing else that matters to a
+new prompt's first token, so its queue is a FIFO of prefill work, each item worth the seconds the
+cost model (router/cost.py) predicted when the router sent it. The router keeps, per worker,
+
+    busy_until = when the work it has sent there will be done (a virtual clock),
+
+and a new prompt would start at max(now, busy_until). Routing adds the prompt's predicted prefill
+time; the first token of a request (the frontend sees it) proves that it, and everything sent
+before it, is done, so busy_until is re-anchored to now + what is still queued behind it, and the
+prediction's errors never accumulate. A request that ends without a first token (cancelled,
+failed) leaves the queue.
+
+Worker reports (queued prompt tokens, from every frontend) can only raise the estimate: the tokens
+the report counts minus the cached tokens of this router's own queued prompts (the report counts a
+waiting prompt whole) are a lower bound of the queue, and they make work that other frontends sent
+visible.
+
+Pure: an injected clock, no I/O. It knows nothing of the index or of how a worker is chosen.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass(slots=True)
+class _Queue:
+    # request id -> (predicted prefill seconds, cached tokens), in routing order
+    items: OrderedDict[str, tuple[float, int]] = field(default_factory=OrderedDict)
+    cached_tokens: int = 0          # sum over items
+
+
+class PrefillQueues:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._queues: dict[str, _Queue] = {}
+        self._owner: dict[str, str] = {}            # queued request id -> worker id
+        # worker -> when the prefill work queued there ends (selection reads it directly)
+        self.busy_until: dict[str, float] = {}
+        # worker -> requests it is decoding for this router (first token out, not finished)
+        self.decoding: dict[str, int] = {}
+        self._decoder: dict[str, str] = {}          # decoding request id -> worker id
+
+    def add_worker(self, worker_id: str) -> None:
+        self._queues.setdefault(worker_id, _Queue())
+        self.busy_until.setdefault(worker_id, 0.0)
+        self.decoding.setdefault(worker_id, 0)
+
+    def remove_worker(self, worker_id: str) -> None:
+        q = self._queues.pop(worker_id, None)
+        self.busy_until.pop(worker_id, None)
+        self.decoding.pop(worker_id, None)
+        for rid in [r for r, w in self._decoder.items() if w == worker_id]:
+            del self._decoder[rid]
+        if q is not None:
+            for rid in q.items:
+                self._owner.pop(rid, None)
+
+    def wait_s(self, worker_id: str) -> float:
+        """Seconds until the worker would start a prompt sent now."""
+        return max(0.0, self.busy_until[worker_id] - self._clock())
+
+    def queued(self, worker_id: str) -> int:
+        return len(self._queues[worker_id].items)
+
+    def is_queued(self, request_id: str) -> bool:
+        """Whether the request's prefill is still ahead (routed, no first token yet)."""
+        return request_id in self._owner
+
+    def route(self, request_id: str, worker_id: str, prefill_s: float, cached_tokens: int) -> None:
+        """Queue the request's prefill on the worker (moving it if it was queued elsewhere: the
+        prefill half of a disaggregated request runs on the prefill worker, not the decode one)."""
+        if request_id in self._owner:
+            self._drop(request_id)
+        q = self._queues[worker_id]
+        self.busy_until[worker_id] = max(self._clock(), self.busy_until[worker_id]) + prefill_s
+        q.items[request_id] = (prefill_s, cached_tokens)
+        q.cached_tokens += cached_tokens
+        self._owner[request_id] = worker_id
+
+    def first_token(self, request_id: str) -> None:
+        """The request's prefill is done, and so is every prompt sent to its worker before it."""
+        worker_id = self._owner.get(request_id)
+        if worker_id is None:
+            return
+        q = self._queues[worker_id]
+        while q.items:
+            rid, (_, cached) = q.items.popitem(last=False)
+            del self._owner[rid]
+            q.cached_tokens -= cached
+            self._decoder[rid] = worker_id          # prompts sent before it are done too
+            self.decoding[worker_id] += 1
+            if rid == request_id:
+                break
+        self.busy_until[worker_id] = self._clock() + sum(s for s, _ in q.items.values())
+
+    def finished(self, request_id: str, worker_id: str | None = None) -> None:
+        """The request ended (on ``worker_id`` only, if given); if it never got a first token, its
+        work leaves the queue."""
+        owner = self._owner.get(request_id)
+        if owner is not None and (worker_id is None or worker_id == owner):
+            self._drop(request_id)
+        decoder = self._decoder.get(request_id)
+        if decoder is not None and (worker_id is None or worker_id == decoder):
+            del self._decoder[request_id]
+            self.decoding[decoder] -= 1
+
+    def _drop(self, request_id: str) -> None:
+        worker_id = self._owner.pop(request_id)
+        q = self._queues[worker_id]
+        prefill_s, cached = q.items.pop(request_id)
+        q.cached_tokens -= cached
+        self.busy_until[worker_id] = max(self._clock(), self.busy_until[worker_id] - prefill_s)
+
+    def report(self, worker_id: str, waiting_prefill_tokens: int,
+               seconds_of: Callable[[int], float]) -> None:
+        """A worker's own count of queued prompt tokens: raise the estimate if it shows more work."""
+        q = self._queues[worker_id]
+        uncached = waiting_prefill_tokens - q.cached_tokens
+        if uncached > 0:
+            floor = self._clock() + seconds_of(uncached)
+            if floor > self.busy_until[worker_id]:
+                self.busy_until[worker_id] = floor
+
+
+class Utilisation:
+    """The fleet's prefill utilisation as routed: predicted prefill seconds sent over the last
+    ``window`` decisions, divided by the time they span and the number of workers.
+
+    Counting decisions rather than seconds makes the window follow the request rate; before
+    ``window // 4`` decisions there is no estimate (0).
+    """
+
+    def __init__(self, window: int = 256) -> None:
+        assert window >= 4
+        self._window = window
+        self._routes: deque[tuple[float, float]] = deque()      # (time, prefill seconds)
+        self._sum_s = 0.0
+
+    def add(self, now: float, prefill_s: float) -> None:
+        self._routes.append((now, prefill_s))
+        self._sum_s += prefill_s
+        if len(self._routes) > self._window:
+            self._sum_s -= self._routes.popleft()[1]
+
+    def value(self, now: float, num_workers: int) -> float:
+        routes = self._routes
+        if len(routes) < self._window // 4 or num_workers <= 0:
+            return 0.0
+        span = now - routes[0][0]
+        # the oldest route's work began the window: count the span from it, and at least that work
+        return self._sum_s / (max(span, routes[0][1]) * num_workers) if span > 0 or routes[0][1] > 0 else 0.0
