@@ -118,7 +118,9 @@ class Simulation:
         self.decode_entry_s = decode_entry_s
         self.progress, self.desc = progress, desc
         self.now = 0.0
-        self.router = Router(RouterConfig(), block_size=TRACE_BLOCK_TOKENS, seed=config.seed, clock=lambda: self.now)
+        # the production router's KV policy, costed with the same profile the simulated workers run on
+        self.router = Router(RouterConfig(timing=profile.timing, chunk_tokens=profile.max_num_batched_tokens),
+                             block_size=TRACE_BLOCK_TOKENS, seed=config.seed, clock=lambda: self.now)
         self.heap: list[tuple] = []
         self._seq = 0
         self.prefill: dict[str, PrefillWorker] = {}      # alive (not stopped)
