@@ -1,29 +1,35 @@
-"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions (both with `stream`), /v1/models.
+"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions (both with `stream`),
+/v1/models and /v1/models/{id}, and vLLM's /tokenize and /detokenize.
 
-Bodies are validated by frontend/schemas.py and reduced to `GenerateInput`s for the shared
-`Generator`; answers are OpenAI's JSON objects or SSE chunks. With an API key configured every
-route here requires `Authorization: Bearer <key>`. Errors are raised as SplitserveError and shaped
-by frontend/http_errors.py; a stream that fails after its headers ends with an in-band error event.
+Bodies are the pydantic models of frontend/schemas.py (so the OpenAPI schema describes them),
+reduced to `GenerateInput`s for the shared `Generator`; answers are OpenAI's JSON objects or SSE
+chunks. Tokenization runs on the tokenizer pool's threads, never on the event loop. The API key is
+checked before a body is read (frontend/http_api.py). Errors are raised as SplitserveError and
+shaped by frontend/http_errors.py; a stream that fails after its headers ends with an in-band
+error event, whatever the failure.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import ValidationError
 
 from frontend.generate import Delta, GenerateInput
-from frontend.schemas import ChatCompletionRequest, CompletionRequest, _Common
+from frontend.schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
+                              TokenizeChatRequest, TokenizeCompletionRequest, _Common)
 from frontend.state import FrontendState
-from frontend.tokenizer import ChatTurn, ModelTokenizer
+from frontend.tokenizer import ChatTurn, TokenizerPool
 from runtime.errors import InvalidRequest, NotFound, SplitserveError
 from runtime.types import FinishReason
+
+log = logging.getLogger(__name__)
 
 FINISH_TEXT = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort",
                FinishReason.ERROR: "error"}
@@ -33,29 +39,14 @@ MAX_BATCH_PROMPTS = 64
 def openai_routes(state: FrontendState) -> APIRouter:
     router = APIRouter()
 
-    def authorize(request: Request) -> None:
-        state.api_key.check(request.headers.get("authorization"), "Authorization")
-
-    async def parse(request: Request, model_cls: type[_Common]) -> _Common:
-        authorize(request)
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InvalidRequest(f"the body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise InvalidRequest("the body must be a JSON object")
-        try:
-            req = model_cls.model_validate(body)
-        except ValidationError as e:
-            err = e.errors()[0]
-            loc = ".".join(str(p) for p in err["loc"])
-            raise InvalidRequest(f"{loc}: {err['msg']}", loc) from None
-        if req.model != state.model_name:
-            raise NotFound(f"The model `{req.model}` does not exist; this server serves `{state.model_name}`",
+    def check_model(model: str | None) -> None:
+        if model is not None and model != state.model_name:
+            raise NotFound(f"The model `{model}` does not exist; this server serves `{state.model_name}`",
                            "model")
+
+    def accept(req: _Common) -> None:
+        check_model(req.model)
         req.check_unsupported()
-        return req
 
     def make_input(req: _Common, prompt: list[int], default_max: int | None) -> GenerateInput:
         max_tokens = state.generator.check_prompt(prompt, req.max_tokens if isinstance(req, CompletionRequest)
@@ -64,17 +55,16 @@ def openai_routes(state: FrontendState) -> APIRouter:
                              req.stop_strings(), uuid.uuid4().hex)
 
     @router.post("/v1/completions")
-    async def completions(request: Request):
-        req: CompletionRequest = await parse(request, CompletionRequest)
-        prompts = _completion_prompts(req.prompt, state.tokenizer)
+    async def completions(req: CompletionRequest, request: Request):
+        accept(req)
+        prompts = await _completion_prompts(req.prompt, state.tokenize, state.max_model_len)
         inputs = [make_input(req, p, 16) for p in prompts]
         return await respond(request, req, inputs, chat=False)
 
     @router.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
-        turns = [ChatTurn("system" if m.role == "developer" else m.role, m.text()) for m in req.messages]
-        prompt = state.tokenizer.encode_chat(turns)
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        accept(req)
+        prompt = await state.tokenize.encode_chat(_turns(req.messages), state.max_model_len)
         return await respond(request, req, [make_input(req, prompt, None)], chat=True)
 
     async def respond(request: Request, req: _Common, inputs: list[GenerateInput], chat: bool):
@@ -135,9 +125,13 @@ def openai_routes(state: FrontendState) -> APIRouter:
             if req.stream_options and req.stream_options.include_usage:
                 yield _event({"id": rid, "object": obj, "created": created, "model": state.model_name,
                               "choices": [], "usage": usage})
-        except SplitserveError as e:   # mid-stream failure: tell the client in-band, then end
+        except Exception as e:   # mid-stream failure: tell the client in-band, then end
+            if not isinstance(e, SplitserveError):
+                log.exception("stream %s failed", rid)
+                e = SplitserveError(f"internal error: {type(e).__name__}")
             state.metrics.errors.labels("http", str(e.http_status)).inc()
-            yield _event({"error": {"message": e.message, "type": e.error_type, "code": e.http_status}})
+            yield _event({"error": {"message": e.message, "type": e.error_type, "param": e.param,
+                                    "code": e.http_status}})
         yield b"data: [DONE]\n\n"
 
     async def _merge(inputs: list[GenerateInput]) -> AsyncIterator[tuple[int, Delta]]:
@@ -171,18 +165,47 @@ def openai_routes(state: FrontendState) -> APIRouter:
             for t in tasks:
                 t.cancel()
 
+    def model_card() -> dict:
+        return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "splitserve",
+                "max_model_len": state.max_model_len}
+
     @router.get("/v1/models")
-    async def models(request: Request):
-        authorize(request)
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
-                                            "owned_by": "splitserve", "max_model_len": state.max_model_len}]}
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @router.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        check_model(model_id)
+        return model_card()
+
+    @router.post("/tokenize")
+    async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest):
+        check_model(req.model)
+        if isinstance(req, TokenizeChatRequest):
+            text = await state.tokenize.render_chat(_turns(req.messages), req.add_generation_prompt)
+        else:
+            text = req.prompt
+        tokens = await state.tokenize.encode(text, state.max_model_len, req.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
+
+    @router.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        check_model(req.model)
+        vocab = state.tokenizer.vocab_size
+        if any(t >= vocab for t in req.tokens):
+            raise InvalidRequest(f"token ids must lie in [0, {vocab})", "tokens")
+        return {"prompt": await state.tokenize.decode(req.tokens)}
 
     return router
 
 
-def _completion_prompts(prompt, tokenizer: ModelTokenizer) -> list[list[int]]:
+def _turns(messages: list[ChatMessage]) -> list[ChatTurn]:
+    return [ChatTurn("system" if m.role == "developer" else m.role, m.text()) for m in messages]
+
+
+async def _completion_prompts(prompt, tokenize: TokenizerPool, max_model_len: int) -> list[list[int]]:
     if isinstance(prompt, str):
-        return [tokenizer.encode(prompt)]
+        return [await tokenize.encode(prompt, max_model_len)]
     if not prompt:
         raise InvalidRequest("the prompt is empty", "prompt")
     if all(isinstance(p, int) for p in prompt):
@@ -190,7 +213,7 @@ def _completion_prompts(prompt, tokenizer: ModelTokenizer) -> list[list[int]]:
     if len(prompt) > MAX_BATCH_PROMPTS:
         raise InvalidRequest(f"at most {MAX_BATCH_PROMPTS} prompts per request", "prompt")
     if all(isinstance(p, str) for p in prompt):
-        return tokenizer.encode_batch(list(prompt))
+        return await tokenize.encode_batch(list(prompt), max_model_len)
     return [list(p) for p in prompt]
 
 
