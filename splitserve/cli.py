@@ -26,6 +26,20 @@ WORKERS = {"decode-worker": "one decode worker (takes pushed KV, or prefills loc
            "prefill-worker": "one prefill worker (computes prompts, pushes KV over NIXL)"}
 
 
+def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """End every option's help with its default, unless the help already says it (the generated
+    config flags do: runtime/cli_args.py) or the option is required."""
+    for action in parser._actions:
+        text = action.help or ""
+        if (not action.option_strings or action.required or "default" in text
+                or action.default is argparse.SUPPRESS or isinstance(action, argparse._HelpAction)):
+            continue
+        value = action.default
+        shown = "none" if value is None else ("on" if value else "off") if isinstance(value, bool) else value
+        action.help = f"{text} (default: {shown})".lstrip()
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -49,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_arguments(bsub.add_parser("serve", help="load-generate against a running server"))
     from splitserve.bench import replay as bench_replay
     bench_replay.add_arguments(bsub.add_parser("replay", help="replay a trace on a local mock cluster"))
+    for p in (msub.choices["tiny"], bsub.choices["serve"], bsub.choices["replay"]):
+        show_defaults(p)
     return parser
 
 
