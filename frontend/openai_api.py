@@ -12,6 +12,7 @@ error event, whatever the failure.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -26,6 +27,7 @@ from frontend.schemas import (ChatCompletionRequest, ChatMessage, CompletionRequ
                               TokenizeChatRequest, TokenizeCompletionRequest, _Common)
 from frontend.state import FrontendState
 from frontend.tokenizer import ChatTurn, TokenizerPool
+from frontend.tools import Tool, parse_auto, parse_forced, parse_tools, required_calls_schema, resolve_choice
 from runtime.errors import InvalidRequest, NotFound, SplitserveError
 from runtime.types import FinishReason
 
@@ -64,14 +66,28 @@ def openai_routes(state: FrontendState) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         accept(req)
-        prompt = await state.tokenize.encode_chat(_turns(req.messages), state.max_model_len)
-        return await respond(request, req, [make_input(req, prompt, None)], chat=True)
+        tools = parse_tools(req.tools)
+        mode, allowed = resolve_choice(req.tool_choice, tools)
+        if mode == "auto" and not state.tokenizer.template_mentions("tools"):
+            raise InvalidRequest("this model's chat template does not describe tools to the model, so it "
+                                 "cannot choose to call one; use tool_choice \"required\" or a named "
+                                 "function (enforced by a grammar)", "tool_choice")
+        prompt = await state.tokenize.encode_chat(_turns(req.messages), state.max_model_len,
+                                                  [t.as_openai() for t in tools] or None)
+        inp = make_input(req, prompt, None)
+        post = None
+        if mode == "auto":
+            post = functools.partial(parse_auto, tools=tools)
+        elif mode == "forced":
+            inp.sampling = forced_tool_sampling(inp.sampling, allowed)
+            post = lambda text: (None, parse_forced(text))   # noqa: E731
+        return await respond(request, req, [inp], chat=True, post=post)
 
-    async def respond(request: Request, req: _Common, inputs: list[GenerateInput], chat: bool):
+    async def respond(request: Request, req: _Common, inputs: list[GenerateInput], chat: bool, post=None):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         if req.stream:
-            return StreamingResponse(_sse(rid, created, req, inputs, chat), media_type="text/event-stream")
+            return StreamingResponse(_sse(rid, created, req, inputs, chat, post), media_type="text/event-stream")
         task = asyncio.ensure_future(_collect_all(inputs))
         while not task.done():      # a client that hangs up stops its generation
             done, _ = await asyncio.wait({task}, timeout=0.5)
@@ -86,6 +102,13 @@ def openai_routes(state: FrontendState) -> APIRouter:
             choice = {"index": i, "finish_reason": FINISH_TEXT.get(last.finish_reason), "logprobs": None}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
+                if post is not None:
+                    content, calls = post(text)
+                    if calls:
+                        choice["message"] = {"role": "assistant", "content": content or None,
+                                             "tool_calls": [c.as_openai() for c in calls]}
+                        if last.finish_reason == FinishReason.STOP:
+                            choice["finish_reason"] = "tool_calls"
             else:
                 choice["text"] = text
             if req.return_token_ids:
@@ -101,9 +124,11 @@ def openai_routes(state: FrontendState) -> APIRouter:
             return [d async for d in state.generator.generate(inp)]
         return await asyncio.gather(*(one(i) for i in inputs))
 
-    async def _sse(rid, created, req: _Common, inputs, chat: bool) -> AsyncIterator[bytes]:
+    async def _sse(rid, created, req: _Common, inputs, chat: bool, post=None) -> AsyncIterator[bytes]:
+        """With tool parsing (`post`) a choice's text is held back and sent, parsed, with its finish."""
         obj = "chat.completion.chunk" if chat else "text_completion"
         usage = _usage(0, 0, 0)
+        held: dict[int, list[str]] = {}
         try:
             if chat:
                 yield _event({"id": rid, "object": obj, "created": created, "model": state.model_name,
@@ -111,7 +136,22 @@ def openai_routes(state: FrontendState) -> APIRouter:
                                            "finish_reason": None, "logprobs": None}]})
             async for i, d in _merge(inputs):
                 reason = FINISH_TEXT.get(d.finish_reason)
-                if chat:
+                if chat and post is not None:
+                    held.setdefault(i, []).append(d.text)
+                    delta = {}
+                    if d.finish_reason is not None:
+                        text = "".join(held.pop(i))
+                        content, calls = post(text)
+                        if calls:
+                            delta = {"content": content or None,
+                                     "tool_calls": [c.as_openai(k) for k, c in enumerate(calls)]}
+                            reason = "tool_calls" if d.finish_reason == FinishReason.STOP else reason
+                        elif text:
+                            delta = {"content": text}
+                    elif not req.return_token_ids:
+                        continue
+                    choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": None}
+                elif chat:
                     choice = {"index": i, "delta": {"content": d.text} if d.text else {},
                               "finish_reason": reason, "logprobs": None}
                 else:
@@ -199,8 +239,28 @@ def openai_routes(state: FrontendState) -> APIRouter:
     return router
 
 
+def forced_tool_sampling(sampling, tools: list[Tool]):
+    """The sampling of a forced tool call: the output must be a JSON array of calls (a grammar)."""
+    raise InvalidRequest("tool_choice \"required\" or a named function needs structured outputs, which "
+                         "this server does not have yet", "tool_choice")
+
+
 def _turns(messages: list[ChatMessage]) -> list[ChatTurn]:
-    return [ChatTurn("system" if m.role == "developer" else m.role, m.text()) for m in messages]
+    turns = []
+    for i, m in enumerate(messages):
+        calls = []
+        for c in m.tool_calls or ():
+            try:
+                args = json.loads(c.function.arguments)
+            except ValueError:
+                raise InvalidRequest(f"messages[{i}].tool_calls: arguments must be JSON text",
+                                     "messages") from None
+            calls.append({"id": c.id, "name": c.function.name, "arguments": args})
+        if m.role == "tool" and not m.tool_call_id:
+            raise InvalidRequest(f"messages[{i}]: a tool message needs tool_call_id", "messages")
+        turns.append(ChatTurn("system" if m.role == "developer" else m.role, m.text(), tuple(calls),
+                              m.tool_call_id))
+    return turns
 
 
 async def _completion_prompts(prompt, tokenize: TokenizerPool, max_model_len: int) -> list[list[int]]:

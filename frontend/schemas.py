@@ -159,10 +159,24 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str = Field(max_length=64)
+    arguments: str                     # JSON text
+
+
+class ToolCallIn(_Strict):
+    """An assistant message's earlier tool call, sent back in the conversation."""
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(None, max_length=256)
+    tool_calls: list[ToolCallIn] | None = Field(None, max_length=128)
+    tool_call_id: str | None = Field(None, max_length=256)
 
     def text(self) -> str:
         if self.content is None:
@@ -185,8 +199,9 @@ class ChatCompletionRequest(_Common):
         super().check_unsupported()
         if self.logprobs or self.top_logprobs:
             raise InvalidRequest("logprobs are not supported yet", "logprobs")
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise InvalidRequest("tools are not supported yet", "tools")
+        if self.parallel_tool_calls is False:
+            raise InvalidRequest("parallel_tool_calls false is not supported (a forced choice may make "
+                                 "several calls)", "parallel_tool_calls")
         if any(m.name for m in self.messages):
             raise InvalidRequest("message names are not supported", "messages")
 

@@ -36,6 +36,18 @@ def _raise(message: str):
 class ChatTurn:
     role: str
     content: str
+    tool_calls: tuple[dict, ...] = ()       # assistant turns: {"name", "arguments": dict}
+    tool_call_id: str | None = None         # tool turns: the call this answers
+
+    def as_template_message(self) -> dict:
+        m: dict = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            m["tool_calls"] = [{"type": "function", "id": c.get("id"), "function": {
+                "name": c["name"], "arguments": c["arguments"]}, "name": c["name"], "arguments": c["arguments"]}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
+        return m
 
 
 class ModelTokenizer:
@@ -54,6 +66,7 @@ class ModelTokenizer:
         if isinstance(template, list):  # named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self._template = None
+        self._template_source = template or ""
         if template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
@@ -83,20 +96,28 @@ class ModelTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, turns: list[ChatTurn], add_generation_prompt: bool = True) -> str:
+    def template_mentions(self, name: str) -> bool:
+        """Whether the chat template uses the variable `name` (e.g. renders `tools`)."""
+        return name in self._template_source
+
+    def apply_chat_template(self, turns: list[ChatTurn], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         if self._template is None:
             raise InvalidRequest("this model has no chat template; use /v1/completions")
+        extra = {"tools": tools} if tools else {}
         try:
             return self._template.render(
-                messages=[{"role": t.role, "content": t.content} for t in turns],
+                messages=[t.as_template_message() for t in turns],
                 add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "")
+                eos_token=self.eos_token or "", **extra)
         except TemplateError as e:
             raise InvalidRequest(f"chat template rejected the messages: {e}") from None
 
-    def encode_chat(self, turns: list[ChatTurn], max_tokens: int | None = None) -> list[int]:
+    def encode_chat(self, turns: list[ChatTurn], max_tokens: int | None = None,
+                    tools: list[dict] | None = None) -> list[int]:
         # the template writes special tokens itself
-        return self.encode(self.apply_chat_template(turns), add_special_tokens=False, max_tokens=max_tokens)
+        return self.encode(self.apply_chat_template(turns, tools=tools), add_special_tokens=False,
+                           max_tokens=max_tokens)
 
 
 class TokenizerPool:
@@ -132,11 +153,13 @@ class TokenizerPool:
                            add_special_tokens: bool = True) -> list[list[int]]:
         return await self.run(self.tokenizer.encode_batch, texts, add_special_tokens, max_tokens)
 
-    async def encode_chat(self, turns: list[ChatTurn], max_tokens: int | None) -> list[int]:
-        return await self.run(self.tokenizer.encode_chat, turns, max_tokens)
+    async def encode_chat(self, turns: list[ChatTurn], max_tokens: int | None,
+                          tools: list[dict] | None = None) -> list[int]:
+        return await self.run(self.tokenizer.encode_chat, turns, max_tokens, tools)
 
-    async def render_chat(self, turns: list[ChatTurn], add_generation_prompt: bool = True) -> str:
-        return await self.run(self.tokenizer.apply_chat_template, turns, add_generation_prompt)
+    async def render_chat(self, turns: list[ChatTurn], add_generation_prompt: bool = True,
+                          tools: list[dict] | None = None) -> str:
+        return await self.run(self.tokenizer.apply_chat_template, turns, add_generation_prompt, tools)
 
     async def decode(self, ids: list[int]) -> str:
         return await self.run(self.tokenizer.decode, ids)

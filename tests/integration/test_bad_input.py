@@ -84,6 +84,12 @@ BAD_BODIES = [
     # OpenAI / vLLM fields not implemented here: a 400 naming them
     ("best_of", "/v1/completions", lambda m: completion(m, best_of=2), "best_of"),
     ("echo", "/v1/completions", lambda m: completion(m, echo=True), "echo"),
+    ("tools the template cannot show", "/v1/chat/completions",
+     lambda m: chat(m, tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),
+    ("tool_choice without tools", "/v1/chat/completions", lambda m: chat(m, tool_choice="required"),
+     "tool_choice"),
+    ("a tool message without its call id", "/v1/chat/completions",
+     lambda m: chat(m, messages=[{"role": "tool", "content": "x"}]), "tool_call_id"),
     ("message name", "/v1/chat/completions",
      lambda m: chat(m, messages=[{"role": "user", "content": "x", "name": "bob"}]), "name"),
 ]
