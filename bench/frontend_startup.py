@@ -20,7 +20,8 @@ def wait_worker(redis_url: str, timeout_s: float = 120) -> None:
     import redis
     c = redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + timeout_s
-    while not list(c.scan_iter(match="splitserve:worker:*")):
+    # the lease appears as "starting" before the model loads; wait for "ready"
+    while not any(b'"state": "ready"' in (c.get(k) or b"") for k in c.scan_iter(match="splitserve:worker:*")):
         if time.monotonic() > deadline:
             raise SystemExit("the mock worker did not register")
         time.sleep(0.1)

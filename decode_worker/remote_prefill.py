@@ -7,6 +7,12 @@ blocks into ours, and wait for P's answer and NIXL's notification; then the engi
 from P's first token. If anything fails, the engine computes the prompt itself in the same
 blocks: the client never sees the error. A request cancelled while its KV is in flight keeps its
 blocks until P has answered, so a late write can never land in blocks reused by another request.
+
+P has `lease_s` (--prefill-lease-s) to compute and push a prompt. A P that expects to take longer
+(its queue is too long), or that is draining, refuses at once, and this worker then sends it
+nothing for `SATURATED_BACKOFF_S`: those prompts are computed here without a round trip. Every
+fallback is counted by reason (`splitserve_prefill_fallback_total{reason}`); the expected ones
+(saturated, draining, timed out) are throttled log lines, never tracebacks.
 """
 
 from __future__ import annotations
@@ -23,9 +29,20 @@ from runtime.types import KvReservation, SamplingParams
 from kvstore.transfer import KvTransferAgent
 from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from runtime.convert import sampling_to_pb
+from runtime.logging import Throttled
 from runtime.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
+
+SATURATED_BACKOFF_S = 1.0       # send a refusing prefill worker nothing for this long
+RPC_MARGIN_S = 5.0              # the Prefill call's deadline: P's lease plus this (P answers first)
+# why a remote prefill fell back to a local one, by P's answer
+_REASONS = {grpc.StatusCode.RESOURCE_EXHAUSTED: "saturated", grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
+            grpc.StatusCode.UNAVAILABLE: "unavailable"}
+
+
+class _Skipped(Exception):
+    """The prefill worker refused recently: compute the prompt here without asking."""
 
 
 @dataclass(slots=True)
@@ -38,7 +55,7 @@ class _Pending:
 
 class RemotePrefillClient:
     def __init__(self, worker_id: str, agent: KvTransferAgent, engine_loop: EngineLoop, block_size: int,
-                 metrics: WorkerMetrics, lease_s: float = 30.0) -> None:
+                 metrics: WorkerMetrics, lease_s: float = 15.0) -> None:
         self.worker_id, self.agent, self.engine_loop = worker_id, agent, engine_loop
         self.block_size, self.metrics, self.lease_s = block_size, metrics, lease_s
         self._loop = asyncio.get_running_loop()
@@ -47,6 +64,8 @@ class RemotePrefillClient:
         self._connecting: dict[str, asyncio.Future] = {}
         self._notified: dict[str, asyncio.Future] = {}
         self._poller: asyncio.Task | None = None
+        self._refusing: dict[str, float] = {}      # prefill address -> monotonic time it may be asked again
+        self._warn = Throttled(log)
 
     def expect(self, request_id: str, target: worker_pb2.RemotePrefill, sampling: SamplingParams) -> bool:
         """Called at Submit: remember where this request's prefill goes. True = remote prefill."""
@@ -86,22 +105,30 @@ class RemotePrefillClient:
         self._ensure_poller()
         start = time.perf_counter()
         ok = False
+        reason = "saturated"
+        addr = p.target.prefill_address
         try:
+            if self._refusing.get(addr, 0.0) > time.monotonic():
+                raise _Skipped
             stub = await self._connect(p.target)
             resp = await stub.Prefill(worker_pb2.PrefillRequest(
                 request_id=rid, prompt_token_ids=r.prompt_token_ids, sampling=sampling_to_pb(p.sampling),
                 decode_agent_name=self.agent.name, first_block=first_block,
-                decode_block_ids=r.block_ids[first_block:num_blocks], lease_s=self.lease_s / 2),
-                timeout=self.lease_s)
+                decode_block_ids=r.block_ids[first_block:num_blocks], lease_s=self.lease_s),
+                timeout=self.lease_s + RPC_MARGIN_S)
             await asyncio.wait_for(fut, timeout=5.0)   # NIXL's notification: the bytes have landed
             ok = True
         except asyncio.CancelledError:
             raise
+        except _Skipped:
+            pass
+        except grpc.aio.AioRpcError as e:
+            reason = self._rpc_failed(e, p.target, rid)
         except Exception as e:
-            detail = e.code().name if isinstance(e, grpc.aio.AioRpcError) else type(e).__name__
-            log.warning("remote prefill of %s on %s failed (%s); prefilling locally", rid,
-                        p.target.prefill_worker_id, detail)
-            self._peers.pop(p.target.prefill_address, None)
+            reason = "error"
+            self._warn.warning("error", "remote prefill of %s on %s failed (%s); prefilling locally", rid,
+                               p.target.prefill_worker_id, type(e).__name__)
+            self._peers.pop(addr, None)
         finally:
             self._notified.pop(rid, None)
             self._pending.pop(rid, None)
@@ -112,8 +139,28 @@ class RemotePrefillClient:
             self.metrics.handoff_s.labels(self.worker_id).observe(time.perf_counter() - start)
             self.engine_loop.kv_arrived(rid, resp.first_token)
         else:
-            self.metrics.prefill_fallback.labels(self.worker_id).inc()
+            self.metrics.prefill_fallback.labels(self.worker_id, reason).inc()
             self.engine_loop.kv_failed(rid)
+
+    def _rpc_failed(self, e: grpc.aio.AioRpcError, target: worker_pb2.RemotePrefill, rid: str) -> str:
+        """Log and classify a failed Prefill call; a refusal pauses sends to that prefill worker."""
+        code, who = e.code(), target.prefill_worker_id
+        reason = _REASONS.get(code, "error")
+        if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE) and \
+                "draining" in (e.details() or ""):
+            reason = "draining"
+        if reason in ("saturated", "draining"):
+            self._refusing[target.prefill_address] = time.monotonic() + SATURATED_BACKOFF_S
+            self._warn.info(reason, "prefill worker %s is %s (%s); prefilling here for %.0f s", who, reason,
+                            e.details(), SATURATED_BACKOFF_S)
+        elif reason == "timeout":
+            self._warn.warning(reason, "remote prefill of %s on %s did not finish within its %.0f s lease; "
+                               "prefilling locally", rid, who, self.lease_s)
+        else:
+            self._warn.warning(reason, "remote prefill of %s on %s failed (%s); prefilling locally", rid, who,
+                               code.name)
+            self._peers.pop(target.prefill_address, None)
+        return reason
 
     async def _connect(self, target: worker_pb2.RemotePrefill) -> worker_pb2_grpc.PrefillStub:
         """One Connect per (decode, prefill) pair: P loads our agent metadata and prepares descriptors."""

@@ -5,6 +5,12 @@ StepOutput per engine step carrying the new tokens of every request of that fron
 queued steps are merged into one message when the frontend reads slower than the engine runs).
 When a Session ends for any reason, its unfinished requests are aborted and their blocks freed.
 A Submit naming a prefill worker goes through `RemotePrefillClient`.
+
+Draining (runtime/worker_host.py runs it): every Session is told at once (`StepOutput.draining`),
+so its frontend routes nothing more here; a Submit that crossed that message is given straight
+back (`RequestDelta.migrate`) and the frontend sends it elsewhere. Requests in flight finish; at the
+drain timeout each remaining one is given back the same way (the frontend resubmits it with the
+tokens it has streamed so far) and aborted here. Then the Sessions end cleanly.
 """
 
 from __future__ import annotations
@@ -26,10 +32,14 @@ from runtime.worker_host import StatusService
 log = logging.getLogger(__name__)
 
 
+_DRAINING = worker_pb2.StepOutput(draining=True)
+
+
 class _Session:
     def __init__(self, session_id: SessionId) -> None:
         self.id = session_id
-        self.queue: asyncio.Queue[list[worker_pb2.RequestDelta] | None] = asyncio.Queue()
+        # deltas to send; _DRAINING: tell the frontend; None: end the stream
+        self.queue: asyncio.Queue[list[worker_pb2.RequestDelta] | worker_pb2.StepOutput | None] = asyncio.Queue()
         self.active: set[str] = set()
 
 
@@ -41,6 +51,7 @@ class WorkerService(StatusService):
         self._loop = asyncio.get_running_loop()
         self._sessions: dict[SessionId, _Session] = {}
         self._session_ids = itertools.count(1)
+        self.draining = False
 
     def attach(self, engine_loop: EngineLoop, remote: RemotePrefillClient | None) -> None:
         self.engine_loop, self.remote = engine_loop, remote
@@ -64,21 +75,58 @@ class WorkerService(StatusService):
         for session, deltas in by_session.items():
             session.queue.put_nowait(deltas)
 
+    # ---- lifecycle (runtime.worker_host.Drainable) -------------------------------------------
+    def begin_drain(self) -> None:
+        self.draining = True
+        for session in self._sessions.values():
+            session.queue.put_nowait(_DRAINING)
+
+    def num_in_flight(self) -> int:
+        return sum(len(s.active) for s in self._sessions.values())
+
+    def give_back(self) -> int:
+        n = 0
+        for session in self._sessions.values():
+            rids, session.active = session.active, set()
+            session.queue.put_nowait([worker_pb2.RequestDelta(request_id=rid, migrate=True) for rid in rids])
+            for rid in rids:
+                self._abort(rid)
+            n += len(rids)
+        return n
+
+    def end(self) -> None:
+        for session in self._sessions.values():
+            session.queue.put_nowait(None)
+
+    # ---- the Session stream ------------------------------------------------------------------
     async def Session(self, request_iterator, context):
+        if self.engine_loop is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is starting")
         session = _Session(SessionId(next(self._session_ids)))
         self._sessions[session.id] = session
+        if self.draining:
+            session.queue.put_nowait(_DRAINING)
         reader = asyncio.create_task(self._read(request_iterator, session))
         try:
             while True:
-                deltas = await session.queue.get()
-                if deltas is None:
+                item = await session.queue.get()
+                if item is None:
                     return
+                out = worker_pb2.StepOutput(draining=item.draining) if item is _DRAINING \
+                    else worker_pb2.StepOutput(deltas=item)
+                end = False
                 while not session.queue.empty():      # coalesce steps the reader has not taken yet
                     more = session.queue.get_nowait()
                     if more is None:
+                        end = True
                         break
-                    deltas.extend(more)
-                yield worker_pb2.StepOutput(deltas=deltas)
+                    if more is _DRAINING:
+                        out.draining = True
+                    else:
+                        out.deltas.extend(more)
+                yield out
+                if end:
+                    return
         finally:
             reader.cancel()
             self._sessions.pop(session.id, None)
@@ -97,6 +145,9 @@ class WorkerService(StatusService):
                 kind = msg.WhichOneof("kind")
                 if kind == "submit":
                     s = msg.submit
+                    if self.draining:             # it crossed our draining message: send it back
+                        session.queue.put_nowait([worker_pb2.RequestDelta(request_id=s.request_id, migrate=True)])
+                        continue
                     session.active.add(s.request_id)
                     sampling = sampling_from_pb(s.sampling)
                     target = s.remote_prefill

@@ -76,6 +76,10 @@ class Engine:
     def add_request(self, spec: EngineRequest) -> RequestOutput | None:
         """Queue a request; returns an immediate error output if it can never run here."""
         request = Request.of(spec)
+        if request.request_id in self.scheduler.requests:
+            # the one already here keeps running; the second copy is refused (its caller sees why)
+            return RequestOutput(request.request_id, [], FinishReason.ERROR, 0, request.session,
+                                 error=f"request {request.request_id} is already running on this worker")
         if request.num_tokens >= self.max_model_len or not request.prompt_token_ids:
             return RequestOutput(request.request_id, [], FinishReason.ERROR, 0, request.session,
                                  error=f"prompt of {request.num_tokens} tokens does not fit the context "
@@ -212,7 +216,10 @@ class EngineLoop:
         except queue.Empty:
             return
         while True:
-            self._handle(cmd)
+            try:
+                self._handle(cmd)
+            except Exception:   # a bug in one command must not end the loop every request depends on
+                log.exception("engine command %s failed; the loop goes on", type(cmd).__name__)
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:

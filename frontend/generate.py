@@ -2,13 +2,14 @@
 
 `GenerateInput` is what both APIs reduce a request to (prompt token ids + sampling). `Generator`
 routes it to a worker, fans the worker's token deltas through an incremental detokenizer with stop
-strings, migrates the request to another worker if its worker dies (prompt + tokens so far), and
-cancels it on the worker when the client goes away.
+strings, migrates the request to another worker if its worker dies or gives it back while draining
+(prompt + tokens so far: the client's stream just continues), and cancels it on the worker when the
+client goes away. On shutdown (`begin_shutdown`) new requests are refused with 503 while those in
+flight finish; `interrupt_all` ends the rest with an error the APIs send in-band.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -17,7 +18,7 @@ from typing import AsyncIterator
 
 from runtime.types import FinishReason, SamplingParams
 from frontend.tokenizer import IncrementalDetokenizer, ModelTokenizer
-from frontend.workers import WORKER_LOST, WorkerPool
+from frontend.workers import SHUTTING_DOWN, WORKER_LOST, WorkerPool
 from kvstore.hashing import block_hashes
 from proto.splitserve.v1 import generation_pb2, worker_pb2
 from runtime.convert import FINISH_FROM_PB, sampling_to_pb
@@ -26,7 +27,8 @@ from runtime.metrics import FrontendMetrics
 
 log = logging.getLogger(__name__)
 
-MAX_MIGRATIONS = 3
+MAX_MIGRATIONS = 3           # workers that die under one request before it fails
+MAX_GIVE_BACKS = 16          # draining workers that hand one request back before it fails
 
 
 @dataclass(slots=True)
@@ -56,6 +58,18 @@ class Generator:
         self.wait_for_workers_s = wait_for_workers_s
         self.remote_prefill_min_tokens = remote_prefill_min_tokens
         self.max_prefill_queue_tokens = max_prefill_queue_tokens
+        self.num_active = 0
+        self.shutting_down = False
+        self.on_first_token = None     # (ttft_s, prefilled_remotely) -> None: the latency window
+        self.on_itl = None             # seconds per token -> None
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests (503); those in flight go on."""
+        self.shutting_down = True
+
+    def interrupt_all(self) -> None:
+        """End every request in flight with an error (the APIs tell their clients in-band)."""
+        self.pool.interrupt_all(SHUTTING_DOWN)
 
     def check_prompt(self, prompt: list[int], max_tokens: int | None, default_max_tokens: int | None) -> int:
         """Validate prompt length and max_tokens against the context; return the max_tokens to use."""
@@ -104,6 +118,8 @@ class Generator:
                                         prefill_address=choice.conn.info.address)
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[Delta]:
+        if self.shutting_down:
+            raise Unavailable("the server is shutting down")
         rid = inp.request_id or uuid.uuid4().hex
         m = self.metrics
         start = time.perf_counter()
@@ -114,10 +130,14 @@ class Generator:
         exclude: set[str] = set()
         hashes: list[int] | None = None       # once a worker is in the pool, the block size is known
         m.running.inc()
+        self.num_active += 1
         conn = None
         finished = False
+        moves = {"worker_lost": 0, "drain": 0}
         try:
-            for attempt in range(MAX_MIGRATIONS + 1):
+            while True:
+                if self.shutting_down and conn is not None and not self.pool.num_alive():
+                    raise Unavailable("the server is shutting down")      # nowhere left to move it
                 if not self.pool.num_alive() and not await self.pool.wait_for_workers(self.wait_for_workers_s):
                     raise Unavailable("no workers are available")
                 if hashes is None:
@@ -125,7 +145,7 @@ class Generator:
                 try:
                     choice = self.pool.choose(rid, hashes, len(inp.prompt_token_ids), exclude)
                 except Unavailable:
-                    if attempt and await self.pool.wait_for_workers(self.wait_for_workers_s):
+                    if conn is not None and await self.pool.wait_for_workers(self.wait_for_workers_s):
                         exclude.clear()
                         choice = self.pool.choose(rid, hashes, len(inp.prompt_token_ids), exclude)
                     else:
@@ -138,6 +158,13 @@ class Generator:
                 while True:
                     delta = await q.get()
                     if delta is WORKER_LOST:
+                        reason = "worker_lost"
+                        break
+                    if delta is SHUTTING_DOWN:
+                        raise Unavailable("the server is shutting down")
+                    if delta.migrate:                # a draining worker gives it back
+                        conn.release(rid)
+                        reason = "drain"
                         break
                     if delta.finish_reason == generation_pb2.FINISH_REASON_ERROR:
                         if delta.internal_error:
@@ -146,9 +173,14 @@ class Generator:
                     now = time.perf_counter()
                     if not output and delta.token_ids:
                         m.ttft.observe(now - start)
+                        if self.on_first_token is not None:
+                            self.on_first_token(now - start, remote is not None)
                         cached = delta.num_cached_tokens
                     elif last is not None and delta.token_ids:
-                        m.itl.observe((now - last) / len(delta.token_ids))
+                        itl = (now - last) / len(delta.token_ids)
+                        m.itl.observe(itl)
+                        if self.on_itl is not None:
+                            self.on_itl(itl)
                     last = now
                     output.extend(delta.token_ids)
                     text = detok.add(list(delta.token_ids))
@@ -165,13 +197,21 @@ class Generator:
                         return
                     if delta.token_ids or text:
                         yield Delta(list(delta.token_ids), text)
+                self.pool.router.finished(rid, conn.worker_id)
                 exclude.add(conn.worker_id)
-                m.migrations.inc()
-                log.warning("request %s lost its worker %s after %d tokens; migrating", rid,
-                            conn.worker_id, len(output))
-            raise Unavailable("the request's workers failed repeatedly")
+                m.migrations.labels(reason).inc()
+                moves[reason] += 1
+                if reason == "worker_lost":
+                    log.warning("request %s lost its worker %s after %d tokens; migrating", rid,
+                                conn.worker_id, len(output))
+                else:
+                    log.debug("request %s given back by draining worker %s after %d tokens; moving it", rid,
+                              conn.worker_id, len(output))
+                if moves["worker_lost"] > MAX_MIGRATIONS or moves["drain"] > MAX_GIVE_BACKS:
+                    raise Unavailable("the request's workers failed repeatedly")
         finally:
             m.running.dec()
+            self.num_active -= 1
             self.pool.router.finished(rid)
             if conn is not None:
                 if finished:

@@ -52,11 +52,22 @@ def ops_routes(state: FrontendState) -> APIRouter:
 
     @router.get("/health")
     async def health():
-        pool = state.generator.pool
+        """200 when this frontend can serve (a ready decode worker, not shutting down), else 503.
+        `decode`/`prefill` count ready workers; `degraded` names the pools below the size their
+        controller wants (a crashed worker not replaced yet), which still serve."""
+        gen = state.generator
+        pool = gen.pool
         decode, prefill = pool.num_alive(), pool.num_alive(prefill=True)
-        return JSONResponse(status_code=200 if decode else 503,
-                            content={"status": "ok" if decode else "no decode workers",
-                                     "workers": decode + prefill, "decode": decode, "prefill": prefill})
+        degraded = pool.degraded()
+        ok = decode > 0 and not gen.shutting_down
+        status = ("shutting down" if gen.shutting_down else "no decode workers" if not decode
+                  else "degraded" if degraded else "ok")
+        body = {"status": status, "workers": decode + prefill, "decode": decode, "prefill": prefill,
+                "draining": pool.num_draining() + pool.num_draining(prefill=True),
+                "degraded": bool(degraded), "degraded_pools": degraded}
+        if pool.pools is not None:
+            body["desired"] = pool.pools.desired
+        return JSONResponse(status_code=200 if ok else 503, content=body)
 
     @router.get("/metrics")
     async def metrics():

@@ -1,9 +1,15 @@
 """Runs the frontend process: HTTP (uvicorn) and gRPC servers on one event loop, worker discovery
-(which admits only workers of this frontend's model and block size: frontend/admission.py)."""
+(which admits only workers of this frontend's model and block size: frontend/admission.py).
+
+Stopping (SIGTERM or SIGINT): new requests get 503 and /health says so, requests in flight finish
+for up to --drain-timeout-s, and any still open then end with an error event (HTTP streams) or
+UNAVAILABLE (gRPC): a stream is never cut without one. A second signal stops at once.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 from pathlib import Path
@@ -17,6 +23,7 @@ from frontend.generate import Generator
 from frontend.grpc_api import start_grpc_server
 from frontend.auth import ApiKey
 from frontend.http_api import create_app
+from frontend.latency_publisher import LatencyPublisher
 from frontend.metrics_merge import WorkerMetricsScraper
 from frontend.routing import FrontendRouter
 from frontend.state import FrontendState
@@ -24,9 +31,25 @@ from frontend.tokenizer import ModelTokenizer, TokenizerPool
 from frontend.workers import WorkerPool
 from runtime.config import FrontendConfig
 from runtime.metrics import FrontendMetrics
-from runtime.process import install_stop_handlers
+from runtime.process import install_signal_events
 
 log = logging.getLogger(__name__)
+
+FLUSH_S = 0.5          # after the last request ended, for its final bytes to reach the client
+
+
+class HttpServer(uvicorn.Server):
+    """uvicorn without its own signal handling. Its handler (installed with signal.signal whatever
+    `install_signal_handlers` says) began uvicorn's own shutdown at the first SIGTERM: 2 s later it
+    cancelled every open stream, and clients saw them cut without an error event. The frontend owns
+    SIGTERM instead (`finish_requests`) and stops uvicorn once the requests are done."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+    def install_signal_handlers(self) -> None:     # the name older uvicorn versions call
+        pass
 
 
 async def serve_frontend(cfg: FrontendConfig) -> None:
@@ -37,39 +60,67 @@ async def serve_frontend(cfg: FrontendConfig) -> None:
     redis = aioredis.Redis.from_url(cfg.redis.url)
     fingerprint = model_fingerprint(cfg.model)
     router = FrontendRouter(cfg.router_policy, approximate=cfg.router_approximate)
-    pool = WorkerPool(redis, cfg.redis.namespace, router, Admission(fingerprint, cfg.block_size))
+    pool = WorkerPool(redis, cfg.redis.namespace, router, Admission(fingerprint, cfg.block_size),
+                      lease_ttl_s=cfg.redis.lease_ttl_s)
     await pool.start()
     router.start(redis, cfg.redis.namespace)
     max_model_len = cfg.max_model_len or model_cfg.max_position_embeddings
     generator = Generator(pool, tokenizer, metrics, max_model_len,
                           remote_prefill_min_tokens=cfg.remote_prefill_min_tokens,
                           max_prefill_queue_tokens=cfg.max_prefill_queue_tokens)
+    latency = LatencyPublisher(redis, cfg.redis.namespace)
+    generator.on_first_token, generator.on_itl = latency.first_token, latency.inter_token
+    latency_task = asyncio.create_task(latency.run(), name="latency-publisher")
     state = FrontendState(generator=generator, tokenizer=tokenizer, metrics=metrics, model_name=model_name,
                           max_model_len=max_model_len, api_key=ApiKey(cfg.api_key),
                           max_body_bytes=cfg.max_body_bytes,
                           tokenize=TokenizerPool(tokenizer, cfg.tokenizer_threads, cfg.max_tokenize_queue),
                           extra_metrics=WorkerMetricsScraper(pool).scrape)
     grpc_server, grpc_port = await start_grpc_server(state, cfg.host, cfg.grpc_port)
-    http = uvicorn.Server(uvicorn.Config(create_app(state), host=cfg.host, port=cfg.http_port,
-                                         log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
-    http.install_signal_handlers = lambda: None   # we own SIGINT/SIGTERM
+    http = HttpServer(uvicorn.Config(create_app(state), host=cfg.host, port=cfg.http_port,
+                                     log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
     http_task = asyncio.create_task(http.serve())
     # Start-up objects (tokenizer, protobufs, router) never die: move them out of the collector's
     # sight so a full collection cannot land inside a routing decision (~4 ms measured, router bench).
     gc.collect()
     gc.freeze()
-    stop = asyncio.Event()
-    install_stop_handlers(stop)
+    stop, stop_now = asyncio.Event(), asyncio.Event()
+    install_signal_events(stop, stop_now)
     log.info("frontend: model %r (fingerprint %s), HTTP on %s:%d, gRPC on %s:%d", model_name, fingerprint,
              cfg.host, cfg.http_port, cfg.host, grpc_port)
     done, _ = await asyncio.wait({http_task, asyncio.create_task(stop.wait())},
                                  return_when=asyncio.FIRST_COMPLETED)
     if http_task in done and http_task.exception():
         log.error("HTTP server failed: %s", http_task.exception())
+    else:
+        await finish_requests(generator, metrics, cfg.drain_timeout_s, stop_now)
     http.should_exit = True
     await grpc_server.stop(grace=1.0)
     await asyncio.gather(http_task, return_exceptions=True)
+    latency_task.cancel()
     await router.close()
     state.tokenize.close()
     await pool.close()
     await redis.aclose()
+
+
+async def finish_requests(generator: Generator, metrics: FrontendMetrics, timeout_s: float,
+                          stop_now: asyncio.Event) -> None:
+    """Refuse new requests, let those in flight finish for up to `timeout_s` (or until `stop_now`),
+    then end the rest with an error their clients see."""
+    generator.begin_shutdown()
+    loop = asyncio.get_running_loop()
+    if generator.num_active:
+        log.info("stopping: %d request(s) in flight, waiting up to %.0f s", generator.num_active, timeout_s)
+    deadline = loop.time() + timeout_s
+    while generator.num_active and loop.time() < deadline and not stop_now.is_set():
+        await asyncio.sleep(0.05)
+    if generator.num_active:
+        n = generator.num_active
+        log.warning("stopping: ending %d unfinished request(s) with an error", n)
+        metrics.shutdown_errors.inc(n)
+        generator.interrupt_all()
+        deadline = loop.time() + 2.0
+        while generator.num_active and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+    await asyncio.sleep(FLUSH_S)

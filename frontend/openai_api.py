@@ -28,7 +28,7 @@ from frontend.schemas import (ChatCompletionRequest, ChatMessage, CompletionRequ
 from frontend.state import FrontendState
 from frontend.tokenizer import ChatTurn, TokenizerPool
 from frontend.tools import Tool, parse_auto, parse_forced, parse_tools, required_calls_schema, resolve_choice
-from runtime.errors import InvalidRequest, NotFound, SplitserveError
+from runtime.errors import InvalidRequest, NotFound, SplitserveError, Unavailable
 from runtime.types import FinishReason
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,8 @@ def openai_routes(state: FrontendState) -> APIRouter:
                            "model")
 
     def accept(req: _Common) -> None:
+        if state.generator.shutting_down:       # before a stream starts: a plain 503
+            raise Unavailable("the server is shutting down")
         check_model(req.model)
         req.check_unsupported()
 

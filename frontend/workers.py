@@ -7,12 +7,21 @@ one long-lived bidirectional Session stream that multiplexes all of this fronten
 that worker: Submit/Cancel go out, one StepOutput per engine step comes back and is fanned out to
 the per-request queues. If a stream breaks (the worker died) or its lease expires, every request
 on it receives `WORKER_LOST` and the caller migrates it.
+
+Only `ready` workers join and are routed to (runtime/lifecycle.py). A worker that starts draining
+says so on its stream (and in its lease): it stays in the pool, unroutable, until its requests are
+done and it ends the stream. A worker whose stream broke is not re-admitted while its lease lives
+on (a dead process's lease outlives it by up to lease_ttl_s, and re-adding it on every poll made it
+join and leave the pool 9 times in 5 s); if the lease is still renewed after `3 x lease_ttl_s` the
+worker is alive after all and rejoins. A worker whose lease vanished while its stream is healthy is
+kept for `2 x lease_ttl_s` (a restarted Redis comes back empty until the workers renew).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -21,12 +30,16 @@ import redis.asyncio as aioredis
 from frontend.admission import Admission
 from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from runtime.discovery import WorkerInfo, list_workers
+from runtime.lifecycle import WorkerState
+from runtime.logging import Throttled
+from runtime.pool_record import PoolsRecord, read_pools
 from router import WorkerRole
 from runtime.errors import Unavailable
 
 log = logging.getLogger(__name__)
 
 WORKER_LOST = object()       # put on a request's queue when its worker goes away
+SHUTTING_DOWN = object()     # put on every request's queue when the frontend stops before they finish
 
 
 class WorkerConnection:
@@ -40,6 +53,7 @@ class WorkerConnection:
         self._out: asyncio.Queue[worker_pb2.SessionRequest | None] = asyncio.Queue()
         self._streams: dict[str, asyncio.Queue] = {}
         self.alive = True
+        self.draining = info.state == WorkerState.DRAINING
         self.has_session = info.role != "prefill"
         self._reader = asyncio.create_task(self._run() if self.has_session else self._watch(),
                                            name=f"session-{info.worker_id}")
@@ -51,6 +65,22 @@ class WorkerConnection:
     @property
     def num_active(self) -> int:
         return len(self._streams)
+
+    @property
+    def routable(self) -> bool:
+        return self.alive and not self.draining and self.info.state == WorkerState.READY
+
+    def update(self, info: WorkerInfo) -> None:
+        """A newer lease record of this worker (its state may have changed)."""
+        if info.state == WorkerState.DRAINING and not self.draining:
+            log.info("worker %s is draining", self.worker_id)
+            self.draining = True
+        self.info = info
+
+    def interrupt(self, marker: object) -> None:
+        """Put `marker` on every request's queue (e.g. SHUTTING_DOWN)."""
+        for q in self._streams.values():
+            q.put_nowait(marker)
 
     def submit(self, msg: worker_pb2.WorkerSubmit) -> asyncio.Queue:
         if not self.alive:
@@ -79,10 +109,14 @@ class WorkerConnection:
         try:
             call = self.stub.Session(self._outgoing())
             async for step in call:
+                if step.draining and not self.draining:
+                    log.info("worker %s is draining", self.worker_id)
+                    self.draining = True
                 for delta in step.deltas:
                     q = self._streams.get(delta.request_id)
                     if q is not None:
                         q.put_nowait(delta)
+            log.info("worker %s closed its session", self.worker_id)
         except asyncio.CancelledError:
             pass
         except grpc.aio.AioRpcError as e:
@@ -127,14 +161,20 @@ class WorkerPool:
     """Keeps connections in step with the leases in Redis and picks a worker per request."""
 
     def __init__(self, redis: aioredis.Redis, namespace: str, router, admission: Admission,
-                 poll_interval_s: float = 0.5) -> None:
+                 poll_interval_s: float = 0.5, lease_ttl_s: float = 5.0) -> None:
         self._redis, self._namespace, self.router = redis, namespace, router
         self.admission = admission
         self._poll_s = poll_interval_s
+        self._missing_grace_s = 2 * lease_ttl_s
+        self._quarantine_s = 3 * lease_ttl_s
         self.workers: dict[str, WorkerConnection] = {}
         self.refused: dict[str, str] = {}      # live workers that may not join: worker id -> why
+        self._lost: dict[str, float] = {}      # workers whose connection failed -> when (monotonic)
+        self._missing: dict[str, float] = {}   # pool members whose lease vanished -> since when
+        self.pools: PoolsRecord | None = None  # the pool controller's desired sizes, if one runs
         self._task: asyncio.Task | None = None
         self.changed = asyncio.Event()
+        self._warn = Throttled(log)
 
     async def start(self) -> None:
         await self.refresh()
@@ -145,22 +185,42 @@ class WorkerPool:
             await asyncio.sleep(self._poll_s)
             try:
                 await self.refresh()
+                self._warn.clear("discovery")
             except Exception as e:
-                log.warning("worker discovery failed: %s", e)
+                self._warn.warning("discovery", "worker discovery failed (the pool keeps its workers meanwhile): %s",
+                                   e)
 
     async def refresh(self) -> None:
         live = {w.worker_id: w for w in await list_workers(self._redis, self._namespace)}
+        self.pools = await read_pools(self._redis, self._namespace)
+        now = time.monotonic()
         for wid in list(self.workers):
             conn = self.workers[wid]
-            if wid not in live or not conn.alive:
-                log.info("worker %s left the pool", wid)
+            info = live.get(wid)
+            if info is not None:
+                self._missing.pop(wid, None)
+                conn.update(info)
+            elif conn.alive and now - self._missing.setdefault(wid, now) < self._missing_grace_s:
+                continue            # its lease is gone but its stream is fine: a Redis restart, maybe
+            if info is None or not conn.alive:
+                why = "its connection failed" if not conn.alive else "its lease expired"
+                log.info("worker %s left the pool (%s)", wid, why)
                 del self.workers[wid]
+                self._missing.pop(wid, None)
+                if not conn.alive and info is not None:
+                    self._lost[wid] = now      # its lease outlives it: do not re-add it on the next poll
                 self.router.remove_worker(wid)
                 await conn.close()
         self.refused = {wid: why for wid, why in self.refused.items() if wid in live}
+        self._lost = {wid: t for wid, t in self._lost.items() if wid in live}
         for wid, info in live.items():
-            if wid in self.workers or wid in self.refused:
+            if wid in self.workers or wid in self.refused or not info.ready:
                 continue
+            if wid in self._lost:
+                if now - self._lost[wid] < self._quarantine_s:
+                    continue
+                log.info("worker %s still renews its lease %.0f s after its connection failed: re-admitting it",
+                         wid, now - self._lost.pop(wid))
             why = self.admission.refusal(info)
             if why is not None:
                 log.warning("refusing worker %s (%s at %s): %s", wid, info.role, info.address, why)
@@ -182,12 +242,34 @@ class WorkerPool:
         role = WorkerRole.PREFILL if prefill else WorkerRole.DECODE
         wid, overlap = self.router.route(request_id, block_hashes, num_prompt_tokens,
                                          [w for w, c in self.workers.items()
-                                          if c.alive and w not in exclude and (c.info.role == "prefill") == prefill],
+                                          if c.routable and w not in exclude and (c.info.role == "prefill") == prefill],
                                          role)
         return Choice(self.workers[wid], overlap)
 
     def num_alive(self, prefill: bool = False) -> int:
-        return sum(1 for c in self.workers.values() if c.alive and (c.info.role == "prefill") == prefill)
+        """Workers of one kind that take requests (ready, connected, not draining)."""
+        return sum(1 for c in self.workers.values() if c.routable and (c.info.role == "prefill") == prefill)
+
+    def num_draining(self, prefill: bool = False) -> int:
+        return sum(1 for c in self.workers.values()
+                   if c.alive and c.draining and (c.info.role == "prefill") == prefill)
+
+    def degraded(self) -> dict[str, str]:
+        """Pools below the size their controller wants: pool -> why (empty: none, or no controller)."""
+        if self.pools is None:
+            return {}
+        out = {}
+        for pool, desired in self.pools.desired.items():
+            ready = self.num_alive(prefill=pool == "prefill")
+            if ready < desired:
+                failed = self.pools.failed.get(pool, 0)
+                out[pool] = f"{ready} of {desired} workers ready" + (f", {failed} failed" if failed else "")
+        return out
+
+    def interrupt_all(self, marker: object) -> None:
+        for conn in self.workers.values():
+            conn.interrupt(marker)
+        self.changed.set()
 
     async def wait_for_workers(self, timeout_s: float) -> bool:
         deadline = asyncio.get_running_loop().time() + timeout_s

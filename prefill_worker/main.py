@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from engine.engine import Engine, EngineLoop
@@ -19,18 +20,26 @@ async def serve_prefill_worker(cfg: WorkerConfig) -> None:
         raise SystemExit("a prefill worker needs NIXL (pip install 'splitserve[nixl]')")
     startup_s = {"process_start_to_main": round(process_age_s(), 3)}    # interpreter + imports
     worker_id = make_worker_id(cfg)
-    t0 = time.perf_counter()
-    engine = await asyncio.to_thread(Engine, cfg.engine)
-    startup_s["engine"] = round(time.perf_counter() - t0, 3)
     host = WorkerHost(cfg, worker_id)
+    service = PrefillService(worker_id, host.metrics)
+    worker_pb2_grpc.add_PrefillServicer_to_server(service, host.server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(
+        StatusService(worker_id, "prefill", cfg.engine.block_size, lambda: loop.stats, host.publisher, host=host),
+        host.server)
+    await host.open()              # liveness and a `starting` lease while the model loads
+    t0 = time.perf_counter()
+    try:
+        # a prefill worker computes prompts and their first token, never a decode step: decode CUDA
+        # graphs would cost start-up time and memory for nothing
+        engine = await asyncio.to_thread(Engine, dataclasses.replace(cfg.engine, cuda_graphs=False))
+    except BaseException:
+        await host.close()
+        raise
+    startup_s["engine"] = round(time.perf_counter() - t0, 3)
     t0 = time.perf_counter()
     agent = KvTransferAgent(worker_id, engine.runner.kv_cache)
     startup_s["nixl_agent"] = round(time.perf_counter() - t0, 3)
-    service = PrefillService(worker_id, agent, host.metrics)
     loop = EngineLoop(engine, service.on_outputs, on_events=host.events_sink)
-    service.attach(loop)
+    service.attach(loop, agent)
     loop.start()
-    worker_pb2_grpc.add_PrefillServicer_to_server(service, host.server)
-    worker_pb2_grpc.add_WorkerServicer_to_server(
-        StatusService(worker_id, "prefill", cfg.engine.block_size, lambda: loop.stats, host.publisher), host.server)
-    await host.serve(loop, f"prefill worker {worker_id}", agent, startup_s)
+    await host.serve(loop, f"prefill worker {worker_id}", agent, startup_s, drainer=service)

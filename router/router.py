@@ -131,6 +131,11 @@ class Router:
     def workers_needing_resync(self) -> list[str]:
         return self._index.workers_needing_resync()
 
+    def resync_all(self) -> None:
+        """Every worker's events may be lost (the stream was reset): resync each from a snapshot."""
+        for worker_id in self._roles:
+            self._index.mark_needs_resync(worker_id)
+
     @property
     def index(self) -> PrefixIndex:
         return self._index

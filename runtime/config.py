@@ -86,6 +86,13 @@ class WorkerConfig:
     metrics_port: int | None = arg(None, "Prometheus /metrics port of this worker (0 picks one); none: off")
     worker_id: str | None = arg(None, "name in discovery and logs (a unique suffix is added); "
                                 "none: ROLE-HOSTNAME")
+    drain_timeout_s: float = arg(60.0, "on SIGTERM (or Worker.Drain) the worker takes no new requests and "
+                                 "finishes those in flight for this long; then it hands what remains back "
+                                 "to the frontends (they continue elsewhere) and exits. A second SIGTERM "
+                                 "stops at once")
+    prefill_lease_s: float = arg(15.0, "decode worker: how long a prefill worker may take to compute and push "
+                                 "a prompt before this worker computes it itself (a prefill worker that "
+                                 "expects to take longer refuses it at once)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +123,27 @@ class FrontendConfig:
                                         "as saturated")
     max_model_len: int | None = arg(None, "longest prompt + output accepted; none: the model's "
                                     "max_position_embeddings")
+    drain_timeout_s: float = arg(60.0, "on SIGTERM, open requests may finish for this long before they end "
+                                 "with an error event; new ones get 503 (under `serve`: the workers' drain "
+                                 "timeout too)")
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerConfig:
+    """controller: the pool controller (desired pool sizes, restarts) and its admin API"""
+    admin_host: str = arg("127.0.0.1", "address the admin API (gRPC splitserve.v1.Admin) binds")
+    admin_port: int = arg(50052, "admin API port; 0 picks a free one")
+    admin_token: str | None = arg(None, "bearer token the admin API requires; none: `serve` generates one and "
+                                  "writes it to a file only this user can read (the CLI finds it)",
+                                  env="SPLITSERVE_ADMIN_TOKEN", secret=True)
+    min_decode_workers: int = arg(1, "the decode pool never shrinks below this")
+    max_decode_workers: int = arg(8, "the decode pool never grows above this (`pools scale` beyond it is refused)")
+    min_prefill_workers: int = arg(0, "the prefill pool never shrinks below this")
+    max_prefill_workers: int = arg(8, "the prefill pool never grows above this")
+    restart_backoff_s: float = arg(1.0, "a crashed worker is restarted after this, doubling per crash in a row "
+                                   "(up to 30 s)")
+    crash_loop_restarts: int = arg(5, "after this many restarts in a row, each crashing within a minute, a "
+                                   "worker is left stopped and reported (log, metric, `pools status`)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,3 +155,6 @@ class ServeConfig:
     prefill_workers: int = arg(1, "prefill workers; 0: aggregated serving (each worker prefills its own "
                                "prompts)")
     startup_timeout_s: float = arg(300.0, "how long to wait for every worker to be healthy")
+    prefill_lease_s: float = arg(15.0, "how long a prefill worker may take to compute and push a prompt "
+                                 "before the decode worker computes it itself")
+    controller: ControllerConfig = field(default_factory=ControllerConfig)

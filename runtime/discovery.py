@@ -1,18 +1,25 @@
 """Worker discovery through Redis: each worker holds an expiring key (its lease) and renews it.
 
 A worker that dies stops renewing; its key expires after `lease_ttl_s` and it leaves every pool.
-Readers (frontend, router, planner) list the live keys. The lease is the only liveness signal that
-crosses processes; a broken gRPC stream is a faster, local one.
+Readers (frontend, router, pool controller) list the live keys. The lease is the only liveness
+signal that crosses processes; a broken gRPC stream is a faster, local one. The lease also carries
+the worker's lifecycle state (runtime/lifecycle.py), updated at once when it changes, and is
+re-written by every renewal, so a Redis that restarted empty has every live worker back within
+a third of the TTL.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from dataclasses import asdict, dataclass
 
 import redis.asyncio as aioredis
+
+from runtime.lifecycle import WorkerState
+from runtime.logging import Throttled
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +34,13 @@ class WorkerInfo:
     num_blocks: int
     metrics_url: str | None = None
     model_fingerprint: str = ""   # runtime.model_config.model_fingerprint: what frontends match on
+    state: str = WorkerState.READY    # runtime.lifecycle.WorkerState
+    name: str = ""                # what it was launched as (--worker-id, without the unique suffix)
+    started_at: float = 0.0       # unix time the process started its services
+
+    @property
+    def ready(self) -> bool:
+        return self.state == WorkerState.READY
 
 
 def _key(namespace: str, worker_id: str) -> str:
@@ -39,10 +53,19 @@ class Lease:
     def __init__(self, client: aioredis.Redis, namespace: str, info: WorkerInfo, ttl_s: float) -> None:
         self._client, self._namespace, self.info, self._ttl_ms = client, namespace, info, int(ttl_s * 1000)
         self._task: asyncio.Task | None = None
+        self._warn = Throttled(log)
 
     async def start(self) -> None:
         await self._renew()
         self._task = asyncio.create_task(self._loop(), name="lease-renewal")
+
+    async def update(self, **changes) -> None:
+        """Change the record (e.g. its state) and publish it now; a failure is retried by renewal."""
+        self.info = dataclasses.replace(self.info, **changes)
+        try:
+            await self._renew()
+        except Exception as e:
+            self._warn.warning("renew", "lease update failed (the next renewal retries): %s", e)
 
     async def _renew(self) -> None:
         await self._client.set(_key(self._namespace, self.info.worker_id), json.dumps(asdict(self.info)),
@@ -54,7 +77,7 @@ class Lease:
             try:
                 await self._renew()
             except Exception as e:  # Redis blip: keep trying; the lease survives ttl/3 x 2 misses
-                log.warning("lease renewal failed: %s", e)
+                self._warn.warning("renew", "lease renewal failed: %s", e)
 
     async def close(self) -> None:
         if self._task:

@@ -7,6 +7,10 @@ router, which orders them and says when a worker needs a resync (a gap that did 
 entry trimmed, deleted, or a publish that failed). The consumer then calls ``resync(worker_id)``
 (in production a Snapshot RPC to the worker) and applies the snapshot.
 
+A Redis that restarts loses the stream: the consumer rides out the outage (throttled warnings),
+then sees that the server changed (its run id), reads the new stream from its start and resyncs
+every worker, since events published meanwhile are gone and stream ids may have gone backwards.
+
 The Redis client must return bytes (``decode_responses=False``, the default).
 A restarted worker must come back under a new worker id or be removed from the router first:
 its sequence numbers restart at 1 and would otherwise read as duplicates.
@@ -20,9 +24,12 @@ import time
 from typing import Awaitable, Callable, Iterable, Protocol
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvstore.event_codec import EventCodecError, decode_batch, encode_batch
 from kvstore.events import AllCleared, BlockRemoved, BlockStored, KvEvent, KvEventBatch, Tier
+from runtime.logging import Throttled
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +50,7 @@ class EventSink(Protocol):
                        entries: Iterable[tuple[Tier, Iterable[int]]]) -> None: ...
     def check_gaps(self) -> list[str]: ...
     def workers_needing_resync(self) -> list[str]: ...
+    def resync_all(self) -> None: ...
 
 
 class KvEventPublisher:
@@ -121,20 +129,45 @@ class KvEventConsumer:
         self.num_batches = 0
         self.num_malformed = 0
         self.num_resyncs = 0
+        self.num_stream_resets = 0
+        self._server_id: str | None = None
+        self._warn = Throttled(log)
 
-    async def run(self) -> None:
-        """Consume until cancelled."""
+    async def run(self, retry_s: float = 0.5) -> None:
+        """Consume until cancelled; a Redis outage is waited out (see the module's docstring)."""
         me = asyncio.current_task()
+        failing = False
         try:
             while True:
                 # redis-py can swallow a CancelledError that lands inside a blocking XREAD; the
                 # task still counts the request, so honour it here instead of looping forever
                 if me is not None and me.cancelling():
                     raise asyncio.CancelledError
-                await self.poll_once()
+                try:
+                    if failing or self._server_id is None:
+                        await self._check_server()
+                    await self.poll_once()
+                    failing = False
+                    self._warn.clear("read")
+                except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+                    failing = True
+                    self._warn.warning("read", "reading KV events failed (retrying): %s", e)
+                    await asyncio.sleep(retry_s)
         finally:
             for task in self._resyncs.values():
                 task.cancel()
+
+    async def _check_server(self) -> None:
+        """After an outage: if Redis restarted (another run id) the stream is new, read it from the start
+        and resync every worker."""
+        server_id = (await self._redis.info("server")).get("run_id")
+        if self._server_id is not None and server_id != self._server_id:
+            self.num_stream_resets += 1
+            self.last_id = "0-0"
+            self._sink.resync_all()
+            log.info("Redis restarted: reading KV events from the start of its new stream and resyncing "
+                     "every worker from a snapshot")
+        self._server_id = server_id
 
     async def poll_once(self) -> int:
         """One XREAD (blocking up to ``block_ms``), then gap checks and resyncs; returns batches read."""

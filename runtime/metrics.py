@@ -33,8 +33,15 @@ class WorkerMetrics:
         r = self.registry
         self.kv_handoffs = Counter("splitserve_kv_handoffs", "Prompts whose KV a prefill worker pushed here",
                                    labels, registry=r)
-        self.prefill_fallback = Counter("splitserve_prefill_fallback", "Remote prefills that failed and were "
-                                        "computed here instead", labels, registry=r)
+        self.prefill_fallback = Counter("splitserve_prefill_fallback", "Remote prefills computed here instead, "
+                                        "by reason: saturated | draining | timeout | unavailable | error",
+                                        labels + ["reason"], registry=r)
+        self.prefill_refused = Counter("splitserve_prefill_refused", "Prefill side: prompts refused at once, by "
+                                       "reason: saturated (could not finish within the lease) | draining",
+                                       labels + ["reason"], registry=r)
+        self.prefill_timeouts = Counter("splitserve_prefill_timeouts", "Prefill side: prompts that did not "
+                                        "finish within their lease (the decode worker computed them)", labels,
+                                        registry=r)
         self.handoff_s = Histogram("splitserve_kv_handoff_seconds", "Decode side: reservation to KV landed",
                                    labels, registry=r, buckets=LATENCY_BUCKETS_S)
         self.kv_transfer_bytes = Counter("splitserve_kv_transfer_bytes", "KV bytes pushed to decode workers",
@@ -72,5 +79,29 @@ class FrontendMetrics:
         self.prefill_remote = Counter("splitserve_prefill_remote", "Prompts sent to a prefill worker", registry=r)
         self.prefill_local = Counter("splitserve_prefill_local", "Prompts prefilled on their decode worker, by "
                                      "reason", ["reason"], registry=r)
-        self.migrations = Counter("splitserve_request_migrations", "Requests moved to another worker "
-                                  "after their worker failed", registry=r)
+        self.migrations = Counter("splitserve_request_migrations", "Requests moved to another worker, by "
+                                  "reason: worker_lost (it died) | drain (it was draining)", ["reason"], registry=r)
+        self.shutdown_errors = Counter("splitserve_requests_ended_by_shutdown", "Requests ended with an error "
+                                       "because the frontend stopped before they finished", registry=r)
+
+
+class PoolMetrics:
+    """The pool controller's (serve's, or the planner's): what each pool should have and has."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        pool = ["pool"]
+        self.desired = Gauge("splitserve_pool_desired_workers", "Workers the pool should have", pool, registry=r)
+        self.ready = Gauge("splitserve_pool_ready_workers", "Workers of the pool taking requests", pool, registry=r)
+        self.starting = Gauge("splitserve_pool_starting_workers", "Workers of the pool starting (or waiting to be "
+                              "restarted)", pool, registry=r)
+        self.draining = Gauge("splitserve_pool_draining_workers", "Workers of the pool draining", pool, registry=r)
+        self.failed = Gauge("splitserve_pool_failed_workers", "Workers of the pool left stopped after a crash "
+                            "loop", pool, registry=r)
+        self.degraded = Gauge("splitserve_pool_degraded", "1 while the pool has fewer ready workers than desired",
+                              pool, registry=r)
+        self.restarts = Counter("splitserve_worker_restarts", "Workers restarted after they crashed", pool, registry=r)
+        self.crash_loops = Counter("splitserve_worker_crash_loops", "Workers not restarted any more (crash loop)",
+                                   pool, registry=r)
+        self.component_restarts = Counter("splitserve_component_restarts", "serve's own children restarted after "
+                                          "they died", ["component"], registry=r)

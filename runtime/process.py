@@ -36,3 +36,13 @@ def install_stop_handlers(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+
+
+def install_signal_events(first: asyncio.Event, second: asyncio.Event) -> None:
+    """SIGINT/SIGTERM set `first` (stop gracefully); another one after it sets `second` (stop now)."""
+    loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        (second if first.is_set() else first).set()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)

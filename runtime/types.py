@@ -18,6 +18,21 @@ RequestId = NewType("RequestId", str)
 SessionId = NewType("SessionId", int)
 
 
+class GrammarKind(IntEnum):
+    """What a `GrammarSpec.spec` holds (compiled worker-side by xgrammar, engine/grammar.py)."""
+    JSON_OBJECT = 1         # any JSON object; spec unused
+    JSON_SCHEMA = 2         # spec: the JSON schema, as JSON text
+    STRUCTURAL_TAG = 3      # spec: an xgrammar structural tag, as JSON text (tool calls)
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """A constraint on the output, as plain text: the frontend writes it, the worker compiles it.
+    Equal specs share one compiled grammar (the worker's cache is keyed by this value)."""
+    kind: GrammarKind
+    spec: str = ""
+
+
 class FinishReason(IntEnum):
     STOP = 1
     LENGTH = 2
@@ -34,6 +49,22 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    # logits processing, in this order on the device (engine/sampler.py): grammar bitmask,
+    # min_tokens (stop tokens banned), logit_bias, penalties, then temperature, min_p, top-k/top-p
+    presence_penalty: float = 0.0       # OpenAI: minus this for every token already in the output
+    frequency_penalty: float = 0.0      # OpenAI: minus this times the token's count in the output
+    repetition_penalty: float = 1.0     # HF/vLLM: divides positive (multiplies negative) logits of
+                                        # tokens in the prompt or the output; 1 = off
+    min_p: float = 0.0                  # drop tokens below min_p times the top token's probability
+    min_tokens: int = 0                 # EOS and stop_token_ids are banned before this many outputs
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) pairs, ids sorted
+    logprobs: int | None = None         # return the sampled token's logprob and this many top ones
+    grammar: GrammarSpec | None = None  # structured output (xgrammar bitmask)
+    n: int = 1                          # parallel samples of one prompt; sample i seeds with seed + i
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -53,6 +84,15 @@ class EngineRequest:
     hold_blocks: bool = False           # prefill side: keep the blocks pinned after finishing
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One sampled token's log-probability under the model (log-softmax of the raw logits, before
+    any processing), and the `len(top_ids)` most likely tokens with theirs, best first."""
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request (new tokens, and how it ended if it did)."""
@@ -64,6 +104,8 @@ class RequestOutput:
     error: str = ""
     internal_error: bool = False          # the engine failed, not the request
     held_block_ids: list[int] | None = None   # hold_blocks requests: their blocks, still pinned
+    logprobs: list[TokenLogprobs] | None = None   # one per new token, when the request asked
+    index: int = 0                        # which sample of the request (n > 1), 0 .. n-1
 
 
 @dataclass(slots=True)

@@ -1,10 +1,12 @@
-"""The `splitserve` command: serve a cluster, run one component, make the tiny model, benchmark.
+"""The `splitserve` command: serve a cluster, run one component, operate its pools, make the tiny
+model, benchmark.
 
 The flags of `serve` and of every component are generated from the config dataclasses in
 runtime/config.py (runtime/cli_args.py); a component also takes `--config FILE`, the JSON of its
 config, which is how `serve` hands each child its config. Secrets (the API key) are read from the
-environment (SPLITSERVE_API_KEY) as well as flags, so launchers can pass them without putting them
-on a command line that `ps` shows. Engine code is imported only by the commands that run one.
+environment (SPLITSERVE_API_KEY, SPLITSERVE_ADMIN_TOKEN) as well as flags, so launchers can pass
+them without putting them on a command line that `ps` shows. `pools` and `workers` talk to a running
+cluster's admin API (splitserve/admin_cli.py). Engine code is imported only by the commands that run one.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text)
         add_config_args(p, WorkerConfig, skip=("role",) if name == "prefill-worker" else ())
 
+    from splitserve import admin_cli
+    admin_cli.add_arguments(sub)
+
     p = sub.add_parser("model", help="model utilities")
     msub = p.add_subparsers(dest="model_command", required=True)
     from splitserve import tiny_model
@@ -71,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cmd = args.command
+    if cmd in ("pools", "workers"):
+        from splitserve import admin_cli
+        return admin_cli.main(args)
     if cmd == "model":
         from splitserve import tiny_model
         return tiny_model.main(args)

@@ -1,17 +1,29 @@
-"""`splitserve serve`: a whole cluster on one machine, as separate processes.
+"""`splitserve serve`: a whole cluster on one machine, as separate processes, kept at its size.
 
-Starts the embedded Redis (unless --redis-url), the workers and the frontend; waits until the
-frontend reports every worker healthy; prints where to connect; on Ctrl-C / SIGTERM stops them
-all (children also die with this process if it is killed, via PR_SET_PDEATHSIG).
+Starts the embedded Redis (unless --redis-url), the frontend, and a pool controller
+(planner/controller.py) that starts the workers through the local-process connector
+(planner/local_connector.py) and keeps each pool at its desired size: it restarts crashed workers
+with backoff, reports crash loops, and scales on `splitserve pools scale` through the admin API
+(planner/admin.py, on --admin-port), which this process serves. Waits until the frontend reports
+every worker healthy; prints where to connect. It also supervises its own children: a Redis or a
+frontend that dies is started again on the same port (docs/operations.md).
+
+Stopping (Ctrl-C / SIGTERM): the frontend stops taking requests and every worker drains, so open
+streams finish (or, past --drain-timeout-s, end with an error event); then Redis stops. A second
+signal kills everything at once. Children run in their own process group (a terminal's Ctrl-C
+reaches this process alone, which orders the rest) and die with it even if it is killed
+(PR_SET_PDEATHSIG).
 
 Each child gets its whole config as a file (`splitserve decode-worker --config DIR/decode-0.json`),
 derived from the ServeConfig: the workers' from its engine, the frontend's from its frontend, all
 sharing its Redis and host. The files lie in a private directory (mode 0700) that is removed at
-exit; the API key is not in them but in the frontend's environment.
+exit; the API key is not in them but in the frontend's environment, and the admin token reaches no
+child at all.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -25,17 +37,29 @@ from pathlib import Path
 
 import httpx
 
+from planner.admin import start_admin_server
+from planner.controller import PoolController
+from planner.local_connector import LocalProcessConnector, describe_exit
+from planner.pools import PoolBook, PoolName, PoolSpec
+from planner.restarts import CrashHistory, RestartPolicy
+from runtime.admin_auth import new_token, write_token_file
 from runtime.config import FrontendConfig, ServeConfig, WorkerConfig
 from runtime.config_file import write_config
 from runtime.errors import InvalidRequest
+from runtime.metrics import PoolMetrics, start_metrics_server
 from runtime.process import die_with_parent
 from runtime.redis_embedded import EmbeddedRedis
 from splitserve.models import resolve_model
 
 log = logging.getLogger("splitserve.serve")
 
+STOP_MARGIN_S = 15.0          # beyond the drain timeout, before stragglers are killed
+SECRETS_ENV = ("SPLITSERVE_ADMIN_TOKEN",)
+
 
 class Cluster:
+    """The child processes and their config files."""
+
     def __init__(self) -> None:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self._config_dir: str | None = None
@@ -47,21 +71,26 @@ class Cluster:
             self._config_dir = tempfile.mkdtemp(prefix="splitserve-serve-")
         return self._config_dir
 
-    def spawn(self, name: str, argv: list[str], env: dict[str, str], stdout=None) -> None:
+    def spawn(self, name: str, argv: list[str], env: dict[str, str], stdout=None,
+              own_group: bool = False) -> subprocess.Popen:
         """Start `splitserve ARGV...` as a child that dies with this process."""
         proc = subprocess.Popen([sys.executable, "-m", "splitserve", *argv], env=env, stdout=stdout,
-                                preexec_fn=die_with_parent)
-        self.procs.append((name, proc))
+                                preexec_fn=die_with_parent, process_group=0 if own_group else None)
+        self.procs = [(n, p) for n, p in self.procs if p.poll() is None or n != name] + [(name, proc)]
+        return proc
 
     def spawn_component(self, command: str, name: str, cfg: WorkerConfig | FrontendConfig,
-                        env: dict[str, str]) -> None:
-        """Start `splitserve COMMAND --config DIR/NAME.json` with `cfg` in that file."""
+                        env: dict[str, str]) -> subprocess.Popen:
+        """Start `splitserve COMMAND --config DIR/NAME.json` with `cfg` in that file, in its own group."""
         path = os.path.join(self.config_dir, f"{name}.json")
         write_config(cfg, path)
-        self.spawn(name, [command, "--config", path], env)
+        return self.spawn(name, [command, "--config", path], env, own_group=True)
 
     def dead(self) -> list[tuple[str, int]]:
         return [(n, p.returncode) for n, p in self.procs if p.poll() is not None]
+
+    def alive(self) -> list[tuple[str, subprocess.Popen]]:
+        return [(n, p) for n, p in self.procs if p.poll() is None]
 
     def stop(self, timeout_s: float = 10.0) -> None:
         for _, p in self.procs:
@@ -75,6 +104,9 @@ class Cluster:
                 log.warning("%s did not stop in time; killing it", name)
                 p.kill()
                 p.wait()
+        self.remove_config_dir()
+
+    def remove_config_dir(self) -> None:
         if self._config_dir is not None:
             shutil.rmtree(self._config_dir, ignore_errors=True)
 
@@ -93,64 +125,253 @@ def serve(cfg: ServeConfig) -> int:
         print("splitserve serve: NIXL is not installed (pip install 'splitserve[nixl]'); serving aggregated",
               file=sys.stderr)
         cfg = dataclasses.replace(cfg, prefill_workers=0)
-    redis = None if cfg.frontend.redis.url else EmbeddedRedis()
-    if redis is not None:
-        cfg = dataclasses.replace(cfg, frontend=dataclasses.replace(
-            cfg.frontend, redis=dataclasses.replace(cfg.frontend.redis, url=redis.url)))
-    frontend = frontend_config(cfg, model_dir)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if cfg.frontend.api_key:
-        env["SPLITSERVE_API_KEY"] = cfg.frontend.api_key      # by environment, never argv or a file
-    cluster = Cluster()
-    stop = {"sig": None}
-
-    def on_signal(signum, frame):
-        stop["sig"] = signum
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
     try:
-        role = "decode" if cfg.prefill_workers else "aggregated"
-        for i in range(cfg.prefill_workers):
-            cluster.spawn_component("prefill-worker", f"prefill-{i}", worker_config(cfg, model_dir, "prefill", i),
-                                    env)
-        for i in range(cfg.decode_workers):
-            cluster.spawn_component("decode-worker", f"{role}-{i}", worker_config(cfg, model_dir, role, i), env)
-        cluster.spawn_component("frontend", "frontend", frontend, env)
-        url = f"http://{cfg.frontend.host}:{cfg.frontend.http_port}"
-        if not wait_ready(cluster, f"{url}/health", cfg.decode_workers, cfg.prefill_workers,
-                          cfg.startup_timeout_s, stop):
-            return 0 if stop["sig"] is not None else 1    # stopped on request while starting: not a failure
-        print(_banner(cfg, frontend.model_name, url), flush=True)
-        while stop["sig"] is None:
-            for name, code in cluster.dead():
-                if name == "frontend":
-                    log.error("the frontend exited (code %s); stopping", code)
-                    return 1
-            time.sleep(0.2)
-        log.info("stopping (signal %s)", stop["sig"])
+        book = pool_book(cfg)
+    except InvalidRequest as e:
+        print(f"splitserve serve: {e.message}", file=sys.stderr)
+        return 2
+    return asyncio.run(Launcher(cfg, model_dir, book).run())
+
+
+def pool_book(cfg: ServeConfig) -> PoolBook:
+    """The pools' start sizes and limits; aggregated serving (--prefill-workers 0) fixes the prefill pool at 0."""
+    c = cfg.controller
+    decode = PoolSpec(cfg.decode_workers, c.min_decode_workers, c.max_decode_workers)
+    if cfg.prefill_workers:
+        prefill = PoolSpec(cfg.prefill_workers, c.min_prefill_workers, c.max_prefill_workers)
+    else:
+        prefill = PoolSpec(0, 0, 0, fixed="this cluster serves aggregated (started with --prefill-workers 0): "
+                                          "every worker prefills its own prompts")
+    for name, spec, n in (("decode", decode, cfg.decode_workers), ("prefill", prefill, cfg.prefill_workers)):
+        if not spec.min <= n <= spec.max:
+            raise InvalidRequest(f"--{name}-workers {n} lies outside the {name} pool's limits "
+                                 f"(--min-{name}-workers {spec.min}, --max-{name}-workers {spec.max})")
+    return PoolBook({PoolName.DECODE: decode, PoolName.PREFILL: prefill})
+
+
+class Launcher:
+    """One `serve` run: children, controller, admin API; `run()` returns the exit code."""
+
+    def __init__(self, cfg: ServeConfig, model_dir: str, book: PoolBook) -> None:
+        self.cfg, self.model_dir, self.book = cfg, model_dir, book
+        self.cluster = Cluster()
+        self.role = "decode" if cfg.prefill_workers else "aggregated"
+        self.roles = {PoolName.DECODE: self.role, PoolName.PREFILL: "prefill"}
+        self.metrics = PoolMetrics()
+        self.stop = asyncio.Event()
+        self.kill_now = asyncio.Event()
+        self.redis: EmbeddedRedis | None = None
+        self.frontend: subprocess.Popen | None = None
+        self.frontend_started = 0.0
+        self.frontend_history = CrashHistory(RestartPolicy(backoff_s=cfg.controller.restart_backoff_s,
+                                                           crash_loop_restarts=cfg.controller.crash_loop_restarts))
+        self.connector: LocalProcessConnector | None = None
+        self.controller: PoolController | None = None
+        self.admin = None
+        self.token_path: Path | None = None
+        self.admin_address = ""
+        self.env: dict[str, str] = {}
+
+    # ---- the run ----------------------------------------------------------------------------
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            return await self._run()
+        finally:
+            await self._shutdown()
+
+    def _on_signal(self, sig: int) -> None:
+        if self.stop.is_set():
+            log.warning("second %s: stopping everything now", signal.Signals(sig).name)
+            self.kill_now.set()
+        else:
+            log.info("stopping (signal %s): draining the workers", signal.Signals(sig).name)
+            self.stop.set()
+
+    async def _run(self) -> int:
+        cfg = self.cfg
+        if not cfg.frontend.redis.url:
+            self.redis = EmbeddedRedis(own_group=True)
+            cfg = self.cfg = dataclasses.replace(cfg, frontend=dataclasses.replace(
+                cfg.frontend, redis=dataclasses.replace(cfg.frontend.redis, url=self.redis.url)))
+        self.env = {k: v for k, v in os.environ.items() if k not in SECRETS_ENV}
+        self.env["PYTHONUNBUFFERED"] = "1"
+        if cfg.frontend.api_key:
+            self.env["SPLITSERVE_API_KEY"] = cfg.frontend.api_key    # by environment, never argv or a file
+        if not await self._start_controller():
+            return 2
+        self._start_frontend()
+        self.controller.start()
+        if not await self._wait_ready():
+            return 0 if self.stop.is_set() else 1     # stopped on request while starting: not a failure
+        self.connector.restart_crashed = True
+        print(self._banner(), flush=True)
+        while not self.stop.is_set():
+            if not await self._supervise():
+                return 1
+            await _wait(self.stop, 0.2)
         return 0
-    finally:
-        cluster.stop()
-        if redis is not None:
-            redis.close()
+
+    async def _start_controller(self) -> bool:
+        cfg, c = self.cfg, self.cfg.controller
+        token = c.admin_token or new_token()
+        mhost = "127.0.0.1" if cfg.frontend.host in ("0.0.0.0", "::", "") else cfg.frontend.host
+        mport = start_metrics_server(cfg.frontend.host, 0, self.metrics.registry)
+        policy = RestartPolicy(backoff_s=c.restart_backoff_s, crash_loop_restarts=c.crash_loop_restarts)
+        self.connector = LocalProcessConnector(
+            self._spawn_worker, self.roles, policy,
+            on_restart=lambda pool: self.metrics.restarts.labels(pool).inc(),
+            on_crash_loop=lambda pool: self.metrics.crash_loops.labels(pool).inc())
+        self.connector.restart_crashed = False        # during start-up a crash fails serve
+        self.controller = PoolController(self.book, self.connector, self.roles, cfg.frontend.redis.url,
+                                         cfg.frontend.redis.namespace, self.metrics,
+                                         metrics_url=f"http://{mhost}:{mport}/metrics")
+        try:
+            self.admin, port = await start_admin_server(self.controller, c.admin_host, c.admin_port, token)
+        except OSError as e:
+            print(f"splitserve serve: the admin API {e} (choose another with --admin-port, 0 picks a free one)",
+                  file=sys.stderr)
+            return False
+        self.admin_address = f"{c.admin_host}:{port}"
+        self.controller.admin_address = self.admin_address
+        if not c.admin_token:
+            self.token_path = write_token_file(port, token)
+        return True
+
+    def _spawn_worker(self, pool: PoolName, name: str) -> subprocess.Popen:
+        role = self.roles[pool]
+        command = "prefill-worker" if role == "prefill" else "decode-worker"
+        index = name.rsplit("-", 1)[1]
+        return self.cluster.spawn_component(command, name, worker_config(self.cfg, self.model_dir, role, index),
+                                            self.env)
+
+    def _start_frontend(self) -> None:
+        self.frontend = self.cluster.spawn_component("frontend", "frontend", frontend_config(self.cfg, self.model_dir),
+                                                     self.env)
+        self.frontend_started = time.monotonic()
+
+    async def _wait_ready(self) -> bool:
+        """Until the frontend's /health counts every worker (False: a child died, time ran out or a stop)."""
+        url = f"http://{_connect_host(self.cfg.frontend.host)}:{self.cfg.frontend.http_port}/health"
+        want = {p: s.desired for p, s in self.book.pools.items()}
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        async with httpx.AsyncClient(timeout=1.0) as client:
+            while time.monotonic() < deadline and not self.stop.is_set():
+                failed = self.connector.failed()
+                if failed:
+                    log.error("%s exited during start-up (%s)", failed[0].name, failed[0].detail)
+                    return False
+                if self.frontend.poll() is not None:
+                    log.error("the frontend exited during start-up (%s)", describe_exit(self.frontend.returncode))
+                    return False
+                try:
+                    r = await client.get(url)
+                    body = r.json()
+                    if r.status_code == 200 and body.get("decode", 0) >= want[PoolName.DECODE] and \
+                            body.get("prefill", 0) >= want[PoolName.PREFILL]:
+                        return True
+                except (httpx.HTTPError, ValueError):
+                    pass
+                await _wait(self.stop, 0.25)
+        if not self.stop.is_set():
+            log.error("the cluster was not healthy within %.0f s", self.cfg.startup_timeout_s)
+        return False
+
+    async def _supervise(self) -> bool:
+        """Restart a Redis or frontend that died; False when the frontend crash-loops."""
+        if self.redis is not None and not self.redis.alive:
+            log.warning("the embedded Redis exited (%s); starting a new one on port %d", describe_exit(
+                self.redis.returncode), self.redis.port)
+            try:
+                await asyncio.to_thread(self.redis.restart)
+                self.metrics.component_restarts.labels("redis").inc()
+                log.info("Redis is back on port %d; the workers re-register within a third of their lease",
+                         self.redis.port)
+            except RuntimeError as e:
+                log.warning("restarting Redis failed (%s); trying again", e)
+        f = self.frontend
+        if f is not None and f.poll() is not None:
+            uptime = time.monotonic() - self.frontend_started
+            delay = self.frontend_history.crashed(uptime)
+            if delay is None:
+                log.error("the frontend keeps crashing (%s); stopping", describe_exit(f.returncode))
+                return False
+            log.warning("the frontend %s after %.0f s; restarting it in %.1f s (the workers keep running)",
+                        describe_exit(f.returncode), uptime, delay)
+            self.frontend = None
+            asyncio.get_running_loop().call_later(delay, self._restart_frontend)
+        return True
+
+    def _restart_frontend(self) -> None:
+        if not self.stop.is_set():
+            self._start_frontend()
+            self.metrics.component_restarts.labels("frontend").inc()
+
+    # ---- stopping ---------------------------------------------------------------------------
+    async def _shutdown(self) -> None:
+        if self.controller is not None:
+            await self.controller.close()            # no restarts, no scaling from here on
+        if self.frontend is not None and self.frontend.poll() is None:
+            self.frontend.send_signal(signal.SIGTERM)
+        if self.connector is not None:
+            for h in self.connector.list():
+                try:
+                    await self.connector.drain(h.name)
+                except KeyError:
+                    pass
+        deadline = time.monotonic() + self.cfg.frontend.drain_timeout_s + STOP_MARGIN_S
+        while self.cluster.alive() and time.monotonic() < deadline and not self.kill_now.is_set():
+            await asyncio.sleep(0.1)
+        for name, p in self.cluster.alive():
+            if not self.kill_now.is_set():
+                log.warning("%s did not stop in time; killing it", name)
+            p.kill()
+        for _, p in self.cluster.procs:
+            p.wait()
+        if self.admin is not None:
+            await self.admin.stop(grace=0.5)
+        if self.redis is not None:
+            self.redis.close()
+        if self.token_path is not None:
+            self.token_path.unlink(missing_ok=True)
+        self.cluster.remove_config_dir()
+
+    def _banner(self) -> str:
+        cfg = self.cfg
+        model_name = frontend_config(cfg, self.model_dir).model_name
+        url = f"http://{cfg.frontend.host}:{cfg.frontend.http_port}"
+        pools = (f"{cfg.prefill_workers} prefill + {cfg.decode_workers} decode worker(s)" if cfg.prefill_workers
+                 else f"{cfg.decode_workers} aggregated worker(s)")
+        token = (f"token in {self.token_path}" if self.token_path
+                 else "token: --admin-token / SPLITSERVE_ADMIN_TOKEN")
+        return (f"\nSplitserve is ready: model {model_name!r}, {pools}\n"
+                f"  OpenAI HTTP  {url}/v1   (health {url}/health, metrics {url}/metrics)\n"
+                f"  gRPC         {cfg.frontend.host}:{cfg.frontend.grpc_port}   (splitserve.v1.Generation)\n"
+                f"  Admin        {self.admin_address}   (splitserve pools status --admin-url "
+                f"{self.admin_address}; {token})\n"
+                f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "
+                f"-d '{{\"model\": \"{model_name}\", \"prompt\": \"def hello\", \"max_tokens\": 16}}'\n"
+                f"Ctrl-C drains and stops everything.\n")
 
 
-def _banner(cfg: ServeConfig, model_name: str, url: str) -> str:
-    pools = (f"{cfg.prefill_workers} prefill + {cfg.decode_workers} decode worker(s)" if cfg.prefill_workers
-             else f"{cfg.decode_workers} aggregated worker(s)")
-    return (f"\nSplitserve is ready: model {model_name!r}, {pools}\n"
-            f"  OpenAI HTTP  {url}/v1   (health {url}/health, metrics {url}/metrics)\n"
-            f"  gRPC         {cfg.frontend.host}:{cfg.frontend.grpc_port}   (splitserve.v1.Generation)\n"
-            f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "
-            f"-d '{{\"model\": \"{model_name}\", \"prompt\": \"def hello\", \"max_tokens\": 16}}'\n"
-            f"Ctrl-C stops everything.\n")
+async def _wait(event: asyncio.Event, timeout_s: float) -> None:
+    try:
+        await asyncio.wait_for(event.wait(), timeout_s)
+    except asyncio.TimeoutError:
+        pass
 
 
-def worker_config(cfg: ServeConfig, model_dir: str, role: str, index: int) -> WorkerConfig:
-    """Worker ROLE-INDEX's: the cluster's engine, Redis and host; metrics on a free port."""
+def _connect_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def worker_config(cfg: ServeConfig, model_dir: str, role: str, index: int | str) -> WorkerConfig:
+    """Worker ROLE-INDEX's: the cluster's engine, Redis, host and drain timeout; metrics on a free port."""
     return WorkerConfig(engine=dataclasses.replace(cfg.engine, model=model_dir), redis=cfg.frontend.redis,
-                        role=role, host=cfg.frontend.host, metrics_port=0, worker_id=f"{role}-{index}")
+                        role=role, host=cfg.frontend.host, metrics_port=0, worker_id=f"{role}-{index}",
+                        drain_timeout_s=cfg.frontend.drain_timeout_s, prefill_lease_s=cfg.prefill_lease_s)
 
 
 def frontend_config(cfg: ServeConfig, model_dir: str) -> FrontendConfig:
@@ -167,7 +388,8 @@ def frontend_config(cfg: ServeConfig, model_dir: str) -> FrontendConfig:
 
 def wait_ready(cluster: Cluster, health_url: str, num_decode: int, num_prefill: int, timeout_s: float,
                stop) -> bool:
-    """Until the frontend's /health counts the workers (False: a child died, time ran out or `stop`)."""
+    """For launchers of `serve` itself (bench replay): until the frontend's /health counts the
+    workers (False: a child died, time ran out or `stop`)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and stop["sig"] is None:
         dead = cluster.dead()

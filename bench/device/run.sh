@@ -22,6 +22,8 @@ done
 ROOT_SITE=$PWD/.site
 export PYTHONPATH=$PWD/.site:$PWD FLASHINFER_WORKSPACE_BASE=$PWD/.fiws MAX_JOBS=${MAX_JOBS:-16}
 export SPLITSERVE_CACHE=$PWD/.sscache
+# every record names the commit measured: GIT_SHA is carried beside the tree (the copy has no usable .git)
+[ -f GIT_SHA ] && export SPLITSERVE_GIT_SHA=${SPLITSERVE_GIT_SHA:-$(cat GIT_SHA)}
 mkdir -p .fiws
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv; python3 -c \
   "import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__)"; } \

@@ -2,7 +2,16 @@
 Llama-architecture model, driven through the OpenAI HTTP API by `splitserve bench serve`.
 
     python bench/device/serve_e2e.py --arch llama-3.1-8b --scenario 1k1k --concurrency 1,16,64,128 \
-        --out results/   # JSON lines + Pareto PNG
+        --modes agg,disagg --out results/   # JSON lines + Pareto PNG per mode
+
+Each mode is its own cluster on the one GPU, run one after the other in the same call: `agg` serves
+with --decode-workers aggregated workers; `disagg` with 1 prefill + --decode-workers decode workers,
+every worker taking its share of --kv-memory-fraction (0.85 / number of workers: they share the GPU),
+and every prompt computed remotely when it has over --remote-prefill-min-tokens uncached tokens.
+Each cluster's log goes to OUT/serve_MODE.log; after each mode a JSON line says how many ERROR
+lines and tracebacks it holds (the criterion: none, at any concurrency) and how many prompts went
+remote, fell back, or timed out (from the frontend's merged /metrics). docs/disaggregation.md says
+how the two modes' TTFTs are compared.
 
 The model directory is config-only (weights are random bf16, `--load-format dummy`) plus the tiny
 model's tokenizer, so nothing is downloaded; the load generator sends token-id prompts below the
@@ -17,7 +26,9 @@ is not read as an option); repeated, each adds (`--serve-args=--kv-cache-dtype=f
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -56,6 +67,73 @@ def bench_serve_args(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+MODES = ("agg", "disagg")
+COUNTED = ("splitserve_prefill_remote_total", "splitserve_prefill_local_total", "splitserve_prefill_fallback_total",
+           "splitserve_prefill_timeouts_total", "splitserve_prefill_refused_total", "splitserve_kv_handoffs_total",
+           "splitserve_request_migrations_total", "splitserve_request_errors_total")
+
+
+def mode_flags(mode: str, decode_workers: int) -> list[str]:
+    workers = decode_workers + (1 if mode == "disagg" else 0)
+    return ["--prefill-workers", "1" if mode == "disagg" else "0", "--decode-workers", str(decode_workers),
+            "--kv-memory-fraction", str(round(0.85 / workers, 3))]
+
+
+def log_findings(text: str) -> dict:
+    """ERROR lines (our logging's, gRPC's `E1124 ...` and uvicorn's `ERROR:`) and tracebacks in a log."""
+    errors = [line for line in text.splitlines()
+              if " ERROR " in line or line.startswith("ERROR:") or re.match(r"^E\d{4} ", line)]
+    return {"error_lines": len(errors), "tracebacks": text.count("Traceback"), "first_errors": errors[:5]}
+
+
+def counters(url: str) -> dict:
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for name in COUNTED:
+        for labels, value in re.findall(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.M):
+            out[name + labels] = out.get(name + labels, 0.0) + float(value)
+    return out
+
+
+def run_mode(mode: str, args, bench_args: list[str], model: Path, env: dict, out: Path) -> int:
+    log_path = out / f"serve_{mode}.log"
+    flags = [a.replace(".jsonl", f"_{mode}.jsonl").replace(".png", f"_{mode}.png") for a in bench_args]
+    flags[flags.index("--label") + 1] += f" {mode}"
+    with open(log_path, "wb") as log:
+        serve = subprocess.Popen([sys.executable, "-m", "splitserve", "serve", "--model", str(model), "--model-name",
+                                  args.arch, "--load-format", "dummy", "--device", "cuda", "--http-port", "8000",
+                                  "--admin-port", "0", *mode_flags(mode, args.decode_workers),
+                                  *shlex.split(" ".join(args.serve_args))],
+                                 env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    rc = 1
+    try:
+        deadline = time.monotonic() + 400
+        while True:
+            if "Splitserve is ready" in log_path.read_text(errors="replace"):
+                break
+            if serve.poll() is not None or time.monotonic() > deadline:
+                print(f"the {mode} cluster did not start; its log: {log_path}", file=sys.stderr)
+                print(log_path.read_text(errors="replace")[-3000:], file=sys.stderr)
+                return 1
+            time.sleep(1)
+        rc = subprocess.call([sys.executable, "-m", "splitserve", "bench", "serve", *flags], env=env, cwd=ROOT)
+        found = counters("http://127.0.0.1:8000")
+    finally:
+        serve.terminate()
+        try:
+            serve.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+            serve.wait()
+    print(json.dumps({"bench": "serve_e2e_log", "mode": mode, "arch": args.arch, "scenario": args.scenario,
+                      "concurrency": args.concurrency, "exit": serve.returncode, "bench_exit": rc, **found,
+                      **log_findings(log_path.read_text(errors="replace"))}), flush=True)
+    return rc
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="llama-3.1-8b")
@@ -65,12 +143,17 @@ def main() -> int:
     ap.add_argument("--random-range-ratio", type=float, default=None,
                     help="passed to bench serve (default: its default for a scenario, 0.8)")
     ap.add_argument("--decode-workers", type=int, default=1)
+    ap.add_argument("--modes", default="agg,disagg", help="agg (aggregated workers) and/or disagg (1 prefill + "
+                    "the decode workers), comma-separated, run in that order")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--label", default="H100")
     ap.add_argument("--serve-args", "--extra", action="append", default=[],
                     help="extra flags for splitserve serve, shell-quoted; repeatable (each adds)")
     ap.add_argument("--tag", default="", help="added to the output file names and the plot label, e.g. fp8kv")
     args = ap.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - set(MODES):
+        raise SystemExit(f"--modes: choose from {', '.join(MODES)}")
     bench_args = bench_serve_args(args)
     from engine.loader import write_arch_dir
     from splitserve.models import resolve_model
@@ -81,31 +164,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
-    serve = subprocess.Popen([sys.executable, "-m", "splitserve", "serve", "--model", str(model), "--model-name",
-                              args.arch, "--load-format", "dummy", "--device", "cuda", "--prefill-workers", "0",
-                              "--decode-workers", str(args.decode_workers), "--http-port", "8000",
-                              "--kv-memory-fraction", str(round(0.85 / args.decode_workers, 3)),
-                              *shlex.split(" ".join(args.serve_args))], env=env, cwd=ROOT)
-    try:
-        deadline = time.monotonic() + 400
-        while True:
-            try:
-                if httpx.get("http://127.0.0.1:8000/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if serve.poll() is not None or time.monotonic() > deadline:
-                print("the cluster did not start", file=sys.stderr)
-                return 1
-            time.sleep(1)
-        return subprocess.call([sys.executable, "-m", "splitserve", "bench", "serve", *bench_args],
-                               env=env, cwd=ROOT)
-    finally:
-        serve.terminate()
-        try:
-            serve.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            serve.kill()
+    return max(run_mode(mode, args, bench_args, model, env, out) for mode in modes)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ Writes a real safetensors checkpoint of the architecture (seeded random bf16 wei
 HF checkpoints) to local disk once, so the weights sit in the page cache as they do on a node that
 served the model before, then starts `splitserve decode-worker --role aggregated` against an
 embedded Redis `--runs` times. Each run prints a JSON line with the wall time from `Popen` to the
-lease, and the phases the worker logs (`startup phases:` line: imports, weights, KV cache, attention
+lease saying `ready`, and the phases the worker logs (`startup phases:` line: imports, weights, KV cache, attention
 backend, CUDA graphs, ...). The first run pays FlashInfer's JIT compile unless its cache is warm
 (`run.sh jit` before this stage); later runs show the steady start.
 """
@@ -87,7 +87,8 @@ def start_once(model: Path, redis_url: str, log_path: Path, timeout_s: float, ex
     ready_s = None
     try:
         while time.perf_counter() - t0 < timeout_s:
-            if list(client.scan_iter(match="splitserve:worker:*")):
+            # the lease appears as "starting" before the model loads; ready is what the router waits for
+            if any(b'"state": "ready"' in (client.get(k) or b"") for k in client.scan_iter(match="splitserve:worker:*")):
                 ready_s = time.perf_counter() - t0
                 break
             if proc.poll() is not None:

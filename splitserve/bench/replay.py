@@ -136,7 +136,7 @@ def serve_argv(args: argparse.Namespace, policy: str, redis_url: str, namespace:
     argv = ["serve", "--mock", "--model", args.model, "--model-name", MODEL_NAME, "--decode-workers", str(args.workers),
             "--prefill-workers", "0",
             "--redis-url", redis_url, "--namespace", namespace, "--router-policy", policy,
-            "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+            "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--admin-port", "0",
             "--block-size", str(args.block_size), "--max-model-len", str(args.max_model_len),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--startup-timeout-s", str(args.startup_timeout_s)]

@@ -4,7 +4,9 @@
 launcher's ready banner and /health, and `Cluster.stop` ends it with SIGTERM. With an explicit
 --redis-url (an EmbeddedRedis the caller owns) tests can find the workers in Redis, ask them for
 their status over gRPC and find their pids, as an operator would. `own_cluster` does all of that
-with a Redis of its own. Used by the integration tests and by bench/cpu_serving_bench.py.
+with a Redis of its own. Every cluster gets a free admin port; `Cluster.cli(...)` runs
+`splitserve pools|workers ...` against it, as an operator would (the token comes from the file
+serve wrote). Used by the integration tests and by bench/cpu_serving_bench.py.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Cluster:
     redis_url: str | None = None
     namespace: str = "splitserve"
     argv: list[str] = field(default_factory=list)
+    admin_port: int = 0
 
     @property
     def url(self) -> str:
@@ -62,8 +65,22 @@ class Cluster:
     def grpc_target(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
+    @property
+    def admin_url(self) -> str:
+        return f"127.0.0.1:{self.admin_port}"
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def cli(self, *args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+        """`splitserve ARGS...` against this cluster's admin API (unless ARGS name another) in a
+        subprocess: the real CLI, its output as text."""
+        url = [] if "--admin-url" in args else ["--admin-url", self.admin_url]
+        r = subprocess.run([sys.executable, "-m", "splitserve", *args, *url], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60, env=env)
+        if check:
+            assert r.returncode == 0, f"splitserve {' '.join(args)}: {r.returncode}\n{r.stdout}\n{r.stderr}"
+        return r
 
     def stop(self, timeout_s: float = 30.0) -> int:
         if self.proc.poll() is None:
@@ -125,9 +142,9 @@ class Cluster:
 
 def start_cluster(tmp_dir: Path, *args: str, redis_url: str | None = None, env: dict | None = None,
                   min_workers: int = 1) -> Cluster:
-    http_port, grpc_port = free_port(), free_port()
+    http_port, grpc_port, admin_port = free_port(), free_port(), free_port()
     argv = [sys.executable, "-m", "splitserve", "serve", "--http-port", str(http_port),
-            "--grpc-port", str(grpc_port), "--device", "cpu", *args]
+            "--grpc-port", str(grpc_port), "--admin-port", str(admin_port), "--device", "cpu", *args]
     if redis_url:
         argv += ["--redis-url", redis_url]
     tmp_dir.mkdir(parents=True, exist_ok=True)
@@ -135,7 +152,7 @@ def start_cluster(tmp_dir: Path, *args: str, redis_url: str | None = None, env: 
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 env=dict(os.environ if env is None else env))
-    cluster = Cluster(proc, http_port, grpc_port, log_path, redis_url, argv=argv)
+    cluster = Cluster(proc, http_port, grpc_port, log_path, redis_url, argv=argv, admin_port=admin_port)
 
     def healthy():
         if proc.poll() is not None:

@@ -1,5 +1,7 @@
 """With an API key, /v1/* and the gRPC API need it; /health does not; the key never leaks into
-the logs or into the command lines of the processes `splitserve serve` starts."""
+the logs or into the command lines of the processes `splitserve serve` starts. The same for the admin
+token (set here by flag or environment, like the key): the admin API needs it, not the API key, and
+it reaches no child at all (argv, environment) and no file."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from .conftest import start_cluster
 pytestmark = pytest.mark.slow
 
 KEY = "sk-test-9f3a7c1e55d04b2b"
+ADMIN = "adm-test-41c7e0b9a2d35f68"
 
 
 def descendants(pid: int) -> list[int]:
@@ -43,9 +46,10 @@ def keyed(request, tmp_path_factory):
     env = dict(os.environ)
     args = ["--model", "tiny"]
     if request.param == "flag":
-        args += ["--api-key", KEY]
+        args += ["--api-key", KEY, "--admin-token", ADMIN]
     else:
         env["SPLITSERVE_API_KEY"] = KEY
+        env["SPLITSERVE_ADMIN_TOKEN"] = ADMIN
     c = start_cluster(tmp_path_factory.mktemp("keyed"), *args, env=env)
     yield c
     assert c.stop() == 0
@@ -120,3 +124,29 @@ def test_the_key_is_in_no_log_and_no_child_command_line(keyed):
             continue
         assert KEY not in argv, argv
     assert KEY not in keyed.log()
+
+
+def test_the_admin_api_needs_the_admin_token_which_reaches_no_child(keyed):
+    from proto.splitserve.v1 import admin_pb2, admin_pb2_grpc
+    from runtime.admin_auth import token_file
+    with grpc.insecure_channel(keyed.admin_url) as ch:
+        stub = admin_pb2_grpc.AdminStub(ch)
+        for md in (None, [("authorization", f"Bearer {KEY}")], [("authorization", ADMIN)]):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.GetStatus(admin_pb2.GetStatusRequest(), metadata=md, timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, md
+        st = stub.GetStatus(admin_pb2.GetStatusRequest(), metadata=[("authorization", f"Bearer {ADMIN}")], timeout=10)
+        assert [p.pool for p in st.pools] == ["decode", "prefill"]
+    assert not token_file(keyed.admin_port).exists()         # a configured token is never written
+    env = {k: v for k, v in os.environ.items() if k != "SPLITSERVE_ADMIN_TOKEN"}
+    r = keyed.cli("pools", "status", env=env, check=False)
+    assert r.returncode == 1 and "refused the token (none given)" in r.stderr, r.stderr
+    assert keyed.cli("pools", "status", "--admin-token", ADMIN, env=env).stdout.startswith("POOL")
+    for pid in descendants(keyed.proc.pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        assert ADMIN.encode() not in argv and ADMIN.encode() not in environ, argv
+    assert ADMIN not in keyed.log()

@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("nixl")
 
-from tests.integration.cluster import own_cluster  # noqa: E402
+from tests.integration.cluster import own_cluster, until  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -129,11 +129,14 @@ def test_kill_worker_under_load(fault_reference, victim):
 
         got = asyncio.run(complete_all(c.url, fault_prompts(), 24, during=kill_soon))
         assert got == fault_reference
-        # the dead worker leaves the pool when its lease expires; the others return to idle
+        # the dead worker leaves the pool when its lease expires, serve starts a replacement under its
+        # name, and every worker returns to idle
         deadline = time.monotonic() + 15
-        while len(c.workers()) != 3 and time.monotonic() < deadline:
+        while info.worker_id in {w.worker_id for w in c.workers()} and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert len(c.workers()) == 3
+        assert info.worker_id not in {w.worker_id for w in c.workers()}
+        until(lambda: sorted(w.name for w in c.workers() if w.ready) == ["decode-0", "decode-1", "prefill-0",
+                                                                         "prefill-1"], 60, 0.2, "a replacement")
         statuses = c.wait_idle()
         assert all(s.num_free_blocks == s.num_total_blocks for s in statuses)
         if victim == "decode-worker":

@@ -4,6 +4,7 @@ the loop keeps serving."""
 from __future__ import annotations
 
 import threading
+import time
 
 from engine.engine import Engine, EngineLoop
 from runtime.types import EngineRequest, FinishReason, SamplingParams
@@ -46,5 +47,36 @@ def test_a_failing_step_is_an_internal_error_and_the_loop_keeps_serving():
         b = [t for o in outputs if o.request_id == "b" for t in o.new_token_ids]
         assert len(b) == 4
         assert loop.call(lambda e: e.pool.num_free).result(5) == 64
+    finally:
+        loop.stop()
+
+
+def test_a_duplicate_request_id_is_refused_and_a_failing_command_never_ends_the_loop():
+    engine = Engine(EngineConfig(model=resolve_model("tiny"), num_blocks=64))
+    outputs, done = [], threading.Event()
+
+    def on_outputs(outs):
+        outputs.extend(outs)
+        if any(o.request_id == "c" and o.finish_reason is not None for o in outs):
+            done.set()
+
+    loop = EngineLoop(engine, on_outputs)
+    loop.start()
+    try:
+        slow = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+        loop.submit(EngineRequest("a", [5, 6, 7, 8], slow))
+        loop.submit(EngineRequest("a", [9, 10], slow))            # the same id while the first runs
+        loop.call(lambda e: 1 / 0)                               # returned to the caller
+        loop._inbox.put(object())                                # not a command: logged, skipped
+        loop.submit(EngineRequest("c", [5, 6], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)))
+        assert done.wait(30)
+        a = [o for o in outputs if o.request_id == "a"]
+        refused = [o for o in a if o.finish_reason == FinishReason.ERROR]
+        assert len(refused) == 1 and "already running" in refused[0].error and not refused[0].new_token_ids
+        for _ in range(600):
+            if any(o.request_id == "a" and o.finish_reason == FinishReason.LENGTH for o in outputs):
+                break
+            time.sleep(0.05)
+        assert sum(len(o.new_token_ids) for o in outputs if o.request_id == "a") == 32, [o for o in outputs if o.request_id == "a"]
     finally:
         loop.stop()

@@ -273,6 +273,15 @@ def test_torch_backend_attends_over_fp8_values_exactly():
     assert torch.equal(outs[0], outs[1])
 
 
+def _with_piece(module, piece: int, fn):
+    saved = module.PIECE
+    module.PIECE = piece
+    try:
+        return fn()
+    finally:
+        module.PIECE = saved
+
+
 def test_the_streaming_weight_reader_matches_safetensors(tiny_dir, tmp_path):
     """engine/weights_io.py reads the same tensors as safetensors' own reader, in every dtype the
     loader meets, and refuses a truncated file."""
@@ -285,8 +294,11 @@ def test_the_streaming_weight_reader_matches_safetensors(tiny_dir, tmp_path):
     save_file({"a": torch.randn(3, 5, generator=g).to(torch.bfloat16), "b": torch.randn(7, generator=g),
                "c": torch.arange(6, dtype=torch.int64).view(2, 3), "d": torch.tensor(2.5, dtype=torch.float16)},
               str(path))
-    for file in [path, tiny_dir / "model.safetensors"]:
-        ours = dict(iter_tensors(file, torch.device("cpu")))
+    import engine.weights_io as weights_io
+    for file, piece in [(path, 1 << 20), (path, 8), (tiny_dir / "model.safetensors", 1 << 20),
+                        (tiny_dir / "model.safetensors", 4096)]:
+        # small pieces: tensors span several pieces and the ring of staging buffers wraps many times
+        ours = dict(_with_piece(weights_io, piece, lambda: list(iter_tensors(file, torch.device("cpu")))))
         with safe_open(str(file), framework="pt") as f:
             assert sorted(ours) == sorted(f.keys())
             for name in f.keys():

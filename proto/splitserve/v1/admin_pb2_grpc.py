@@ -44,6 +44,16 @@ class AdminStub:
                 request_serializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.ScalePoolRequest.SerializeToString,
                 response_deserializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.ScalePoolResponse.FromString,
                 _registered_method=True)
+        self.ReleasePools = channel.unary_unary(
+                '/splitserve.v1.Admin/ReleasePools',
+                request_serializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.ReleasePoolsRequest.SerializeToString,
+                response_deserializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.ReleasePoolsResponse.FromString,
+                _registered_method=True)
+        self.SetPoolLimits = channel.unary_unary(
+                '/splitserve.v1.Admin/SetPoolLimits',
+                request_serializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.SetPoolLimitsRequest.SerializeToString,
+                response_deserializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.SetPoolLimitsResponse.FromString,
+                _registered_method=True)
         self.DrainWorker = channel.unary_unary(
                 '/splitserve.v1.Admin/DrainWorker',
                 request_serializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.DrainWorkerRequest.SerializeToString,
@@ -61,6 +71,18 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ScalePool(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleasePools(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetPoolLimits(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -84,6 +106,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ScalePool,
                     request_deserializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.ScalePoolRequest.FromString,
                     response_serializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.ScalePoolResponse.SerializeToString,
+            ),
+            'ReleasePools': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleasePools,
+                    request_deserializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.ReleasePoolsRequest.FromString,
+                    response_serializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.ReleasePoolsResponse.SerializeToString,
+            ),
+            'SetPoolLimits': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPoolLimits,
+                    request_deserializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.SetPoolLimitsRequest.FromString,
+                    response_serializer=proto_dot_splitserve_dot_v1_dot_admin__pb2.SetPoolLimitsResponse.SerializeToString,
             ),
             'DrainWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.DrainWorker,
@@ -145,6 +177,60 @@ class Admin:
             '/splitserve.v1.Admin/ScalePool',
             proto_dot_splitserve_dot_v1_dot_admin__pb2.ScalePoolRequest.SerializeToString,
             proto_dot_splitserve_dot_v1_dot_admin__pb2.ScalePoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleasePools(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Admin/ReleasePools',
+            proto_dot_splitserve_dot_v1_dot_admin__pb2.ReleasePoolsRequest.SerializeToString,
+            proto_dot_splitserve_dot_v1_dot_admin__pb2.ReleasePoolsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPoolLimits(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Admin/SetPoolLimits',
+            proto_dot_splitserve_dot_v1_dot_admin__pb2.SetPoolLimitsRequest.SerializeToString,
+            proto_dot_splitserve_dot_v1_dot_admin__pb2.SetPoolLimitsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto.splitserve.v1 import generation_pb2 as proto_dot_splitserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n proto/splitserve/v1/worker.proto\x12\rsplitserve.v1\x1a$proto/splitserve/v1/generation.proto\"\xa3\x01\n\x0e\x45ngineSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\"\xbd\x01\n\x0cWorkerSubmit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.EngineSampling\x12\x18\n\x10output_token_ids\x18\x04 \x03(\x05\x12\x34\n\x0eremote_prefill\x18\x05 \x01(\x0b\x32\x1c.splitserve.v1.RemotePrefill\"C\n\rRemotePrefill\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\"\"\n\x0cWorkerCancel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"v\n\x0eSessionRequest\x12-\n\x06submit\x18\x01 \x01(\x0b\x32\x1b.splitserve.v1.WorkerSubmitH\x00\x12-\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1b.splitserve.v1.WorkerCancelH\x00\x42\x06\n\x04kind\"\xab\x01\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x32\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x16\n\x0einternal_error\x18\x06 \x01(\x08\"9\n\nStepOutput\x12+\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x1b.splitserve.v1.RequestDelta\"\x15\n\x13WorkerStatusRequest\"\xfe\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x18\n\x10num_total_blocks\x18\x03 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x05\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x1d\n\x15num_prefix_hit_tokens\x18\x08 \x01(\x03\x12\x19\n\x11num_prompt_tokens\x18\t \x01(\x03\x12\"\n\x1anum_waiting_prefill_tokens\x18\n \x01(\x03\"\x11\n\x0fSnapshotRequest\"\x8d\x01\n\x10SnapshotResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0elast_event_seq\x18\x02 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x04\x12\x15\n\rparent_hashes\x18\x04 \x03(\x04\x12\x12\n\nhas_parent\x18\x05 \x03(\x08\x12\r\n\x05tiers\x18\x06 \x03(\x05\"B\n\x0e\x43onnectRequest\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\"-\n\x0f\x43onnectResponse\x12\x1a\n\x12prefill_agent_name\x18\x01 \x01(\t\"\xca\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.EngineSampling\x12\x19\n\x11\x64\x65\x63ode_agent_name\x18\x04 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x05 \x01(\x05\x12\x18\n\x10\x64\x65\x63ode_block_ids\x18\x06 \x03(\x05\x12\x0f\n\x07lease_s\x18\x07 \x01(\x01\"m\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\x12\x16\n\x0etransfer_bytes\x18\x03 \x01(\x03\x12\x12\n\ntransfer_s\x18\x04 \x01(\x01\x32\xec\x01\n\x06Worker\x12G\n\x07Session\x12\x1d.splitserve.v1.SessionRequest\x1a\x19.splitserve.v1.StepOutput(\x01\x30\x01\x12L\n\tGetStatus\x12\".splitserve.v1.WorkerStatusRequest\x1a\x1b.splitserve.v1.WorkerStatus\x12K\n\x08Snapshot\x12\x1e.splitserve.v1.SnapshotRequest\x1a\x1f.splitserve.v1.SnapshotResponse2\x9d\x01\n\x07Prefill\x12H\n\x07\x43onnect\x12\x1d.splitserve.v1.ConnectRequest\x1a\x1e.splitserve.v1.ConnectResponse\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n proto/splitserve/v1/worker.proto\x12\rsplitserve.v1\x1a$proto/splitserve/v1/generation.proto\"\xaa\x03\n\x0e\x45ngineSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0b \x01(\x02\x12\r\n\x05min_p\x18\x0c \x01(\x02\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x16\n\x0elogit_bias_ids\x18\x0e \x03(\x05\x12\x19\n\x11logit_bias_values\x18\x0f \x03(\x02\x12\x14\n\x0chas_logprobs\x18\x10 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x11 \x01(\x05\x12\'\n\x07grammar\x18\x12 \x01(\x0b\x32\x16.splitserve.v1.Grammar\x12\t\n\x01n\x18\x13 \x01(\x05\"\xa5\x01\n\x07Grammar\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.splitserve.v1.Grammar.Kind\x12\x0c\n\x04spec\x18\x02 \x01(\t\"a\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10KIND_JSON_OBJECT\x10\x01\x12\x14\n\x10KIND_JSON_SCHEMA\x10\x02\x12\x17\n\x13KIND_STRUCTURAL_TAG\x10\x03\"\xbd\x01\n\x0cWorkerSubmit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.EngineSampling\x12\x18\n\x10output_token_ids\x18\x04 \x03(\x05\x12\x34\n\x0eremote_prefill\x18\x05 \x01(\x0b\x32\x1c.splitserve.v1.RemotePrefill\"C\n\rRemotePrefill\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\"\"\n\x0cWorkerCancel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"v\n\x0eSessionRequest\x12-\n\x06submit\x18\x01 \x01(\x0b\x32\x1b.splitserve.v1.WorkerSubmitH\x00\x12-\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1b.splitserve.v1.WorkerCancelH\x00\x42\x06\n\x04kind\"\xfa\x01\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x32\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x16\n\x0einternal_error\x18\x06 \x01(\x08\x12\x0f\n\x07migrate\x18\x07 \x01(\x08\x12-\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\r\n\x05index\x18\t \x01(\x05\"K\n\nStepOutput\x12+\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x1b.splitserve.v1.RequestDelta\x12\x10\n\x08\x64raining\x18\x02 \x01(\x08\"\x15\n\x13WorkerStatusRequest\"\x8d\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x18\n\x10num_total_blocks\x18\x03 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x05\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x1d\n\x15num_prefix_hit_tokens\x18\x08 \x01(\x03\x12\x19\n\x11num_prompt_tokens\x18\t \x01(\x03\x12\"\n\x1anum_waiting_prefill_tokens\x18\n \x01(\x03\x12\r\n\x05state\x18\x0b \x01(\t\"\x11\n\x0fSnapshotRequest\"\x8d\x01\n\x10SnapshotResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0elast_event_seq\x18\x02 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x04\x12\x15\n\rparent_hashes\x18\x04 \x03(\x04\x12\x12\n\nhas_parent\x18\x05 \x03(\x08\x12\r\n\x05tiers\x18\x06 \x03(\x05\"\x0e\n\x0c\x44rainRequest\"\x1e\n\rDrainResponse\x12\r\n\x05state\x18\x01 \x01(\t\"B\n\x0e\x43onnectRequest\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\"-\n\x0f\x43onnectResponse\x12\x1a\n\x12prefill_agent_name\x18\x01 \x01(\t\"\xca\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.EngineSampling\x12\x19\n\x11\x64\x65\x63ode_agent_name\x18\x04 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\x05 \x01(\x05\x12\x18\n\x10\x64\x65\x63ode_block_ids\x18\x06 \x03(\x05\x12\x0f\n\x07lease_s\x18\x07 \x01(\x01\"\xa1\x01\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\x12\x16\n\x0etransfer_bytes\x18\x03 \x01(\x03\x12\x12\n\ntransfer_s\x18\x04 \x01(\x01\x12\x32\n\rfirst_logprob\x18\x05 \x01(\x0b\x32\x1b.splitserve.v1.TokenLogprob2\xb0\x02\n\x06Worker\x12G\n\x07Session\x12\x1d.splitserve.v1.SessionRequest\x1a\x19.splitserve.v1.StepOutput(\x01\x30\x01\x12L\n\tGetStatus\x12\".splitserve.v1.WorkerStatusRequest\x1a\x1b.splitserve.v1.WorkerStatus\x12K\n\x08Snapshot\x12\x1e.splitserve.v1.SnapshotRequest\x1a\x1f.splitserve.v1.SnapshotResponse\x12\x42\n\x05\x44rain\x12\x1b.splitserve.v1.DrainRequest\x1a\x1c.splitserve.v1.DrainResponse2\x9d\x01\n\x07Prefill\x12H\n\x07\x43onnect\x12\x1d.splitserve.v1.ConnectRequest\x1a\x1e.splitserve.v1.ConnectResponse\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,37 +33,45 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.splitserve.v1.worker_
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENGINESAMPLING']._serialized_start=90
-  _globals['_ENGINESAMPLING']._serialized_end=253
-  _globals['_WORKERSUBMIT']._serialized_start=256
-  _globals['_WORKERSUBMIT']._serialized_end=445
-  _globals['_REMOTEPREFILL']._serialized_start=447
-  _globals['_REMOTEPREFILL']._serialized_end=514
-  _globals['_WORKERCANCEL']._serialized_start=516
-  _globals['_WORKERCANCEL']._serialized_end=550
-  _globals['_SESSIONREQUEST']._serialized_start=552
-  _globals['_SESSIONREQUEST']._serialized_end=670
-  _globals['_REQUESTDELTA']._serialized_start=673
-  _globals['_REQUESTDELTA']._serialized_end=844
-  _globals['_STEPOUTPUT']._serialized_start=846
-  _globals['_STEPOUTPUT']._serialized_end=903
-  _globals['_WORKERSTATUSREQUEST']._serialized_start=905
-  _globals['_WORKERSTATUSREQUEST']._serialized_end=926
-  _globals['_WORKERSTATUS']._serialized_start=929
-  _globals['_WORKERSTATUS']._serialized_end=1183
-  _globals['_SNAPSHOTREQUEST']._serialized_start=1185
-  _globals['_SNAPSHOTREQUEST']._serialized_end=1202
-  _globals['_SNAPSHOTRESPONSE']._serialized_start=1205
-  _globals['_SNAPSHOTRESPONSE']._serialized_end=1346
-  _globals['_CONNECTREQUEST']._serialized_start=1348
-  _globals['_CONNECTREQUEST']._serialized_end=1414
-  _globals['_CONNECTRESPONSE']._serialized_start=1416
-  _globals['_CONNECTRESPONSE']._serialized_end=1461
-  _globals['_PREFILLREQUEST']._serialized_start=1464
-  _globals['_PREFILLREQUEST']._serialized_end=1666
-  _globals['_PREFILLRESPONSE']._serialized_start=1668
-  _globals['_PREFILLRESPONSE']._serialized_end=1777
-  _globals['_WORKER']._serialized_start=1780
-  _globals['_WORKER']._serialized_end=2016
-  _globals['_PREFILL']._serialized_start=2019
-  _globals['_PREFILL']._serialized_end=2176
+  _globals['_ENGINESAMPLING']._serialized_end=516
+  _globals['_GRAMMAR']._serialized_start=519
+  _globals['_GRAMMAR']._serialized_end=684
+  _globals['_GRAMMAR_KIND']._serialized_start=587
+  _globals['_GRAMMAR_KIND']._serialized_end=684
+  _globals['_WORKERSUBMIT']._serialized_start=687
+  _globals['_WORKERSUBMIT']._serialized_end=876
+  _globals['_REMOTEPREFILL']._serialized_start=878
+  _globals['_REMOTEPREFILL']._serialized_end=945
+  _globals['_WORKERCANCEL']._serialized_start=947
+  _globals['_WORKERCANCEL']._serialized_end=981
+  _globals['_SESSIONREQUEST']._serialized_start=983
+  _globals['_SESSIONREQUEST']._serialized_end=1101
+  _globals['_REQUESTDELTA']._serialized_start=1104
+  _globals['_REQUESTDELTA']._serialized_end=1354
+  _globals['_STEPOUTPUT']._serialized_start=1356
+  _globals['_STEPOUTPUT']._serialized_end=1431
+  _globals['_WORKERSTATUSREQUEST']._serialized_start=1433
+  _globals['_WORKERSTATUSREQUEST']._serialized_end=1454
+  _globals['_WORKERSTATUS']._serialized_start=1457
+  _globals['_WORKERSTATUS']._serialized_end=1726
+  _globals['_SNAPSHOTREQUEST']._serialized_start=1728
+  _globals['_SNAPSHOTREQUEST']._serialized_end=1745
+  _globals['_SNAPSHOTRESPONSE']._serialized_start=1748
+  _globals['_SNAPSHOTRESPONSE']._serialized_end=1889
+  _globals['_DRAINREQUEST']._serialized_start=1891
+  _globals['_DRAINREQUEST']._serialized_end=1905
+  _globals['_DRAINRESPONSE']._serialized_start=1907
+  _globals['_DRAINRESPONSE']._serialized_end=1937
+  _globals['_CONNECTREQUEST']._serialized_start=1939
+  _globals['_CONNECTREQUEST']._serialized_end=2005
+  _globals['_CONNECTRESPONSE']._serialized_start=2007
+  _globals['_CONNECTRESPONSE']._serialized_end=2052
+  _globals['_PREFILLREQUEST']._serialized_start=2055
+  _globals['_PREFILLREQUEST']._serialized_end=2257
+  _globals['_PREFILLRESPONSE']._serialized_start=2260
+  _globals['_PREFILLRESPONSE']._serialized_end=2421
+  _globals['_WORKER']._serialized_start=2424
+  _globals['_WORKER']._serialized_end=2728
+  _globals['_PREFILL']._serialized_start=2731
+  _globals['_PREFILL']._serialized_end=2888
 # @@protoc_insertion_point(module_scope)

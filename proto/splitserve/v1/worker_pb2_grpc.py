@@ -49,6 +49,11 @@ class WorkerStub:
                 request_serializer=proto_dot_splitserve_dot_v1_dot_worker__pb2.SnapshotRequest.SerializeToString,
                 response_deserializer=proto_dot_splitserve_dot_v1_dot_worker__pb2.SnapshotResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/splitserve.v1.Worker/Drain',
+                request_serializer=proto_dot_splitserve_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+                response_deserializer=proto_dot_splitserve_dot_v1_dot_worker__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -72,6 +77,12 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +100,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Snapshot,
                     request_deserializer=proto_dot_splitserve_dot_v1_dot_worker__pb2.SnapshotRequest.FromString,
                     response_serializer=proto_dot_splitserve_dot_v1_dot_worker__pb2.SnapshotResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=proto_dot_splitserve_dot_v1_dot_worker__pb2.DrainRequest.FromString,
+                    response_serializer=proto_dot_splitserve_dot_v1_dot_worker__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +188,33 @@ class Worker:
             '/splitserve.v1.Worker/Snapshot',
             proto_dot_splitserve_dot_v1_dot_worker__pb2.SnapshotRequest.SerializeToString,
             proto_dot_splitserve_dot_v1_dot_worker__pb2.SnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Worker/Drain',
+            proto_dot_splitserve_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+            proto_dot_splitserve_dot_v1_dot_worker__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

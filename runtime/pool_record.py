@@ -1,0 +1,80 @@
+"""What a pool controller tells the rest of the cluster through Redis, and the frontends' latency.
+
+The controller (`splitserve serve`, or the planner) owns the desired size of each pool. It writes
+`{namespace}:pools` every tick (an expiring key: a controller that died leaves no stale sizes):
+the desired sizes, the pools' crash-looped workers, where its admin API and its /metrics are. The
+frontend reads it to say in /health whether a pool is below its desired size (degraded), and to
+merge the controller's /metrics into its own. Each frontend writes `{namespace}:latency:{id}`:
+its TTFT and ITL histograms of the last minute per pool (runtime/latency.py), which the controller
+sums for `splitserve pools status`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+
+import redis.asyncio as aioredis
+
+log = logging.getLogger(__name__)
+
+RECORD_TTL_S = 10.0
+
+
+@dataclass(slots=True)
+class PoolsRecord:
+    desired: dict[str, int] = field(default_factory=dict)     # pool -> desired workers
+    failed: dict[str, int] = field(default_factory=dict)      # pool -> crash-looped workers
+    metrics_url: str | None = None
+    admin_address: str | None = None
+
+
+@dataclass(slots=True)
+class LatencyRecord:
+    """One frontend's last minute, per pool: histogram counts (bucket index -> samples)."""
+    window_s: float
+    ttft: dict[str, dict[int, int]] = field(default_factory=dict)
+    itl: dict[str, dict[int, int]] = field(default_factory=dict)
+
+
+def pools_key(namespace: str) -> str:
+    return f"{namespace}:pools"
+
+
+def latency_key(namespace: str, frontend_id: str) -> str:
+    return f"{namespace}:latency:{frontend_id}"
+
+
+async def write_pools(client: aioredis.Redis, namespace: str, record: PoolsRecord) -> None:
+    await client.set(pools_key(namespace), json.dumps(asdict(record)), px=int(RECORD_TTL_S * 1000))
+
+
+async def read_pools(client: aioredis.Redis, namespace: str) -> PoolsRecord | None:
+    raw = await client.get(pools_key(namespace))
+    if raw is None:
+        return None
+    try:
+        return PoolsRecord(**json.loads(raw))
+    except (TypeError, ValueError) as e:
+        log.warning("ignoring a malformed pools record: %s", e)
+        return None
+
+
+async def write_latency(client: aioredis.Redis, namespace: str, frontend_id: str, record: LatencyRecord) -> None:
+    await client.set(latency_key(namespace, frontend_id), json.dumps(asdict(record)), px=int(RECORD_TTL_S * 1000))
+
+
+async def read_latencies(client: aioredis.Redis, namespace: str) -> list[LatencyRecord]:
+    keys = [k async for k in client.scan_iter(match=latency_key(namespace, "*"), count=100)]
+    out = []
+    for raw in (await client.mget(keys)) if keys else []:
+        if raw is None:
+            continue
+        try:
+            d = json.loads(raw)
+            out.append(LatencyRecord(d["window_s"], {p: {int(b): n for b, n in c.items()} for p, c in d["ttft"].items()},
+                                     {p: {int(b): n for b, n in c.items()} for p, c in d["itl"].items()}))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            log.warning("ignoring a malformed latency record: %s", e)
+    return out

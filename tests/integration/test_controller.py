@@ -1,0 +1,137 @@
+"""The pool controller, the local-process connector and the admin API over real processes and a real
+Redis, with stand-in workers (tests/integration/stand_in_worker.py: a lease, a drain, no model) so
+that restarts and crash loops take seconds. The same controller drives real workers in
+tests/integration/test_pools.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from planner.admin import start_admin_server
+from planner.controller import PoolController
+from planner.local_connector import LocalProcessConnector
+from planner.pools import PoolBook, PoolName, PoolSpec
+from planner.restarts import RestartPolicy
+from proto.splitserve.v1 import admin_pb2, admin_pb2_grpc
+from runtime.lifecycle import WorkerState
+from runtime.metrics import PoolMetrics
+from runtime.pool_record import read_pools
+from runtime.redis_embedded import EmbeddedRedis
+
+pytestmark = pytest.mark.slow
+
+STAND_IN = str(Path(__file__).with_name("stand_in_worker.py"))
+ROLES = {PoolName.DECODE: "decode", PoolName.PREFILL: "prefill"}
+TOKEN = "admin-test-token-5d1e"
+
+
+@pytest.fixture
+def redis_url():
+    with EmbeddedRedis() as r:
+        yield r.url
+
+
+def make(redis_url: str, crash_after: dict[str, float] | None = None, decode=2, prefill=1):
+    crash_after = crash_after or {}
+
+    def spawn(pool, name):
+        extra = ["--crash-after", str(crash_after[name])] if name in crash_after else []
+        return subprocess.Popen([sys.executable, STAND_IN, redis_url, name, ROLES[pool], *extra])
+
+    metrics = PoolMetrics()
+    connector = LocalProcessConnector(spawn, ROLES, RestartPolicy(backoff_s=0.1, crash_loop_restarts=2),
+                                      on_restart=lambda p: metrics.restarts.labels(p).inc(),
+                                      on_crash_loop=lambda p: metrics.crash_loops.labels(p).inc())
+    book = PoolBook({PoolName.DECODE: PoolSpec(decode, 1, 3), PoolName.PREFILL: PoolSpec(prefill, 0, 2)})
+    return PoolController(book, connector, ROLES, redis_url, "splitserve", metrics, tick_s=0.1), connector
+
+
+async def until(cond, timeout_s: float = 15.0, what: str = ""):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout_s} s"
+        await asyncio.sleep(0.05)
+
+
+def states(c: PoolController, pool: str = "decode") -> list[str]:
+    return sorted(r.state for r in c.rows() if r.pool == pool)
+
+
+async def test_pools_are_kept_at_size_crashes_restarted_and_a_crash_loop_reported(redis_url):
+    c, connector = make(redis_url, crash_after={"decode-1": 0})      # decode-1 dies at every start
+    c.start()
+    try:
+        await until(lambda: states(c, "prefill") == ["ready"] and "ready" in states(c), what="ready workers")
+        await until(lambda: states(c) == ["failed", "ready"], what="decode-1's crash loop")
+        row = next(r for r in c.rows() if r.name == "decode-1")
+        assert row.restarts == 2 and "crash loop" in row.detail and "exit code 1" in row.detail
+        assert c.metrics.crash_loops.labels("decode")._value.get() == 1
+        record = await read_pools(c.redis, "splitserve")
+        assert record.desired == {"decode": 2, "prefill": 1} and record.failed == {"decode": 1}
+
+        # kill -9 of a healthy worker: restarted under the same name
+        (healthy,) = [r for r in c.rows() if r.name == "decode-0"]
+        os.kill(connector.pid("decode-0"), signal.SIGKILL)
+        await until(lambda: any(r.name == "decode-0" and r.state == WorkerState.READY and r.worker_id != healthy.worker_id
+                                for r in c.rows()), what="decode-0's replacement")
+        assert next(r for r in c.rows() if r.name == "decode-0").restarts == 1
+
+        # removing the failed worker lets a fresh one take its place; scaling down drains the surplus
+        await c.drain_worker("decode-1")
+        await until(lambda: states(c) == ["ready", "ready"], what="a fresh decode worker")
+        c.scale({"decode": 1})
+        await until(lambda: states(c) == ["ready"], what="the drained worker to leave")
+        assert len([r for r in c.rows() if r.pool == "decode"]) == 1
+    finally:
+        await c.close()
+        connector.kill_all()
+
+
+async def test_the_admin_api_needs_the_token_and_refuses_sizes_beyond_the_limits(redis_url):
+    c, connector = make(redis_url, decode=1, prefill=0)
+    server, port = await start_admin_server(c, "127.0.0.1", 0, TOKEN)
+    c.start()
+    ok = [("authorization", f"Bearer {TOKEN}")]
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = admin_pb2_grpc.AdminStub(ch)
+            for md in ([], [("authorization", "Bearer wrong")], [("authorization", TOKEN)]):
+                for call, req in ((stub.GetStatus, admin_pb2.GetStatusRequest()),
+                                  (stub.ScalePool, admin_pb2.ScalePoolRequest(decode=2)),
+                                  (stub.DrainWorker, admin_pb2.DrainWorkerRequest(worker_id="decode-0"))):
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        await call(req, metadata=md, timeout=5)
+                    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert c.book.spec("decode").desired == 1           # nothing changed
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.ScalePool(admin_pb2.ScalePoolRequest(decode=9), metadata=ok, timeout=5)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "above the decode pool's max of 3" in \
+                e.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.DrainWorker(admin_pb2.DrainWorkerRequest(worker_id="nobody"), metadata=ok, timeout=5)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            r = await stub.ScalePool(admin_pb2.ScalePoolRequest(decode=2), metadata=ok, timeout=5)
+            (decode,) = [p for p in r.pools if p.pool == "decode"]
+            assert (decode.desired, decode.override) == (2, 2)
+            await until(lambda: states(c) == ["ready", "ready"], what="two decode workers")
+            st = await stub.GetStatus(admin_pb2.GetStatusRequest(), metadata=ok, timeout=5)
+            assert sorted(w.name for w in st.workers) == ["decode-0", "decode-1"]
+            assert all(w.state == admin_pb2.WORKER_STATE_READY and w.managed for w in st.workers)
+            lim = await stub.SetPoolLimits(admin_pb2.SetPoolLimitsRequest(pool="decode", max=2), metadata=ok, timeout=5)
+            assert (lim.pool.min, lim.pool.max) == (1, 2)
+            r = await stub.ReleasePools(admin_pb2.ReleasePoolsRequest(), metadata=ok, timeout=5)
+            assert [p.desired for p in r.pools if p.pool == "decode"] == [1]
+            await until(lambda: states(c) == ["ready"], what="the override's release")
+    finally:
+        await server.stop(0)
+        await c.close()
+        connector.kill_all()
