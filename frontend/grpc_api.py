@@ -11,7 +11,8 @@ deserializers that hand it the parse error. With an API key configured, calls mu
 
 from __future__ import annotations
 
-import math
+import dataclasses
+import json
 import uuid
 
 import grpc
@@ -20,10 +21,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from frontend.grpc_reflection_v1 import V1_SERVICE_NAME, add_v1_reflection
-from frontend.schemas import INT32_MAX
+from frontend.schemas import MAX_N, check_json_value, sampling_fields
 
-from runtime.types import SamplingParams
-from frontend.generate import GenerateInput
+from runtime.types import GrammarKind, GrammarSpec
+from frontend.generate import GenerateInput, generate_samples
 from frontend.state import FrontendState
 from frontend.tokenizer import ChatTurn
 from proto.splitserve.v1 import generation_pb2, generation_pb2_grpc
@@ -57,7 +58,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         md = dict(context.invocation_metadata())
         self.state.api_key.check(md.get("authorization"), "metadata authorization")
 
-    async def _to_input(self, req: generation_pb2.GenerateRequest) -> GenerateInput:
+    async def _to_input(self, req: generation_pb2.GenerateRequest) -> tuple[list[GenerateInput], str]:
         st = self.state
         if isinstance(req, Malformed):
             raise InvalidRequest(req.error)
@@ -82,33 +83,52 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise InvalidRequest("one of text, token_ids or chat is required")
         s = req.sampling
         max_tokens = st.generator.check_prompt(prompt, s.max_tokens if s.HasField("max_tokens") else None, None)
-        t = s.temperature if s.HasField("temperature") else 1.0
-        top_p = s.top_p if s.HasField("top_p") else 1.0
-        if not math.isfinite(t) or t < 0:
-            raise InvalidRequest("temperature must be a finite number >= 0")
-        if not 0 < top_p <= 1:
-            raise InvalidRequest("top_p must be in (0, 1]")
-        if s.HasField("top_k") and not 0 <= s.top_k <= INT32_MAX:
-            raise InvalidRequest("top_k must be >= 0")
         if len(s.stop) > MAX_STOP_STRINGS or any(len(x) > 256 for x in s.stop):
             raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings of at most 256 characters")
-        if s.HasField("seed") and s.seed >= 2 ** 63:
-            raise InvalidRequest("seed must be in [0, 2^63)")
-        vocab = st.tokenizer.vocab_size
-        if any(i < 0 or i >= vocab for i in s.stop_token_ids):
-            raise InvalidRequest(f"stop_token_ids must lie in [0, {vocab})")
-        sampling = SamplingParams(temperature=t, top_p=top_p, top_k=min(s.top_k, vocab) if s.HasField("top_k") else 0,
-                                  max_tokens=max_tokens, seed=s.seed if s.HasField("seed") else None,
-                                  stop_token_ids=frozenset(s.stop_token_ids), ignore_eos=s.ignore_eos)
-        return GenerateInput(prompt, sampling, [x for x in s.stop if x], req.request_id or uuid.uuid4().hex)
+        if s.HasField("top_k") and s.top_k < 0:
+            raise InvalidRequest("top_k must be >= 0")
+        n = s.n if s.HasField("n") else 1
+        if not 1 <= n <= MAX_N:
+            raise InvalidRequest(f"n must be in [1, {MAX_N}]")
+        rf = s.response_format
+        grammar = None
+        if rf.type == generation_pb2.ResponseFormat.TYPE_JSON_OBJECT:
+            grammar = GrammarSpec(GrammarKind.JSON_OBJECT)
+        elif rf.type == generation_pb2.ResponseFormat.TYPE_JSON_SCHEMA:
+            try:
+                schema = json.loads(rf.json_schema or "{}")
+            except ValueError:
+                raise InvalidRequest("response_format.json_schema must be JSON text") from None
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidRequest("response_format.json_schema must be a JSON schema (an object)")
+            try:
+                check_json_value(schema, "response_format.json_schema")
+            except ValueError as e:
+                raise InvalidRequest(str(e)) from None
+            grammar = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema))
+        elif rf.type != generation_pb2.ResponseFormat.TYPE_TEXT:
+            raise InvalidRequest("unknown response_format.type")
+        opt = lambda name: getattr(s, name) if s.HasField(name) else None   # noqa: E731
+        sampling = sampling_fields(
+            max_tokens, st.tokenizer.vocab_size, temperature=opt("temperature"), top_p=opt("top_p"),
+            top_k=opt("top_k"), seed=opt("seed"), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+            presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),
+            repetition_penalty=opt("repetition_penalty"), min_p=opt("min_p"), min_tokens=opt("min_tokens"),
+            logit_bias=dict(s.logit_bias), logprobs=opt("logprobs"), grammar=grammar)
+        rid = req.request_id or uuid.uuid4().hex
+        stop = [x for x in s.stop if x]
+        return [GenerateInput(prompt, sampling if sampling.seed is None or not i else
+                              dataclasses.replace(sampling, seed=(sampling.seed + i) % 2 ** 63), stop,
+                              rid if n == 1 else f"{rid}-{i}") for i in range(n)], rid
 
     async def Generate(self, request, context):
         try:
             self._authorize(context)
-            inp = await self._to_input(request)
-            async for d in self.state.generator.generate(inp):
-                msg = generation_pb2.GenerateResponse(request_id=inp.request_id, token_ids=d.token_ids,
-                                                      text=d.text, finish_reason=FINISH_TO_PB[d.finish_reason])
+            inputs, rid = await self._to_input(request)
+            async for i, d in generate_samples(self.state.generator, inputs, len(inputs)):
+                msg = generation_pb2.GenerateResponse(request_id=rid, token_ids=d.token_ids, index=i,
+                                                      text=d.text, finish_reason=FINISH_TO_PB[d.finish_reason],
+                                                      logprobs=d.logprobs or ())
                 if d.finish_reason is not None:
                     msg.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=d.prompt_tokens,
                                                             completion_tokens=d.completion_tokens,

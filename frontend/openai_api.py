@@ -12,7 +12,7 @@ error event, whatever the failure.
 from __future__ import annotations
 
 import asyncio
-import functools
+import dataclasses
 import json
 import logging
 import time
@@ -22,14 +22,14 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from frontend.generate import Delta, GenerateInput
+from frontend.generate import Delta, GenerateInput, generate_samples
 from frontend.schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                               TokenizeChatRequest, TokenizeCompletionRequest, _Common)
 from frontend.state import FrontendState
 from frontend.tokenizer import ChatTurn, TokenizerPool
 from frontend.tools import Tool, parse_auto, parse_forced, parse_tools, required_calls_schema, resolve_choice
 from runtime.errors import InvalidRequest, NotFound, SplitserveError, Unavailable
-from runtime.types import FinishReason
+from runtime.types import FinishReason, GrammarKind, GrammarSpec, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -52,17 +52,21 @@ def openai_routes(state: FrontendState) -> APIRouter:
         check_model(req.model)
         req.check_unsupported()
 
-    def make_input(req: _Common, prompt: list[int], default_max: int | None) -> GenerateInput:
+    def make_inputs(req: _Common, prompt: list[int], default_max: int | None) -> list[GenerateInput]:
+        """The request's `n` samples of one prompt (a given seed s seeds sample i with s + i)."""
         max_tokens = state.generator.check_prompt(prompt, req.max_tokens if isinstance(req, CompletionRequest)
                                                   else req.requested_max_tokens, default_max)
-        return GenerateInput(prompt, req.to_sampling(max_tokens, state.tokenizer.vocab_size),
-                             req.stop_strings(), uuid.uuid4().hex)
+        sampling = req.to_sampling(max_tokens, state.tokenizer.vocab_size)
+        stop = req.stop_strings()
+        return [GenerateInput(prompt, sampling if sampling.seed is None or not i else
+                              dataclasses.replace(sampling, seed=(sampling.seed + i) % 2 ** 63),
+                              stop, uuid.uuid4().hex) for i in range(req.n)]
 
     @router.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         accept(req)
         prompts = await _completion_prompts(req.prompt, state.tokenize, state.max_model_len)
-        inputs = [make_input(req, p, 16) for p in prompts]
+        inputs = [inp for p in prompts for inp in make_inputs(req, p, 16)]
         return await respond(request, req, inputs, chat=False)
 
     @router.post("/v1/chat/completions")
@@ -76,21 +80,29 @@ def openai_routes(state: FrontendState) -> APIRouter:
                                  "function (enforced by a grammar)", "tool_choice")
         prompt = await state.tokenize.encode_chat(_turns(req.messages), state.max_model_len,
                                                   [t.as_openai() for t in tools] or None)
-        inp = make_input(req, prompt, None)
+        inputs = make_inputs(req, prompt, None)
         post = None
         if mode == "auto":
-            post = functools.partial(parse_auto, tools=tools)
+            single = req.parallel_tool_calls is False
+
+            def post(text: str):
+                content, calls = parse_auto(text, tools)
+                return content, calls[:1] if single else calls
         elif mode == "forced":
-            inp.sampling = forced_tool_sampling(inp.sampling, allowed)
-            post = lambda text: (None, parse_forced(text))   # noqa: E731
-        return await respond(request, req, [inp], chat=True, post=post)
+            if req.response_format is not None and req.response_format.type != "text":
+                raise InvalidRequest("a forced tool choice and response_format cannot be combined",
+                                     "response_format")
+            for inp in inputs:
+                inp.sampling = forced_tool_sampling(inp.sampling, allowed, req.parallel_tool_calls is not False)
+            post = lambda text: (None, parse_forced(text))   # noqa: E731 (the output is only the calls)
+        return await respond(request, req, inputs, chat=True, post=post)
 
     async def respond(request: Request, req: _Common, inputs: list[GenerateInput], chat: bool, post=None):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         if req.stream:
             return StreamingResponse(_sse(rid, created, req, inputs, chat, post), media_type="text/event-stream")
-        task = asyncio.ensure_future(_collect_all(inputs))
+        task = asyncio.ensure_future(_collect_all(inputs, req.n))
         while not task.done():      # a client that hangs up stops its generation
             done, _ = await asyncio.wait({task}, timeout=0.5)
             if not done and await request.is_disconnected():
@@ -102,6 +114,10 @@ def openai_routes(state: FrontendState) -> APIRouter:
             text = "".join(d.text for d in deltas)
             last = deltas[-1]
             choice = {"index": i, "finish_reason": FINISH_TEXT.get(last.finish_reason), "logprobs": None}
+            if inp.sampling.logprobs is not None:
+                ids = [t for d in deltas for t in d.token_ids]
+                lps = [lp for d in deltas for lp in (d.logprobs or ())]
+                choice["logprobs"] = _chat_logprobs(ids, lps) if chat else _completion_logprobs(ids, lps)
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
                 if post is not None:
@@ -121,10 +137,31 @@ def openai_routes(state: FrontendState) -> APIRouter:
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": state.model_name, "choices": choices, "usage": usage}
 
-    async def _collect_all(inputs: list[GenerateInput]) -> list[list[Delta]]:
-        async def one(inp):
-            return [d async for d in state.generator.generate(inp)]
-        return await asyncio.gather(*(one(i) for i in inputs))
+    async def _collect_all(inputs: list[GenerateInput], n: int) -> list[list[Delta]]:
+        out: list[list[Delta]] = [[] for _ in inputs]
+        async for i, d in generate_samples(state.generator, inputs, n):
+            out[i].append(d)
+        return out
+
+    def token_text(token_id: int) -> str:
+        return state.tokenizer.token_text(token_id)
+
+    def _completion_logprobs(ids: list[int], lps: list, offset: int = 0) -> dict:
+        tokens = [token_text(t) for t in ids]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{token_text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)}
+                                 for lp in lps], "text_offset": offsets}
+
+    def _chat_logprobs(ids: list[int], lps: list) -> dict:
+        def entry(t: int, v: float) -> dict:
+            text = token_text(t)
+            return {"token": text, "logprob": v, "bytes": list(text.encode("utf-8"))}
+        return {"content": [{**entry(t, lp.logprob), "top_logprobs": [
+            entry(tt, v) for tt, v in zip(lp.top_token_ids, lp.top_logprobs)]} for t, lp in zip(ids, lps)]}
 
     async def _sse(rid, created, req: _Common, inputs, chat: bool, post=None) -> AsyncIterator[bytes]:
         """With tool parsing (`post`) a choice's text is held back and sent, parsed, with its finish."""
@@ -133,11 +170,18 @@ def openai_routes(state: FrontendState) -> APIRouter:
         held: dict[int, list[str]] = {}
         try:
             if chat:
-                yield _event({"id": rid, "object": obj, "created": created, "model": state.model_name,
-                              "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                           "finish_reason": None, "logprobs": None}]})
-            async for i, d in _merge(inputs):
+                for i in range(len(inputs)):
+                    yield _event({"id": rid, "object": obj, "created": created, "model": state.model_name,
+                                  "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                               "finish_reason": None, "logprobs": None}]})
+            offsets = [0] * len(inputs)
+            async for i, d in generate_samples(state.generator, inputs, req.n):
                 reason = FINISH_TEXT.get(d.finish_reason)
+                logprobs = None
+                if inputs[i].sampling.logprobs is not None and d.token_ids:
+                    logprobs = _chat_logprobs(d.token_ids, d.logprobs or []) if chat else \
+                        _completion_logprobs(d.token_ids, d.logprobs or [], offsets[i])
+                    offsets[i] += sum(len(t) for t in logprobs.get("tokens", ()))
                 if chat and post is not None:
                     held.setdefault(i, []).append(d.text)
                     delta = {}
@@ -150,14 +194,14 @@ def openai_routes(state: FrontendState) -> APIRouter:
                             reason = "tool_calls" if d.finish_reason == FinishReason.STOP else reason
                         elif text:
                             delta = {"content": text}
-                    elif not req.return_token_ids:
+                    elif not req.return_token_ids and logprobs is None:
                         continue
-                    choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": None}
+                    choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
                 elif chat:
                     choice = {"index": i, "delta": {"content": d.text} if d.text else {},
-                              "finish_reason": reason, "logprobs": None}
+                              "finish_reason": reason, "logprobs": logprobs}
                 else:
-                    choice = {"index": i, "text": d.text, "finish_reason": reason, "logprobs": None}
+                    choice = {"index": i, "text": d.text, "finish_reason": reason, "logprobs": logprobs}
                 if req.return_token_ids:
                     choice["token_ids"] = d.token_ids
                 yield _event({"id": rid, "object": obj, "created": created, "model": state.model_name,
@@ -176,37 +220,6 @@ def openai_routes(state: FrontendState) -> APIRouter:
                                     "code": e.http_status}})
         yield b"data: [DONE]\n\n"
 
-    async def _merge(inputs: list[GenerateInput]) -> AsyncIterator[tuple[int, Delta]]:
-        if len(inputs) == 1:
-            async for d in state.generator.generate(inputs[0]):
-                yield 0, d
-            return
-        q: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i, inp):
-            try:
-                async for d in state.generator.generate(inp):
-                    q.put_nowait((i, d))
-            except Exception as e:
-                q.put_nowait((i, e))
-            finally:
-                q.put_nowait((i, None))
-
-        tasks = [asyncio.create_task(pump(i, inp)) for i, inp in enumerate(inputs)]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                i, d = await q.get()
-                if d is None:
-                    remaining -= 1
-                elif isinstance(d, Exception):
-                    raise d
-                else:
-                    yield i, d
-        finally:
-            for t in tasks:
-                t.cancel()
-
     def model_card() -> dict:
         return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "splitserve",
                 "max_model_len": state.max_model_len}
@@ -224,7 +237,8 @@ def openai_routes(state: FrontendState) -> APIRouter:
     async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest):
         check_model(req.model)
         if isinstance(req, TokenizeChatRequest):
-            text = await state.tokenize.render_chat(_turns(req.messages), req.add_generation_prompt)
+            tools = [t.as_openai() for t in parse_tools(req.tools)] or None
+            text = await state.tokenize.render_chat(_turns(req.messages), req.add_generation_prompt, tools)
         else:
             text = req.prompt
         tokens = await state.tokenize.encode(text, state.max_model_len, req.add_special_tokens)
@@ -241,10 +255,10 @@ def openai_routes(state: FrontendState) -> APIRouter:
     return router
 
 
-def forced_tool_sampling(sampling, tools: list[Tool]):
+def forced_tool_sampling(sampling: SamplingParams, tools: list[Tool], parallel: bool) -> SamplingParams:
     """The sampling of a forced tool call: the output must be a JSON array of calls (a grammar)."""
-    raise InvalidRequest("tool_choice \"required\" or a named function needs structured outputs, which "
-                         "this server does not have yet", "tool_choice")
+    schema = json.dumps(required_calls_schema(tools, parallel), ensure_ascii=False)
+    return dataclasses.replace(sampling, grammar=GrammarSpec(GrammarKind.JSON_SCHEMA, schema))
 
 
 def _turns(messages: list[ChatMessage]) -> list[ChatTurn]:

@@ -60,6 +60,7 @@ class ModelTokenizer:
         cfg_path = model_dir / "tokenizer_config.json"
         self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self._token_texts: dict[int, str] = {}
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
         template = self.config.get("chat_template")
@@ -95,6 +96,14 @@ class ModelTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (special tokens included; a piece of a UTF-8 character shows as
+        U+FFFD), as logprobs name tokens."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tok.decode([token_id], skip_special_tokens=False)
+        return text
 
     def template_mentions(self, name: str) -> bool:
         """Whether the chat template uses the variable `name` (e.g. renders `tools`)."""

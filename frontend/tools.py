@@ -95,12 +95,17 @@ def resolve_choice(tool_choice, tools: list[Tool]) -> tuple[str, list[Tool]]:
     return "forced", match
 
 
-def required_calls_schema(tools: list[Tool]) -> dict:
-    """The JSON schema a forced output must match: an array of one or more calls of these tools."""
+MAX_PARALLEL_CALLS = 8
+
+
+def required_calls_schema(tools: list[Tool], parallel: bool = True) -> dict:
+    """The JSON schema a forced output must match: an array of one or more calls of these tools
+    (at most MAX_PARALLEL_CALLS; one without parallel calls)."""
     calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters or
                                                 {"type": "object"}},
               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-    return {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    return {"type": "array", "minItems": 1, "maxItems": MAX_PARALLEL_CALLS if parallel else 1,
+            "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
 
 
 def parse_forced(text: str) -> list[ToolCall]:

@@ -37,8 +37,8 @@ pytestmark = pytest.mark.slow
 
 # 5,000 cases per run in about 90 s on 2 shared cores; generating an HTTP case from the schema
 # (~25 ms) costs far more than sending it, so most of the volume is gRPC (~7 ms a case)
-HTTP_CASES = int(os.environ.get("FUZZ_HTTP_CASES", "1500"))     # 60% positive, 40% negative
-GRPC_CASES = int(os.environ.get("FUZZ_GRPC_CASES", "3500"))
+HTTP_CASES = int(os.environ.get("FUZZ_HTTP_CASES", "1200"))     # 60% positive, 40% negative
+GRPC_CASES = int(os.environ.get("FUZZ_GRPC_CASES", "3800"))
 CONTEXT = 64
 ZERO_TIME = {"curve": {"base_s": 0.0, "per_token_s": 0.0, "per_attn_pair_s": 0.0, "per_kv_token_s": 0.0}}
 FAST = settings(deadline=None, phases=[Phase.generate], database=None, derandomize=True,
@@ -119,7 +119,16 @@ SAMPLING = st.builds(
     pb.SamplingParams, temperature=st.one_of(st.none(), FLOATS), top_p=st.one_of(st.none(), FLOATS),
     top_k=st.one_of(st.none(), INT32), max_tokens=st.one_of(st.none(), INT32, st.integers(1, 16)),
     seed=st.one_of(st.none(), st.integers(0, 2 ** 64 - 1)), stop_token_ids=st.lists(INT32, max_size=4),
-    stop=st.lists(st.text(max_size=8), max_size=20), ignore_eos=st.booleans())
+    stop=st.lists(st.text(max_size=8), max_size=20), ignore_eos=st.booleans(),
+    n=st.one_of(st.none(), st.integers(-1, 3), INT32), presence_penalty=st.one_of(st.none(), FLOATS),
+    frequency_penalty=st.one_of(st.none(), FLOATS), repetition_penalty=st.one_of(st.none(), FLOATS),
+    min_p=st.one_of(st.none(), FLOATS), min_tokens=st.one_of(st.none(), INT32, st.integers(0, 8)),
+    logit_bias=st.dictionaries(st.one_of(INT32, st.integers(0, 4095)), FLOATS, max_size=4),
+    logprobs=st.one_of(st.none(), INT32, st.integers(0, 5)),
+    response_format=st.one_of(st.none(), st.builds(
+        pb.ResponseFormat, type=st.sampled_from([0, 1, 2, 7]),
+        json_schema=st.one_of(st.just('{"type": "object", "properties": {"a": {"type": "boolean"}}}'),
+                              st.just('{"type": "nonsense"}'), st.text(max_size=20)))))
 PROMPT = st.one_of(
     st.fixed_dictionaries({"text": st.text(max_size=200)}),
     st.fixed_dictionaries({"token_ids": st.builds(pb.TokenIds, ids=st.lists(

@@ -70,6 +70,7 @@ async def test_tokenizing_a_huge_prompt_leaves_the_event_loop_free(tok):
 class FailingGenerator:
     """Yields one delta, then fails with an error that is not a SplitserveError."""
     pool = None
+    shutting_down = False
 
     def check_prompt(self, prompt, max_tokens, default_max):
         return max_tokens or 4
