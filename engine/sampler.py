@@ -107,7 +107,13 @@ def process_logits(logits: torch.Tensor, proc: LogitsProcessing) -> torch.Tensor
     if proc.bitmask is not None:
         apply_bitmask(logits, proc.bitmask_rows, proc.bitmask)
     if proc.banned_rows is not None:
+        # a grammar that allows only a stop token (a complete JSON value) wins over min_tokens: a
+        # row the ban would leave with no token at all keeps its grammar-masked logits
+        saved = logits.clone() if proc.bitmask is not None else None
         logits.index_put_((proc.banned_rows, proc.banned_ids), torch.tensor(_NEG_INF, device=logits.device))
+        if saved is not None:
+            dead = torch.isneginf(logits).all(dim=-1, keepdim=True)
+            torch.where(dead, saved, logits, out=logits)
     if proc.bias_rows is not None:
         logits.index_put_((proc.bias_rows, proc.bias_ids), proc.bias_values, accumulate=True)
     if proc.penalties is not None:

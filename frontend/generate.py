@@ -10,6 +10,7 @@ flight finish; `interrupt_all` ends the rest with an error the APIs send in-band
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -48,6 +49,53 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    logprobs: list | None = None          # generation_pb2.TokenLogprob per token, when asked for
+
+
+async def generate_samples(generator: "Generator", inputs: list[GenerateInput],
+                           n: int = 1) -> AsyncIterator[tuple[int, Delta]]:
+    """(input index, delta) of several generations, merged as they come.
+
+    Inputs come in groups of `n` samples of one prompt (n > 1). A group's first sample starts at
+    once; the others start when it has produced its first token, i.e. when its prompt's full KV
+    blocks are in the worker's prefix cache, so that they can share them (the KV-aware router sends
+    them to that worker once it has seen its KV events) instead of computing the prompt n times side
+    by side."""
+    if len(inputs) == 1:
+        async for d in generator.generate(inputs[0]):
+            yield 0, d
+        return
+    q: asyncio.Queue = asyncio.Queue()
+    started = [asyncio.Event() for _ in range(0, len(inputs), n)]
+
+    async def pump(i, inp):
+        group = started[i // n]
+        try:
+            if i % n:
+                await group.wait()
+            async for d in generator.generate(inp):
+                group.set()
+                q.put_nowait((i, d))
+        except Exception as e:
+            q.put_nowait((i, e))
+        finally:
+            group.set()
+            q.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, inp)) for i, inp in enumerate(inputs)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, d = await q.get()
+            if d is None:
+                remaining -= 1
+            elif isinstance(d, Exception):
+                raise d
+            else:
+                yield i, d
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 class Generator:
@@ -202,10 +250,10 @@ class Generator:
                         finished = True
                         m.requests.labels("all", reason.name.lower()).inc()
                         yield Delta(list(delta.token_ids), text, reason, len(inp.prompt_token_ids),
-                                    len(output), cached)
+                                    len(output), cached, list(delta.logprobs) or None)
                         return
                     if delta.token_ids or text:
-                        yield Delta(list(delta.token_ids), text)
+                        yield Delta(list(delta.token_ids), text, logprobs=list(delta.logprobs) or None)
                 self.pool.router.finished(rid, conn.worker_id)
                 exclude.add(conn.worker_id)
                 m.migrations.labels(reason).inc()

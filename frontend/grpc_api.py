@@ -1,21 +1,30 @@
-"""The public gRPC API: splitserve.v1.Generation (+ health and reflection on the same port).
+"""The public gRPC API: splitserve.v1.Generation (+ health and reflection v1 and v1alpha on the
+same port).
 
 Errors map to status codes via runtime.errors (INVALID_ARGUMENT for bad input, NOT_FOUND for an
-unknown model, UNAUTHENTICATED without the API key). With an API key configured, calls must carry
-metadata `authorization: Bearer <key>`.
+unknown model, UNAUTHENTICATED without the API key, RESOURCE_EXHAUSTED when the tokenizer queue is
+full). A request whose bytes do not parse as its message (bad wire format, invalid UTF-8 in a
+string) is INVALID_ARGUMENT too, not grpc's default INTERNAL: the servicer is registered with
+deserializers that hand it the parse error. With an API key configured, calls must carry metadata
+`authorization: Bearer <key>`. Prompts are tokenized on the tokenizer pool's threads.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
+import json
 import uuid
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from runtime.types import SamplingParams
-from frontend.generate import GenerateInput
+from frontend.grpc_reflection_v1 import V1_SERVICE_NAME, add_v1_reflection
+from frontend.schemas import MAX_N, check_json_value, sampling_fields
+
+from runtime.types import GrammarKind, GrammarSpec
+from frontend.generate import GenerateInput, generate_samples
 from frontend.state import FrontendState
 from frontend.tokenizer import ChatTurn
 from proto.splitserve.v1 import generation_pb2, generation_pb2_grpc
@@ -23,6 +32,22 @@ from runtime.convert import FINISH_TO_PB
 from runtime.errors import InvalidRequest, NotFound, SplitserveError
 
 MAX_STOP_STRINGS = 16
+
+
+class Malformed:
+    """What the safe deserializer hands the servicer for bytes that are not the request message."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _safe(parse):
+    def deserialize(data: bytes):
+        try:
+            return parse(data)
+        except (DecodeError, ValueError, RuntimeError) as e:   # upb raises DecodeError; be broad
+            return Malformed(f"the request is not a valid message: {e}")
+    return deserialize
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
@@ -33,13 +58,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         md = dict(context.invocation_metadata())
         self.state.api_key.check(md.get("authorization"), "metadata authorization")
 
-    def _to_input(self, req: generation_pb2.GenerateRequest) -> GenerateInput:
+    async def _to_input(self, req: generation_pb2.GenerateRequest) -> tuple[list[GenerateInput], str]:
         st = self.state
+        if isinstance(req, Malformed):
+            raise InvalidRequest(req.error)
         if req.model and req.model != st.model_name:
             raise NotFound(f"The model `{req.model}` does not exist; this server serves `{st.model_name}`")
+        if len(req.request_id) > 256:
+            raise InvalidRequest("request_id is longer than 256 characters")
         kind = req.WhichOneof("prompt")
         if kind == "text":
-            prompt = st.tokenizer.encode(req.text)
+            prompt = await st.tokenize.encode(req.text, st.max_model_len)
         elif kind == "token_ids":
             prompt = list(req.token_ids.ids)
         elif kind == "chat":
@@ -48,36 +77,58 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             for m in req.chat.messages:
                 if m.role not in ("system", "user", "assistant"):
                     raise InvalidRequest(f"unknown chat role {m.role!r}")
-            prompt = st.tokenizer.encode_chat([ChatTurn(m.role, m.content) for m in req.chat.messages])
+            prompt = await st.tokenize.encode_chat([ChatTurn(m.role, m.content) for m in req.chat.messages],
+                                                   st.max_model_len)
         else:
             raise InvalidRequest("one of text, token_ids or chat is required")
         s = req.sampling
         max_tokens = st.generator.check_prompt(prompt, s.max_tokens if s.HasField("max_tokens") else None, None)
-        t = s.temperature if s.HasField("temperature") else 1.0
-        top_p = s.top_p if s.HasField("top_p") else 1.0
-        if not math.isfinite(t) or t < 0:
-            raise InvalidRequest("temperature must be a finite number >= 0")
-        if not 0 < top_p <= 1:
-            raise InvalidRequest("top_p must be in (0, 1]")
+        if len(s.stop) > MAX_STOP_STRINGS or any(len(x) > 256 for x in s.stop):
+            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings of at most 256 characters")
         if s.HasField("top_k") and s.top_k < 0:
             raise InvalidRequest("top_k must be >= 0")
-        if len(s.stop) > MAX_STOP_STRINGS:
-            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings")
-        vocab = st.tokenizer.vocab_size
-        if any(i < 0 or i >= vocab for i in s.stop_token_ids):
-            raise InvalidRequest(f"stop_token_ids must lie in [0, {vocab})")
-        sampling = SamplingParams(temperature=t, top_p=top_p, top_k=s.top_k if s.HasField("top_k") else 0,
-                                  max_tokens=max_tokens, seed=s.seed if s.HasField("seed") else None,
-                                  stop_token_ids=frozenset(s.stop_token_ids), ignore_eos=s.ignore_eos)
-        return GenerateInput(prompt, sampling, [x for x in s.stop if x], req.request_id or uuid.uuid4().hex)
+        n = s.n if s.HasField("n") else 1
+        if not 1 <= n <= MAX_N:
+            raise InvalidRequest(f"n must be in [1, {MAX_N}]")
+        rf = s.response_format
+        grammar = None
+        if rf.type == generation_pb2.ResponseFormat.TYPE_JSON_OBJECT:
+            grammar = GrammarSpec(GrammarKind.JSON_OBJECT)
+        elif rf.type == generation_pb2.ResponseFormat.TYPE_JSON_SCHEMA:
+            try:
+                schema = json.loads(rf.json_schema or "{}")
+            except ValueError:
+                raise InvalidRequest("response_format.json_schema must be JSON text") from None
+            if not isinstance(schema, (dict, bool)):
+                raise InvalidRequest("response_format.json_schema must be a JSON schema (an object)")
+            try:
+                check_json_value(schema, "response_format.json_schema")
+            except ValueError as e:
+                raise InvalidRequest(str(e)) from None
+            grammar = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema))
+        elif rf.type != generation_pb2.ResponseFormat.TYPE_TEXT:
+            raise InvalidRequest("unknown response_format.type")
+        opt = lambda name: getattr(s, name) if s.HasField(name) else None   # noqa: E731
+        sampling = sampling_fields(
+            max_tokens, st.tokenizer.vocab_size, temperature=opt("temperature"), top_p=opt("top_p"),
+            top_k=opt("top_k"), seed=opt("seed"), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+            presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),
+            repetition_penalty=opt("repetition_penalty"), min_p=opt("min_p"), min_tokens=opt("min_tokens"),
+            logit_bias=dict(s.logit_bias), logprobs=opt("logprobs"), grammar=grammar)
+        rid = req.request_id or uuid.uuid4().hex
+        stop = [x for x in s.stop if x]
+        return [GenerateInput(prompt, sampling if sampling.seed is None or not i else
+                              dataclasses.replace(sampling, seed=(sampling.seed + i) % 2 ** 63), stop,
+                              rid if n == 1 else f"{rid}-{i}") for i in range(n)], rid
 
     async def Generate(self, request, context):
         try:
             self._authorize(context)
-            inp = self._to_input(request)
-            async for d in self.state.generator.generate(inp):
-                msg = generation_pb2.GenerateResponse(request_id=inp.request_id, token_ids=d.token_ids,
-                                                      text=d.text, finish_reason=FINISH_TO_PB[d.finish_reason])
+            inputs, rid = await self._to_input(request)
+            async for i, d in generate_samples(self.state.generator, inputs, len(inputs)):
+                msg = generation_pb2.GenerateResponse(request_id=rid, token_ids=d.token_ids, index=i,
+                                                      text=d.text, finish_reason=FINISH_TO_PB[d.finish_reason],
+                                                      logprobs=d.logprobs or ())
                 if d.finish_reason is not None:
                     msg.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=d.prompt_tokens,
                                                             completion_tokens=d.completion_tokens,
@@ -90,6 +141,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def ListModels(self, request, context):
         try:
             self._authorize(context)
+            if isinstance(request, Malformed):
+                raise InvalidRequest(request.error)
         except SplitserveError as e:
             await context.abort(e.grpc_code, e.message)
         return generation_pb2.ListModelsResponse(models=[generation_pb2.ModelInfo(
@@ -98,12 +151,22 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
 async def start_grpc_server(state: FrontendState, host: str, port: int) -> tuple[grpc.aio.Server, int]:
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20)])
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(state), server)
+    service = GenerationService(state)
+    name = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate, request_deserializer=_safe(generation_pb2.GenerateRequest.FromString),
+            response_serializer=generation_pb2.GenerateResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            service.ListModels, request_deserializer=_safe(generation_pb2.ListModelsRequest.FromString),
+            response_serializer=generation_pb2.ListModelsResponse.SerializeToString),
+    }),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
-             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    names = (name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME,
+             V1_SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
+    add_v1_reflection(names, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)

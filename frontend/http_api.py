@@ -1,8 +1,9 @@
 """The HTTP server of the frontend (FastAPI): the OpenAI routes plus /health and /metrics.
 
 `create_app` assembles it: the OpenAI-shaped error handlers and body cap (frontend/http_errors.py),
-the OpenAI routes (frontend/openai_api.py) and the operational routes below, which stay open
-without the API key so that probes and scrapers need no secret.
+the OpenAI routes (frontend/openai_api.py) and the operational routes below. `KeyGuard` checks the
+API key before a body is read; /health, /metrics and the OpenAPI schema stay open without it so
+that probes, scrapers and client generators need no secret.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from frontend.http_errors import BodyLimit, install_error_handlers
+from frontend.http_errors import BodyLimit, error_response, install_error_handlers
 from frontend.openai_api import openai_routes
 from frontend.state import FrontendState
+from runtime.errors import SplitserveError
+
+OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 
 
 def create_app(state: FrontendState):
@@ -21,7 +25,26 @@ def create_app(state: FrontendState):
     install_error_handlers(app, state.metrics)
     app.include_router(openai_routes(state))
     app.include_router(ops_routes(state))
-    return BodyLimit(app, state.max_body_bytes)
+    return KeyGuard(BodyLimit(app, state.max_body_bytes), state)
+
+
+class KeyGuard:
+    """ASGI middleware: with an API key configured, every HTTP path but OPEN_PATHS needs
+    `Authorization: Bearer <key>`, checked before the body is read."""
+
+    def __init__(self, app, state: FrontendState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.state.api_key.required and scope["path"] not in OPEN_PATHS:
+            auth = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"authorization"),
+                        None)
+            try:
+                self.state.api_key.check(auth, "Authorization")
+            except SplitserveError as e:
+                self.state.metrics.errors.labels("http", str(e.http_status)).inc()
+                return await error_response(e)(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 def ops_routes(state: FrontendState) -> APIRouter:

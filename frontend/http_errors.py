@@ -1,13 +1,25 @@
 """HTTP error handling in one place: every error leaves as an OpenAI-style body
-{"error": {"message", "type", "param", "code"}} with its status, and request bodies are capped."""
+{"error": {"message", "type", "param", "code"}} with its status (ours, FastAPI's body validation
+as a 400, and Starlette's own 404, 405, ...), and request bodies are capped."""
 
 from __future__ import annotations
 
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+import logging
 
-from runtime.errors import NotFound, PayloadTooLarge, SplitserveError
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from runtime.errors import InvalidRequest, NotFound, PayloadTooLarge, SplitserveError
 from runtime.metrics import FrontendMetrics
+
+log = logging.getLogger(__name__)
+
+# Starlette's own errors (no route, wrong method, ...): their OpenAI error types
+HTTP_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                    415: "invalid_request_error", 429: "rate_limit_error"}
 
 
 def error_response(e: SplitserveError) -> JSONResponse:
@@ -22,10 +34,47 @@ def install_error_handlers(app: FastAPI, metrics: FrontendMetrics) -> None:
         metrics.errors.labels("http", str(e.http_status)).inc()
         return error_response(e)
 
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(request, e: RequestValidationError):
+        metrics.errors.labels("http", "400").inc()
+        return error_response(validation_error(e.errors()))
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, e: HTTPException):
+        cause = e.__cause__         # FastAPI wraps what failed while it read the body in a 400
+        if isinstance(cause, SplitserveError):
+            return await _splitserve_error(request, cause)
+        if isinstance(cause, RecursionError):
+            return await _splitserve_error(request, InvalidRequest("the body's JSON is nested too deeply"))
+        if isinstance(cause, UnicodeDecodeError):
+            return await _splitserve_error(request, InvalidRequest("the body is not valid UTF-8 JSON"))
+        metrics.errors.labels("http", str(e.status_code)).inc()
+        error_type = HTTP_ERROR_TYPES.get(e.status_code, "invalid_request_error" if e.status_code < 500
+                                          else "internal_error")
+        return JSONResponse(status_code=e.status_code, headers=e.headers, content={"error": {
+            "message": str(e.detail), "type": error_type, "param": None, "code": None}})
+
     @app.exception_handler(Exception)
     async def _unexpected(request, e: Exception):
+        log.error("%s %s failed", request.method, request.url.path, exc_info=e)
         metrics.errors.labels("http", "500").inc()
         return error_response(SplitserveError(f"internal error: {type(e).__name__}"))
+
+
+def validation_error(errors) -> InvalidRequest:
+    """The first of pydantic's errors as a 400 naming the field (`loc` without FastAPI's "body")."""
+    if not errors:
+        return InvalidRequest("the body is not valid")
+    err = errors[0]
+    loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+    if err.get("type") == "json_invalid":
+        return InvalidRequest(f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}")
+    if err.get("type") == "extra_forbidden":
+        return InvalidRequest(f"unknown field `{loc}`", loc)
+    if err.get("type") == "missing" and not loc:
+        return InvalidRequest("the body must be a JSON object")
+    msg = err.get("msg", "invalid")
+    return InvalidRequest(f"{loc}: {msg}" if loc else msg, loc or None)
 
 
 class BodyLimit:

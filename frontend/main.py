@@ -27,7 +27,7 @@ from frontend.latency_publisher import LatencyPublisher
 from frontend.metrics_merge import WorkerMetricsScraper
 from frontend.routing import FrontendRouter
 from frontend.state import FrontendState
-from frontend.tokenizer import ModelTokenizer
+from frontend.tokenizer import ModelTokenizer, TokenizerPool
 from frontend.workers import WorkerPool
 from runtime.config import FrontendConfig
 from runtime.metrics import FrontendMetrics
@@ -75,7 +75,9 @@ async def serve_frontend(cfg: FrontendConfig) -> None:
     latency_task = asyncio.create_task(latency.run(), name="latency-publisher")
     state = FrontendState(generator=generator, tokenizer=tokenizer, metrics=metrics, model_name=model_name,
                           max_model_len=max_model_len, api_key=ApiKey(cfg.api_key),
-                          max_body_bytes=cfg.max_body_bytes, extra_metrics=WorkerMetricsScraper(pool).scrape)
+                          max_body_bytes=cfg.max_body_bytes,
+                          tokenize=TokenizerPool(tokenizer, cfg.tokenizer_threads, cfg.max_tokenize_queue),
+                          extra_metrics=WorkerMetricsScraper(pool).scrape)
     grpc_server, grpc_port = await start_grpc_server(state, cfg.host, cfg.grpc_port)
     http = HttpServer(uvicorn.Config(create_app(state), host=cfg.host, port=cfg.http_port,
                                      log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
@@ -99,6 +101,7 @@ async def serve_frontend(cfg: FrontendConfig) -> None:
     await asyncio.gather(http_task, return_exceptions=True)
     latency_task.cancel()
     await router.close()
+    state.tokenize.close()
     await pool.close()
     await redis.aclose()
 

@@ -1,29 +1,37 @@
-"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions (both with `stream`), /v1/models.
+"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions (both with `stream`),
+/v1/models and /v1/models/{id}, and vLLM's /tokenize and /detokenize.
 
-Bodies are validated by frontend/schemas.py and reduced to `GenerateInput`s for the shared
-`Generator`; answers are OpenAI's JSON objects or SSE chunks. With an API key configured every
-route here requires `Authorization: Bearer <key>`. Errors are raised as SplitserveError and shaped
-by frontend/http_errors.py; a stream that fails after its headers ends with an in-band error event.
+Bodies are the pydantic models of frontend/schemas.py (so the OpenAPI schema describes them),
+reduced to `GenerateInput`s for the shared `Generator`; answers are OpenAI's JSON objects or SSE
+chunks. Tokenization runs on the tokenizer pool's threads, never on the event loop. The API key is
+checked before a body is read (frontend/http_api.py). Errors are raised as SplitserveError and
+shaped by frontend/http_errors.py; a stream that fails after its headers ends with an in-band
+error event, whatever the failure.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import logging
 import time
 import uuid
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import ValidationError
 
-from frontend.generate import Delta, GenerateInput
-from frontend.schemas import ChatCompletionRequest, CompletionRequest, _Common
+from frontend.generate import Delta, GenerateInput, generate_samples
+from frontend.schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
+                              TokenizeChatRequest, TokenizeCompletionRequest, _Common)
 from frontend.state import FrontendState
-from frontend.tokenizer import ChatTurn, ModelTokenizer
+from frontend.tokenizer import ChatTurn, TokenizerPool
+from frontend.tools import Tool, parse_auto, parse_forced, parse_tools, required_calls_schema, resolve_choice
 from runtime.errors import InvalidRequest, NotFound, SplitserveError, Unavailable
-from runtime.types import FinishReason
+from runtime.types import FinishReason, GrammarKind, GrammarSpec, SamplingParams
+
+log = logging.getLogger(__name__)
 
 FINISH_TEXT = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort",
                FinishReason.ERROR: "error"}
@@ -33,58 +41,69 @@ MAX_BATCH_PROMPTS = 64
 def openai_routes(state: FrontendState) -> APIRouter:
     router = APIRouter()
 
-    def authorize(request: Request) -> None:
-        state.api_key.check(request.headers.get("authorization"), "Authorization")
+    def check_model(model: str | None) -> None:
+        if model is not None and model != state.model_name:
+            raise NotFound(f"The model `{model}` does not exist; this server serves `{state.model_name}`",
+                           "model")
 
-    async def parse(request: Request, model_cls: type[_Common]) -> _Common:
-        authorize(request)
+    def accept(req: _Common) -> None:
         if state.generator.shutting_down:       # before a stream starts: a plain 503
             raise Unavailable("the server is shutting down")
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InvalidRequest(f"the body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise InvalidRequest("the body must be a JSON object")
-        try:
-            req = model_cls.model_validate(body)
-        except ValidationError as e:
-            err = e.errors()[0]
-            loc = ".".join(str(p) for p in err["loc"])
-            raise InvalidRequest(f"{loc}: {err['msg']}", loc) from None
-        if req.model != state.model_name:
-            raise NotFound(f"The model `{req.model}` does not exist; this server serves `{state.model_name}`",
-                           "model")
+        check_model(req.model)
         req.check_unsupported()
-        return req
 
-    def make_input(req: _Common, prompt: list[int], default_max: int | None) -> GenerateInput:
+    def make_inputs(req: _Common, prompt: list[int], default_max: int | None) -> list[GenerateInput]:
+        """The request's `n` samples of one prompt (a given seed s seeds sample i with s + i)."""
         max_tokens = state.generator.check_prompt(prompt, req.max_tokens if isinstance(req, CompletionRequest)
                                                   else req.requested_max_tokens, default_max)
-        return GenerateInput(prompt, req.to_sampling(max_tokens, state.tokenizer.vocab_size),
-                             req.stop_strings(), uuid.uuid4().hex, req.routing_key())
+        sampling = req.to_sampling(max_tokens, state.tokenizer.vocab_size)
+        stop = req.stop_strings()
+        key = req.routing_key()
+        return [GenerateInput(prompt, sampling if sampling.seed is None or not i else
+                              dataclasses.replace(sampling, seed=(sampling.seed + i) % 2 ** 63),
+                              stop, uuid.uuid4().hex, key) for i in range(req.n)]
 
     @router.post("/v1/completions")
-    async def completions(request: Request):
-        req: CompletionRequest = await parse(request, CompletionRequest)
-        prompts = _completion_prompts(req.prompt, state.tokenizer)
-        inputs = [make_input(req, p, 16) for p in prompts]
+    async def completions(req: CompletionRequest, request: Request):
+        accept(req)
+        prompts = await _completion_prompts(req.prompt, state.tokenize, state.max_model_len)
+        inputs = [inp for p in prompts for inp in make_inputs(req, p, 16)]
         return await respond(request, req, inputs, chat=False)
 
     @router.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
-        turns = [ChatTurn("system" if m.role == "developer" else m.role, m.text()) for m in req.messages]
-        prompt = state.tokenizer.encode_chat(turns)
-        return await respond(request, req, [make_input(req, prompt, None)], chat=True)
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        accept(req)
+        tools = parse_tools(req.tools)
+        mode, allowed = resolve_choice(req.tool_choice, tools)
+        if mode == "auto" and not state.tokenizer.template_mentions("tools"):
+            raise InvalidRequest("this model's chat template does not describe tools to the model, so it "
+                                 "cannot choose to call one; use tool_choice \"required\" or a named "
+                                 "function (enforced by a grammar)", "tool_choice")
+        prompt = await state.tokenize.encode_chat(_turns(req.messages), state.max_model_len,
+                                                  [t.as_openai() for t in tools] or None)
+        inputs = make_inputs(req, prompt, None)
+        post = None
+        if mode == "auto":
+            single = req.parallel_tool_calls is False
 
-    async def respond(request: Request, req: _Common, inputs: list[GenerateInput], chat: bool):
+            def post(text: str):
+                content, calls = parse_auto(text, tools)
+                return content, calls[:1] if single else calls
+        elif mode == "forced":
+            if req.response_format is not None and req.response_format.type != "text":
+                raise InvalidRequest("a forced tool choice and response_format cannot be combined",
+                                     "response_format")
+            for inp in inputs:
+                inp.sampling = forced_tool_sampling(inp.sampling, allowed, req.parallel_tool_calls is not False)
+            post = lambda text: (None, parse_forced(text))   # noqa: E731 (the output is only the calls)
+        return await respond(request, req, inputs, chat=True, post=post)
+
+    async def respond(request: Request, req: _Common, inputs: list[GenerateInput], chat: bool, post=None):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         if req.stream:
-            return StreamingResponse(_sse(rid, created, req, inputs, chat), media_type="text/event-stream")
-        task = asyncio.ensure_future(_collect_all(inputs))
+            return StreamingResponse(_sse(rid, created, req, inputs, chat, post), media_type="text/event-stream")
+        task = asyncio.ensure_future(_collect_all(inputs, req.n))
         while not task.done():      # a client that hangs up stops its generation
             done, _ = await asyncio.wait({task}, timeout=0.5)
             if not done and await request.is_disconnected():
@@ -96,8 +115,19 @@ def openai_routes(state: FrontendState) -> APIRouter:
             text = "".join(d.text for d in deltas)
             last = deltas[-1]
             choice = {"index": i, "finish_reason": FINISH_TEXT.get(last.finish_reason), "logprobs": None}
+            if inp.sampling.logprobs is not None:
+                ids = [t for d in deltas for t in d.token_ids]
+                lps = [lp for d in deltas for lp in (d.logprobs or ())]
+                choice["logprobs"] = _chat_logprobs(ids, lps) if chat else _completion_logprobs(ids, lps)
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
+                if post is not None:
+                    content, calls = post(text)
+                    if calls:
+                        choice["message"] = {"role": "assistant", "content": content or None,
+                                             "tool_calls": [c.as_openai() for c in calls]}
+                        if last.finish_reason == FinishReason.STOP:
+                            choice["finish_reason"] = "tool_calls"
             else:
                 choice["text"] = text
             if req.return_token_ids:
@@ -108,26 +138,71 @@ def openai_routes(state: FrontendState) -> APIRouter:
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": state.model_name, "choices": choices, "usage": usage}
 
-    async def _collect_all(inputs: list[GenerateInput]) -> list[list[Delta]]:
-        async def one(inp):
-            return [d async for d in state.generator.generate(inp)]
-        return await asyncio.gather(*(one(i) for i in inputs))
+    async def _collect_all(inputs: list[GenerateInput], n: int) -> list[list[Delta]]:
+        out: list[list[Delta]] = [[] for _ in inputs]
+        async for i, d in generate_samples(state.generator, inputs, n):
+            out[i].append(d)
+        return out
 
-    async def _sse(rid, created, req: _Common, inputs, chat: bool) -> AsyncIterator[bytes]:
+    def token_text(token_id: int) -> str:
+        return state.tokenizer.token_text(token_id)
+
+    def _completion_logprobs(ids: list[int], lps: list, offset: int = 0) -> dict:
+        tokens = [token_text(t) for t in ids]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{token_text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)}
+                                 for lp in lps], "text_offset": offsets}
+
+    def _chat_logprobs(ids: list[int], lps: list) -> dict:
+        def entry(t: int, v: float) -> dict:
+            text = token_text(t)
+            return {"token": text, "logprob": v, "bytes": list(text.encode("utf-8"))}
+        return {"content": [{**entry(t, lp.logprob), "top_logprobs": [
+            entry(tt, v) for tt, v in zip(lp.top_token_ids, lp.top_logprobs)]} for t, lp in zip(ids, lps)]}
+
+    async def _sse(rid, created, req: _Common, inputs, chat: bool, post=None) -> AsyncIterator[bytes]:
+        """With tool parsing (`post`) a choice's text is held back and sent, parsed, with its finish."""
         obj = "chat.completion.chunk" if chat else "text_completion"
         usage = _usage(0, 0, 0)
+        held: dict[int, list[str]] = {}
         try:
             if chat:
-                yield _event({"id": rid, "object": obj, "created": created, "model": state.model_name,
-                              "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                           "finish_reason": None, "logprobs": None}]})
-            async for i, d in _merge(inputs):
+                for i in range(len(inputs)):
+                    yield _event({"id": rid, "object": obj, "created": created, "model": state.model_name,
+                                  "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                               "finish_reason": None, "logprobs": None}]})
+            offsets = [0] * len(inputs)
+            async for i, d in generate_samples(state.generator, inputs, req.n):
                 reason = FINISH_TEXT.get(d.finish_reason)
-                if chat:
+                logprobs = None
+                if inputs[i].sampling.logprobs is not None and d.token_ids:
+                    logprobs = _chat_logprobs(d.token_ids, d.logprobs or []) if chat else \
+                        _completion_logprobs(d.token_ids, d.logprobs or [], offsets[i])
+                    offsets[i] += sum(len(t) for t in logprobs.get("tokens", ()))
+                if chat and post is not None:
+                    held.setdefault(i, []).append(d.text)
+                    delta = {}
+                    if d.finish_reason is not None:
+                        text = "".join(held.pop(i))
+                        content, calls = post(text)
+                        if calls:
+                            delta = {"content": content or None,
+                                     "tool_calls": [c.as_openai(k) for k, c in enumerate(calls)]}
+                            reason = "tool_calls" if d.finish_reason == FinishReason.STOP else reason
+                        elif text:
+                            delta = {"content": text}
+                    elif not req.return_token_ids and logprobs is None:
+                        continue
+                    choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
+                elif chat:
                     choice = {"index": i, "delta": {"content": d.text} if d.text else {},
-                              "finish_reason": reason, "logprobs": None}
+                              "finish_reason": reason, "logprobs": logprobs}
                 else:
-                    choice = {"index": i, "text": d.text, "finish_reason": reason, "logprobs": None}
+                    choice = {"index": i, "text": d.text, "finish_reason": reason, "logprobs": logprobs}
                 if req.return_token_ids:
                     choice["token_ids"] = d.token_ids
                 yield _event({"id": rid, "object": obj, "created": created, "model": state.model_name,
@@ -137,54 +212,77 @@ def openai_routes(state: FrontendState) -> APIRouter:
             if req.stream_options and req.stream_options.include_usage:
                 yield _event({"id": rid, "object": obj, "created": created, "model": state.model_name,
                               "choices": [], "usage": usage})
-        except SplitserveError as e:   # mid-stream failure: tell the client in-band, then end
+        except Exception as e:   # mid-stream failure: tell the client in-band, then end
+            if not isinstance(e, SplitserveError):
+                log.exception("stream %s failed", rid)
+                e = SplitserveError(f"internal error: {type(e).__name__}")
             state.metrics.errors.labels("http", str(e.http_status)).inc()
-            yield _event({"error": {"message": e.message, "type": e.error_type, "code": e.http_status}})
+            yield _event({"error": {"message": e.message, "type": e.error_type, "param": e.param,
+                                    "code": e.http_status}})
         yield b"data: [DONE]\n\n"
 
-    async def _merge(inputs: list[GenerateInput]) -> AsyncIterator[tuple[int, Delta]]:
-        if len(inputs) == 1:
-            async for d in state.generator.generate(inputs[0]):
-                yield 0, d
-            return
-        q: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i, inp):
-            try:
-                async for d in state.generator.generate(inp):
-                    q.put_nowait((i, d))
-            except Exception as e:
-                q.put_nowait((i, e))
-            finally:
-                q.put_nowait((i, None))
-
-        tasks = [asyncio.create_task(pump(i, inp)) for i, inp in enumerate(inputs)]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                i, d = await q.get()
-                if d is None:
-                    remaining -= 1
-                elif isinstance(d, Exception):
-                    raise d
-                else:
-                    yield i, d
-        finally:
-            for t in tasks:
-                t.cancel()
+    def model_card() -> dict:
+        return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "splitserve",
+                "max_model_len": state.max_model_len}
 
     @router.get("/v1/models")
-    async def models(request: Request):
-        authorize(request)
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
-                                            "owned_by": "splitserve", "max_model_len": state.max_model_len}]}
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @router.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        check_model(model_id)
+        return model_card()
+
+    @router.post("/tokenize")
+    async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest):
+        check_model(req.model)
+        if isinstance(req, TokenizeChatRequest):
+            tools = [t.as_openai() for t in parse_tools(req.tools)] or None
+            text = await state.tokenize.render_chat(_turns(req.messages), req.add_generation_prompt, tools)
+        else:
+            text = req.prompt
+        tokens = await state.tokenize.encode(text, state.max_model_len, req.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
+
+    @router.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        check_model(req.model)
+        vocab = state.tokenizer.vocab_size
+        if any(t >= vocab for t in req.tokens):
+            raise InvalidRequest(f"token ids must lie in [0, {vocab})", "tokens")
+        return {"prompt": await state.tokenize.decode(req.tokens)}
 
     return router
 
 
-def _completion_prompts(prompt, tokenizer: ModelTokenizer) -> list[list[int]]:
+def forced_tool_sampling(sampling: SamplingParams, tools: list[Tool], parallel: bool) -> SamplingParams:
+    """The sampling of a forced tool call: the output must be a JSON array of calls (a grammar)."""
+    schema = json.dumps(required_calls_schema(tools, parallel), ensure_ascii=False)
+    return dataclasses.replace(sampling, grammar=GrammarSpec(GrammarKind.JSON_SCHEMA, schema))
+
+
+def _turns(messages: list[ChatMessage]) -> list[ChatTurn]:
+    turns = []
+    for i, m in enumerate(messages):
+        calls = []
+        for c in m.tool_calls or ():
+            try:
+                args = json.loads(c.function.arguments)
+            except ValueError:
+                raise InvalidRequest(f"messages[{i}].tool_calls: arguments must be JSON text",
+                                     "messages") from None
+            calls.append({"id": c.id, "name": c.function.name, "arguments": args})
+        if m.role == "tool" and not m.tool_call_id:
+            raise InvalidRequest(f"messages[{i}]: a tool message needs tool_call_id", "messages")
+        turns.append(ChatTurn("system" if m.role == "developer" else m.role, m.text(), tuple(calls),
+                              m.tool_call_id))
+    return turns
+
+
+async def _completion_prompts(prompt, tokenize: TokenizerPool, max_model_len: int) -> list[list[int]]:
     if isinstance(prompt, str):
-        return [tokenizer.encode(prompt)]
+        return [await tokenize.encode(prompt, max_model_len)]
     if not prompt:
         raise InvalidRequest("the prompt is empty", "prompt")
     if all(isinstance(p, int) for p in prompt):
@@ -192,7 +290,7 @@ def _completion_prompts(prompt, tokenizer: ModelTokenizer) -> list[list[int]]:
     if len(prompt) > MAX_BATCH_PROMPTS:
         raise InvalidRequest(f"at most {MAX_BATCH_PROMPTS} prompts per request", "prompt")
     if all(isinstance(p, str) for p in prompt):
-        return tokenizer.encode_batch(list(prompt))
+        return await tokenize.encode_batch(list(prompt), max_model_len)
     return [list(p) for p in prompt]
 
 

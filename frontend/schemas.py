@@ -1,38 +1,170 @@
 """OpenAI request bodies (pydantic), reduced to `GenerateInput` by `to_sampling`.
 
-Fields we do not implement are rejected with a clear 400 rather than silently ignored.
+These models are the FastAPI bodies of the routes, so the served OpenAPI schema describes every
+request (the fuzz tests generate from it). Every body is strict: an unknown field is a 400, every
+integer has its range, floats are finite, strings are valid Unicode (no lone surrogates, which
+JSON's `\\ud800` escapes can carry) and free-form JSON is at most `MAX_JSON_DEPTH` deep. A field
+that OpenAI or vLLM define but this server does not implement (best_of > 1, echo, suffix, message
+names) is declared, so that the 400 names it as unsupported instead of unknown; no field is
+accepted and then ignored.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from runtime.types import SamplingParams
+from runtime.types import GrammarKind, GrammarSpec, SamplingParams
 from runtime.errors import InvalidRequest
 
 MAX_ROUTING_KEY_CHARS = 256     # prompt_cache_key and user: the router remembers keys, so bound them
 
+INT32_MAX = 2 ** 31 - 1
+MAX_JSON_DEPTH = 32
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_LOGPROBS = 20
+MAX_N = 64
 
-class StreamOptions(BaseModel):
+Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
+def check_json_value(value: Any, where: str = "body") -> None:
+    """Raise ValueError for JSON nested deeper than MAX_JSON_DEPTH or a string that is not valid
+    Unicode (a lone surrogate); iterative, so a hostile body cannot exhaust the stack here."""
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"{where} holds a string that is not valid Unicode (a lone surrogate "
+                                 "escape such as \\ud800)") from None
+        elif isinstance(v, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                raise ValueError(f"{where} is nested more than {MAX_JSON_DEPTH} levels deep")
+            if isinstance(v, dict):
+                stack.extend((k, depth + 1) for k in v)
+                stack.extend((x, depth + 1) for x in v.values())
+            elif v and not isinstance(v[0], int):      # token-id lists: nothing to check
+                stack.extend((x, depth + 1) for x in v)
+            elif any(not isinstance(x, int) for x in v):
+                stack.extend((x, depth + 1) for x in v if not isinstance(x, int))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class _Body(_Strict):
+    """A whole request body: checked for depth and Unicode before the fields are validated."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_raw(cls, data: Any) -> Any:
+        check_json_value(data)
+        return data
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class JsonSchemaFormat(_Strict):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(True, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def grammar(self) -> GrammarSpec | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return GrammarSpec(GrammarKind.JSON_OBJECT)
+        if self.json_schema is None:
+            raise InvalidRequest("response_format json_schema needs json_schema.schema", "response_format")
+        schema = self.json_schema.schema_
+        return GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema if schema is not True else {}))
+
+
+def sampling_fields(max_tokens: int, vocab_size: int, *, temperature, top_p, top_k, seed, stop_token_ids,
+                    ignore_eos, presence_penalty, frequency_penalty, repetition_penalty, min_p, min_tokens,
+                    logit_bias: dict[str, float] | dict[int, float] | None, logprobs: int | None,
+                    grammar: GrammarSpec | None) -> SamplingParams:
+    """SamplingParams from API values (None: the default), with every range checked; shared by
+    HTTP and gRPC."""
+    t = 1.0 if temperature is None else temperature
+    if not math.isfinite(t) or t < 0:
+        raise InvalidRequest("temperature must be a number >= 0", "temperature")
+    if t > 100:
+        raise InvalidRequest("temperature must be <= 100", "temperature")
+    top_p = 1.0 if top_p is None else top_p
+    if not 0 < top_p <= 1:
+        raise InvalidRequest("top_p must be in (0, 1]", "top_p")
+    top_k = top_k or 0
+    if top_k < 0 and top_k != -1 or top_k > INT32_MAX:
+        raise InvalidRequest("top_k must be -1 (off), 0 (off) or in [1, 2^31)", "top_k")
+    stop_ids = frozenset(stop_token_ids or ())
+    if any(i < 0 or i >= vocab_size for i in stop_ids):
+        raise InvalidRequest(f"stop_token_ids must lie in [0, {vocab_size})", "stop_token_ids")
+    if seed is not None and not 0 <= seed < 2 ** 63:
+        raise InvalidRequest("seed must be in [0, 2^63)", "seed")
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if value is not None and not (math.isfinite(value) and -2 <= value <= 2):
+            raise InvalidRequest(f"{name} must be in [-2, 2]", name)
+    rep = 1.0 if repetition_penalty is None else repetition_penalty
+    if not (math.isfinite(rep) and 0 < rep <= 2):
+        raise InvalidRequest("repetition_penalty must be in (0, 2]", "repetition_penalty")
+    min_p = min_p or 0.0
+    if not (math.isfinite(min_p) and 0 <= min_p <= 1):
+        raise InvalidRequest("min_p must be in [0, 1]", "min_p")
+    min_tokens = min_tokens or 0
+    if not 0 <= min_tokens <= max_tokens:
+        raise InvalidRequest(f"min_tokens must be in [0, max_tokens={max_tokens}]", "min_tokens")
+    bias = []
+    for key, value in (logit_bias or {}).items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise InvalidRequest(f"logit_bias keys are token ids, got {str(key)[:32]!r}", "logit_bias") from None
+        if not 0 <= token < vocab_size:
+            raise InvalidRequest(f"logit_bias token ids must lie in [0, {vocab_size})", "logit_bias")
+        if not (math.isfinite(value) and -100 <= value <= 100):
+            raise InvalidRequest("logit_bias values must be in [-100, 100]", "logit_bias")
+        bias.append((token, float(value)))
+    if len({t for t, _ in bias}) != len(bias):
+        raise InvalidRequest("logit_bias names a token twice", "logit_bias")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
+    return SamplingParams(temperature=t, top_p=top_p, top_k=min(max(top_k, 0), vocab_size),
+                          max_tokens=max_tokens, seed=seed, stop_token_ids=stop_ids, ignore_eos=ignore_eos,
+                          presence_penalty=presence_penalty or 0.0, frequency_penalty=frequency_penalty or 0.0,
+                          repetition_penalty=rep, min_p=min_p, min_tokens=min_tokens,
+                          logit_bias=tuple(sorted(bias)), logprobs=logprobs, grammar=grammar)
+
+
+class _Common(_Body):
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    n: int = 1
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    temperature: float | None = Field(None, ge=0, le=100)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX, description="0 or -1: off")
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=1024)
+    seed: int | None = Field(None, ge=0, lt=2 ** 63)
     ignore_eos: bool = False
     return_token_ids: bool = False
     presence_penalty: float | None = None
@@ -49,63 +181,80 @@ class _Common(BaseModel):
                 raise InvalidRequest(f"{name} must be at most {MAX_ROUTING_KEY_CHARS} characters", name)
         key = self.prompt_cache_key or self.user
         return f"key:{key}" if self.prompt_cache_key else (f"user:{key}" if key else None)
+    user: str | None = Field(None, max_length=256, description="an end-user id; informational only")
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    min_p: float | None = Field(None, ge=0, le=1)
+    min_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(None, max_length=1024)
+    response_format: ResponseFormat | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="refused above 1 (not implemented)")
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        if len(stops) > 16 or any(len(s) > 256 for s in stops):
-            raise InvalidRequest("at most 16 stop strings of at most 256 characters", "stop")
+        if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} "
+                                 "characters", "stop")
         return [s for s in stops if s]
 
     def check_unsupported(self) -> None:
-        if self.n != 1:
-            raise InvalidRequest("only n=1 is supported", "n")
-        if self.presence_penalty or self.frequency_penalty:
-            raise InvalidRequest("presence/frequency penalties are not supported", "presence_penalty")
+        if self.best_of not in (None, 1):
+            raise InvalidRequest("best_of is not supported (use n)", "best_of")
+
+    def requested_logprobs(self) -> int | None:
+        return None
 
     def to_sampling(self, max_tokens: int, vocab_size: int) -> SamplingParams:
-        t = 1.0 if self.temperature is None else self.temperature
-        if not math.isfinite(t) or t < 0:     # JSON parsers here accept NaN and Infinity
-            raise InvalidRequest("temperature must be a number >= 0", "temperature")
-        if t > 100:
-            raise InvalidRequest("temperature must be <= 100", "temperature")
-        top_p = 1.0 if self.top_p is None else self.top_p
-        if not 0 < top_p <= 1:
-            raise InvalidRequest("top_p must be in (0, 1]", "top_p")
-        top_k = self.top_k or 0
-        if top_k < 0 and top_k != -1:
-            raise InvalidRequest("top_k must be >= 0 (or -1 for off)", "top_k")
-        stop_ids = frozenset(self.stop_token_ids or ())
-        if any(i < 0 or i >= vocab_size for i in stop_ids):
-            raise InvalidRequest(f"stop_token_ids must lie in [0, {vocab_size})", "stop_token_ids")
-        if self.seed is not None and not 0 <= self.seed < 2 ** 63:
-            raise InvalidRequest("seed must be in [0, 2^63)", "seed")
-        return SamplingParams(temperature=t, top_p=top_p, top_k=max(top_k, 0), max_tokens=max_tokens,
-                              seed=self.seed, stop_token_ids=stop_ids, ignore_eos=self.ignore_eos)
+        return sampling_fields(
+            max_tokens, vocab_size, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            seed=self.seed, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, min_p=self.min_p, min_tokens=self.min_tokens,
+            logit_bias=self.logit_bias, logprobs=self.requested_logprobs(),
+            grammar=self.response_format.grammar() if self.response_format else None)
 
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo or self.logprobs is not None or self.suffix:
-            raise InvalidRequest("echo, logprobs and suffix are not supported", "logprobs")
+        if self.echo or self.suffix:
+            raise InvalidRequest("echo and suffix are not supported", "echo")
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
 
-class TextPart(BaseModel):
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "developer"]
+class FunctionCall(_Strict):
+    name: str = Field(max_length=64)
+    arguments: str                     # JSON text
+
+
+class ToolCallIn(_Strict):
+    """An assistant message's earlier tool call, sent back in the conversation."""
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = Field(None, max_length=256)
+    tool_calls: list[ToolCallIn] | None = Field(None, max_length=128)
+    tool_call_id: str | None = Field(None, max_length=256)
 
     def text(self) -> str:
         if self.content is None:
@@ -116,20 +265,46 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(default_factory=list)
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, le=INT32_MAX)   # >= 1: checked with the context
     logprobs: bool = False
-    tools: list | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = Field(None, max_length=128)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if not self.messages:
-            raise InvalidRequest("messages must not be empty", "messages")
-        if self.logprobs:
-            raise InvalidRequest("logprobs are not supported", "logprobs")
-        if self.tools:
-            raise InvalidRequest("tools are not supported", "tools")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        if any(m.name for m in self.messages):
+            raise InvalidRequest("message names are not supported", "messages")
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeCompletionRequest(_Body):
+    """vLLM's POST /tokenize, completion form."""
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_Body):
+    """vLLM's POST /tokenize, chat form: the chat template is applied first."""
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    tools: list[dict[str, Any]] | None = Field(None, max_length=128)
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's POST /detokenize."""
+    model: str | None = None
+    tokens: list[TokenId] = Field(max_length=1 << 20)

@@ -10,7 +10,7 @@ from typing import Awaitable, Callable
 
 from frontend.auth import ApiKey
 from frontend.generate import Generator
-from frontend.tokenizer import ModelTokenizer
+from frontend.tokenizer import ModelTokenizer, TokenizerPool
 from runtime.metrics import FrontendMetrics
 
 
@@ -23,4 +23,5 @@ class FrontendState:
     max_model_len: int
     api_key: ApiKey
     max_body_bytes: int
+    tokenize: TokenizerPool                  # tokenizer work off the event loop (bounded queue)
     extra_metrics: Callable[[], Awaitable[bytes]] | None = None   # other components' samples

@@ -120,6 +120,10 @@ class FrontendConfig:
     api_key: str | None = arg(None, "require this key (Bearer on HTTP, metadata on gRPC); none: open",
                               env="SPLITSERVE_API_KEY", secret=True)
     max_body_bytes: int = arg(4 << 20, "largest HTTP request body")
+    tokenizer_threads: int = arg(2, "threads that tokenize prompts and render chat templates (off the "
+                                 "event loop, so that /health and streams stay responsive)")
+    max_tokenize_queue: int = arg(64, "tokenization jobs waiting or running at once; more are refused "
+                                  "with 429 (HTTP) or RESOURCE_EXHAUSTED (gRPC)")
     router_policy: str = arg("kv", "how a request's worker is chosen",
                              choices=("kv", "kv_blocks", "round_robin", "random", "least_loaded"))
     router_approximate: bool = arg(False, "build the prefix index from routing decisions instead of KV events")

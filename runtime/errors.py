@@ -48,3 +48,10 @@ class Unavailable(SplitserveError):
     http_status = 503
     grpc_code = grpc.StatusCode.UNAVAILABLE
     error_type = "service_unavailable"
+
+
+class Overloaded(SplitserveError):
+    """A bounded queue is full: the client may retry later (the OpenAI client does, on 429)."""
+    http_status = 429
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    error_type = "rate_limit_error"

@@ -29,6 +29,20 @@ WORKERS = {"decode-worker": "one decode worker (takes pushed KV, or prefills loc
            "prefill-worker": "one prefill worker (computes prompts, pushes KV over NIXL)"}
 
 
+def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """End every option's help with its default, unless the help already says it (the generated
+    config flags do: runtime/cli_args.py) or the option is required."""
+    for action in parser._actions:
+        text = action.help or ""
+        if (not action.option_strings or action.required or "default" in text
+                or action.default is argparse.SUPPRESS or isinstance(action, argparse._HelpAction)):
+            continue
+        value = action.default
+        shown = "none" if value is None else ("on" if value else "off") if isinstance(value, bool) else value
+        action.help = f"{text} (default: {shown})".lstrip()
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -70,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
         "routesim", help="the real router driving simulated workers on a virtual clock"))
     from splitserve.bench import plan as bench_plan
     bench_plan.add_arguments(bsub.add_parser("plan", help="simulate the SLA planner on a trace (virtual clock)"))
+    for p in (msub.choices["tiny"], bsub.choices["serve"], bsub.choices["replay"]):
+        show_defaults(p)
     return parser
 
 

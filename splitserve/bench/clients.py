@@ -23,7 +23,7 @@ class RequestSpec:
 
     prompt_len: int
     max_tokens: int
-    make_prompt: Callable[[], np.ndarray]
+    make_prompt: Callable[[], np.ndarray | str]     # token ids, or text the server tokenizes
     arrival_s: float = 0.0  # trace replay: when to send, from the start of the level
     cache_key: str | None = None  # sent as OpenAI's prompt_cache_key (the router's affinity hint)
 
@@ -39,6 +39,7 @@ class RequestResult:
     chunk_times: list[float] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
     usage_completion_tokens: int | None = None
+    usage_prompt_tokens: int | None = None   # the server's count (text prompts: its tokenizer's)
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server says
     error: str | None = None
 
@@ -120,6 +121,7 @@ class EventTally:
     tokens: int = 0
     done: bool = False
     usage_completion_tokens: int | None = None
+    usage_prompt_tokens: int | None = None
     usage_cached_tokens: int | None = None
     error: str | None = None
 
@@ -149,6 +151,7 @@ def tally_events(events: Sequence[bytes]) -> EventTally:
         usage = obj.get("usage")
         if usage:
             tally.usage_completion_tokens = usage.get("completion_tokens")
+            tally.usage_prompt_tokens = usage.get("prompt_tokens")
             tally.usage_cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     return tally
 
@@ -197,8 +200,10 @@ class HttpClient:
         return [{"id": m["id"], "max_model_len": m.get("max_model_len")} for m in resp.json()["data"]]
 
     def _body(self, spec: RequestSpec) -> bytes:
+        prompt = spec.make_prompt()
         body = {
-            "model": self.model, "prompt": spec.make_prompt().tolist(), "max_tokens": spec.max_tokens,
+            "model": self.model, "prompt": prompt if isinstance(prompt, str) else prompt.tolist(),
+            "max_tokens": spec.max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}, "return_token_ids": True,
         }
@@ -246,10 +251,12 @@ class HttpClient:
                     counts.append(tally.tokens)
                 done = done or tally.done
                 res.usage_completion_tokens = tally.usage_completion_tokens or res.usage_completion_tokens
+                res.usage_prompt_tokens = tally.usage_prompt_tokens or res.usage_prompt_tokens
                 res.cached_tokens = _first_set(tally.usage_cached_tokens, res.cached_tokens)
                 res.error = res.error or tally.error
         tally = tally_events(parser.close())
         res.usage_completion_tokens = tally.usage_completion_tokens or res.usage_completion_tokens
+        res.usage_prompt_tokens = tally.usage_prompt_tokens or res.usage_prompt_tokens
         res.cached_tokens = _first_set(tally.usage_cached_tokens, res.cached_tokens)
         return done or tally.done
 
@@ -290,9 +297,12 @@ class GrpcClient:
     async def send(self, spec: RequestSpec) -> RequestResult:
         pb = self._pb
         res = RequestResult(spec.prompt_len, spec.max_tokens)
+        prompt = spec.make_prompt()
+        prompt_field = {"text": prompt} if isinstance(prompt, str) else \
+            {"token_ids": pb.TokenIds(ids=prompt.tolist())}
         request = pb.GenerateRequest(
-            model=self.model, token_ids=pb.TokenIds(ids=spec.make_prompt().tolist()),
-            sampling=pb.SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True))
+            model=self.model, sampling=pb.SamplingParams(temperature=0.0, max_tokens=spec.max_tokens,
+                                                         ignore_eos=True), **prompt_field)
         stub = self.stubs[self._next % len(self.stubs)]
         self._next += 1
         times, counts = res.chunk_times, res.chunk_tokens
@@ -308,6 +318,7 @@ class GrpcClient:
                     counts.append(n)
                 if msg.HasField("usage"):
                     res.usage_completion_tokens = msg.usage.completion_tokens
+                    res.usage_prompt_tokens = msg.usage.prompt_tokens
                 if msg.finish_reason == pb.FINISH_REASON_ERROR:
                     res.error = "server_error"
                 elif msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:

@@ -1,8 +1,9 @@
 """`splitserve bench serve`: an InferenceMAX-style load generator for a running Splitserve.
 
 Owns the client side of a serving benchmark: building prompts (random token ids, their lengths
-fixed or drawn per request as InferenceMAX does, or real prompts rebuilt from a Mooncake trace's
-prefix-block hash ids), driving the OpenAI HTTP API (`/v1/completions`, streamed) or the gRPC
+fixed or drawn per request as InferenceMAX does; text drawn from a corpus, as aiperf and vLLM's
+benchmark send it, so that the server's tokenization is in the measured path; or real prompts
+rebuilt from a Mooncake trace's prefix-block hash ids), driving the OpenAI HTTP API (`/v1/completions`, streamed) or the gRPC
 `Generation.Generate` stream at a sweep of concurrency levels, timing every token, and reducing the
 timings to one JSON line per level plus a summary and a Pareto plot (`plot.py`); the
 clients and the request/result types are in `clients.py`. It knows nothing about the server's
@@ -24,7 +25,10 @@ Definitions (also in docs/benchmarking.md):
 - output_tok_s: output tokens of successful requests (as received) / the level's wall time (first
   send -> last completion); input_tok_s likewise with prompt tokens; *_per_gpu divides by --gpus.
 - mean_input_len, mean_output_len: the mean prompt length and max_tokens of the requests sent
-  (failed ones included): the workload itself, which a range ratio below 1 makes vary.
+  (failed ones included): the workload itself, which a range ratio below 1 makes vary. With
+  --corpus the prompt length is the window's length in tokens; the server's own count
+  (usage.prompt_tokens) may differ by a token or two where the window's edges re-tokenize, and it
+  is the one input_tok_s counts.
 - A request fails (counted in `errors` by kind, left out of every latency and throughput figure) on
   a non-200 status, a connection or protocol error, a timeout, an error event, a stream that ends
   without [DONE] / a finish reason, or a stream with no tokens. A failed request never stops the run.
@@ -53,6 +57,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -192,15 +197,60 @@ def random_lengths(seed: Sequence[int], isl: int, osl: int, range_ratio: float) 
     return int(rng.integers(low_in, isl, endpoint=True)), int(rng.integers(low_out, osl, endpoint=True))
 
 
+class TextCorpus:
+    """Text prompts as aiperf builds them: the corpus is tokenized once with the model's tokenizer,
+    and a prompt of N tokens is a window of N corpus tokens at a seeded random offset, decoded back
+    to text. The server tokenizes that text again, inside the measured time."""
+
+    SUFFIXES = (".txt", ".md", ".py", ".rst")
+
+    def __init__(self, path: str, tokenizer: str) -> None:
+        from tokenizers import Tokenizer       # the client needs no model: only its tokenizer.json
+        root = Path(path)
+        files = sorted(f for f in root.rglob("*") if f.suffix in self.SUFFIXES) if root.is_dir() else [root]
+        texts = []
+        for f in files:
+            try:
+                texts.append(f.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError) as e:
+                if not root.is_dir():
+                    raise BenchInputError(f"cannot read corpus {f}: {e}") from None
+        if not texts:
+            raise BenchInputError(f"corpus {path} holds no text ({', '.join(self.SUFFIXES)} files)")
+        tok_path = Path(tokenizer)
+        if tokenizer.startswith("tiny"):
+            from splitserve.models import resolve_model
+            tok_path = Path(resolve_model(tokenizer))
+        if tok_path.is_dir():
+            tok_path = tok_path / "tokenizer.json"
+        if not tok_path.is_file():
+            raise BenchInputError(f"--tokenizer {tokenizer}: no tokenizer.json there")
+        self.tokenizer = Tokenizer.from_file(str(tok_path))
+        self.ids = np.array([t for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)
+                             for t in e.ids], dtype=np.int64)
+        if len(self.ids) < 16:
+            raise BenchInputError(f"corpus {path} is too short ({len(self.ids)} tokens)")
+
+    def prompt(self, seed: Sequence[int], length: int) -> str:
+        rng = np.random.default_rng(list(seed))
+        reps = -(-length // len(self.ids))          # a corpus shorter than the prompt wraps around
+        ids = np.tile(self.ids, reps + 1) if reps else self.ids
+        start = int(rng.integers(0, len(ids) - length + 1))
+        return self.tokenizer.decode(ids[start:start + length].tolist(), skip_special_tokens=True)
+
+
 def synthetic_specs(isl: int, osl: int, num_requests: int, vocab_size: int,
-                    seed: tuple[int, ...], range_ratio: float = 1.0) -> list[RequestSpec]:
+                    seed: tuple[int, ...], range_ratio: float = 1.0,
+                    corpus: TextCorpus | None = None) -> list[RequestSpec]:
     """Random prompts; request i's lengths (see random_lengths) and prompt depend on (seed, i) only.
-    The lengths have a seed of their own, so ratio 1 sends the same prompts as fixed lengths did."""
+    The lengths have a seed of their own, so ratio 1 sends the same prompts as fixed lengths did.
+    With a corpus the prompts are text windows of it (TextCorpus), else random token ids."""
     specs = []
     for i in range(num_requests):
         input_len, output_len = random_lengths((*seed, i, 1), isl, osl, range_ratio)
-        specs.append(RequestSpec(input_len, output_len,
-                                 functools.partial(random_prompt, (*seed, i), input_len, vocab_size)))
+        make = functools.partial(corpus.prompt, (*seed, i), input_len) if corpus is not None else \
+            functools.partial(random_prompt, (*seed, i), input_len, vocab_size)
+        specs.append(RequestSpec(input_len, output_len, make))
     return specs
 
 
@@ -245,7 +295,7 @@ def summarize_level(results: Sequence[RequestResult], duration_s: float, gpus: i
     per_user = np.array([(r.num_output_tokens - 1) / (r.e2e_s - r.ttft_s) for r in ok
                          if r.num_output_tokens > 1 and r.e2e_s > r.ttft_s])
     output_tokens = sum(r.num_output_tokens for r in ok)
-    input_tokens = sum(r.prompt_len for r in ok)
+    input_tokens = sum(r.prompt_len if r.usage_prompt_tokens is None else r.usage_prompt_tokens for r in ok)
     mismatches = sum(1 for r in ok if r.num_output_tokens != r.expected_tokens
                      or (r.usage_completion_tokens is not None
                          and r.usage_completion_tokens != r.num_output_tokens))
@@ -362,6 +412,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--max-input-len", type=int, default=None, help="cap trace input lengths")
     p.add_argument("--speedup", type=float, default=1.0,
                    help="trace replay: divide arrival times by this")
+    p.add_argument("--corpus", default=None, metavar="PATH",
+                   help="send text prompts: windows of the input length cut from this text file (or the "
+                        ".txt/.md/.py/.rst files under this directory), so that the server tokenizes them "
+                        "in the measured time (needs --tokenizer); default: random token ids")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="with --corpus: the served model's directory (its tokenizer.json), or tiny")
     p.add_argument("--vocab-size", type=int, default=4000,
                    help="prompt token ids are drawn from [0, vocab-size), below the special tokens")
     p.add_argument("--concurrency", default=None,
@@ -393,13 +449,14 @@ class Plan:
     range_ratio: float = 1.0
     trace_rows: tuple[TraceRow, ...] = ()
     block_size: int = TRACE_BLOCK_TOKENS
+    corpus: TextCorpus | None = None
 
     @property
     def workload_fields(self) -> dict:
         if self.trace_rows:
             return {}
         return {"scenario": self.scenario, "isl": self.isl, "osl": self.osl,
-                "range_ratio": self.range_ratio}
+                "range_ratio": self.range_ratio, "prompts": "text" if self.corpus else "token_ids"}
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -418,6 +475,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if ratio is not None and not 0 < ratio <= 1:  # NaN fails too
         raise BenchInputError(f"--random-range-ratio must be in (0, 1], got {ratio}")
     if args.trace is not None:
+        if getattr(args, "corpus", None) is not None:
+            raise BenchInputError("--corpus is for --isl/--osl and --scenario; trace prompts are token ids")
         if ratio is not None:
             raise BenchInputError("--random-range-ratio is for --isl/--osl and --scenario; "
                                   "--trace requests keep the trace's own lengths")
@@ -425,13 +484,18 @@ def make_plan(args: argparse.Namespace) -> Plan:
         levels = tuple(parse_concurrency(args.concurrency)) if args.concurrency else (None,)
         return Plan(levels, trace_rows=tuple(rows), block_size=block_size)
     levels = tuple(parse_concurrency(args.concurrency or DEFAULT_CONCURRENCY))
+    corpus = None
+    if getattr(args, "corpus", None) is not None:
+        if not args.tokenizer:
+            raise BenchInputError("--corpus needs --tokenizer (the served model's directory, or tiny)")
+        corpus = TextCorpus(args.corpus, args.tokenizer)
     if args.scenario is not None:
         isl, osl = parse_scenario(args.scenario)
         return Plan(levels, isl, osl, args.scenario.strip().lower(),
-                    SCENARIO_RANGE_RATIO if ratio is None else ratio)
+                    SCENARIO_RANGE_RATIO if ratio is None else ratio, corpus=corpus)
     if args.isl is None or args.osl is None or args.isl < 1 or args.osl < 1:
         raise BenchInputError("--isl and --osl go together and must be >= 1")
-    return Plan(levels, args.isl, args.osl, range_ratio=1.0 if ratio is None else ratio)
+    return Plan(levels, args.isl, args.osl, range_ratio=1.0 if ratio is None else ratio, corpus=corpus)
 
 
 def level_specs(plan: Plan, args: argparse.Namespace, concurrency: int | None,
@@ -445,7 +509,7 @@ def level_specs(plan: Plan, args: argparse.Namespace, concurrency: int | None,
     n = args.num_requests or default_num_requests(concurrency)
     if plan.trace_rows:
         return trace_specs(plan.trace_rows[:n], plan.block_size, args.vocab_size, seed)
-    return synthetic_specs(plan.isl, plan.osl, n, args.vocab_size, seed, plan.range_ratio)
+    return synthetic_specs(plan.isl, plan.osl, n, args.vocab_size, seed, plan.range_ratio, plan.corpus)
 
 
 def git_sha() -> str:

@@ -63,8 +63,57 @@ BAD_BODIES = [
     ("wrong max_tokens type", "/v1/completions", lambda m: completion(m, max_tokens="many"), "max_tokens"),
     ("stop token id beyond the vocabulary", "/v1/completions", lambda m: completion(m, stop_token_ids=[VOCAB]),
      "stop_token_ids"),
-    ("n > 1", "/v1/completions", lambda m: completion(m, n=3), "n"),
+    ("n above the limit", "/v1/completions", lambda m: completion(m, n=65), "n"),
+    ("n 0", "/v1/chat/completions", lambda m: chat(m, n=0), "n"),
     ("negative seed", "/v1/completions", lambda m: completion(m, seed=-1), "seed"),
+    # integer ranges: a value the engine's int32 fields cannot carry is a 400, not a 500
+    ("top_k above int32", "/v1/completions", lambda m: completion(m, top_k=2 ** 31), "top_k"),
+    ("top_k above int32, streaming", "/v1/completions", lambda m: completion(m, top_k=2 ** 40, stream=True),
+     "top_k"),
+    ("chat top_k below -1", "/v1/chat/completions", lambda m: chat(m, top_k=-2), "top_k"),
+    ("max_tokens above int32", "/v1/completions", lambda m: completion(m, max_tokens=2 ** 31), "max_tokens"),
+    ("seed above 2^63", "/v1/completions", lambda m: completion(m, seed=2 ** 64), "seed"),
+    ("stop token id above int32", "/v1/completions", lambda m: completion(m, stop_token_ids=[2 ** 32]),
+     "stop_token_ids"),
+    # unknown fields are refused, never ignored
+    ("unknown field", "/v1/completions", lambda m: completion(m, temprature=0.5), "temprature"),
+    ("unknown chat field", "/v1/chat/completions", lambda m: chat(m, frobnicate=True), "frobnicate"),
+    ("unknown message field", "/v1/chat/completions",
+     lambda m: chat(m, messages=[{"role": "user", "content": "x", "mood": "happy"}]), "mood"),
+    ("unknown stream_options field", "/v1/completions",
+     lambda m: completion(m, stream=True, stream_options={"include_usage": True, "x": 1}), "x"),
+    # OpenAI / vLLM fields not implemented here: a 400 naming them
+    ("best_of", "/v1/completions", lambda m: completion(m, best_of=2), "best_of"),
+    # sampling options out of range
+    ("logit_bias key not a token id", "/v1/completions", lambda m: completion(m, logit_bias={"abc": 1}),
+     "logit_bias"),
+    ("logit_bias token beyond the vocabulary", "/v1/completions",
+     lambda m: completion(m, logit_bias={str(VOCAB): 5}), "logit_bias"),
+    ("logit_bias value above 100", "/v1/completions", lambda m: completion(m, logit_bias={"5": 101}),
+     "logit_bias"),
+    ("presence_penalty above 2", "/v1/completions", lambda m: completion(m, presence_penalty=2.5),
+     "presence_penalty"),
+    ("repetition_penalty 0", "/v1/chat/completions", lambda m: chat(m, repetition_penalty=0), "repetition_penalty"),
+    ("min_p above 1", "/v1/completions", lambda m: completion(m, min_p=1.5), "min_p"),
+    ("min_tokens above max_tokens", "/v1/completions", lambda m: completion(m, min_tokens=5), "min_tokens"),
+    ("logprobs above 20", "/v1/completions", lambda m: completion(m, logprobs=21), "logprobs"),
+    ("top_logprobs without logprobs", "/v1/chat/completions", lambda m: chat(m, top_logprobs=3), "top_logprobs"),
+    ("unknown response_format type", "/v1/chat/completions",
+     lambda m: chat(m, response_format={"type": "yaml"}), "response_format"),
+    ("json_schema without a schema", "/v1/chat/completions",
+     lambda m: chat(m, response_format={"type": "json_schema"}), "response_format"),
+    ("a forced tool call with response_format", "/v1/chat/completions",
+     lambda m: chat(m, tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required",
+                    response_format={"type": "json_object"}), "response_format"),
+    ("echo", "/v1/completions", lambda m: completion(m, echo=True), "echo"),
+    ("tools the template cannot show", "/v1/chat/completions",
+     lambda m: chat(m, tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),
+    ("tool_choice without tools", "/v1/chat/completions", lambda m: chat(m, tool_choice="required"),
+     "tool_choice"),
+    ("a tool message without its call id", "/v1/chat/completions",
+     lambda m: chat(m, messages=[{"role": "tool", "content": "x"}]), "tool_call_id"),
+    ("message name", "/v1/chat/completions",
+     lambda m: chat(m, messages=[{"role": "user", "content": "x", "name": "bob"}]), "name"),
 ]
 
 
@@ -93,6 +142,73 @@ def test_non_finite_temperature_is_a_400(http, model_name, value):
     r = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     assert "temperature" in r.json()["error"]["message"]
+
+
+LONE_SURROGATE = '"a \\ud800 b"'      # JSON text: "a \ud800 b"
+SURROGATE_BODIES = [
+    ("/v1/completions", '{"model": "%s", "prompt": ' + LONE_SURROGATE + ', "max_tokens": 2}'),
+    ("/v1/completions", '{"model": "%s", "prompt": ["ok", ' + LONE_SURROGATE + '], "max_tokens": 2}'),
+    ("/v1/chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": ' + LONE_SURROGATE +
+     '}], "max_tokens": 2}'),
+    ("/v1/completions", '{"model": "%s", "prompt": "x", "stop": [' + LONE_SURROGATE + '], "stream": true}'),
+    ("/tokenize", '{"model": "%s", "prompt": ' + LONE_SURROGATE + '}'),
+]
+
+
+@pytest.mark.parametrize("path,raw", SURROGATE_BODIES)
+def test_a_lone_surrogate_is_a_400(http, model_name, path, raw):
+    r = http.post(path, content=raw % model_name, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert "unicode" in r.json()["error"]["message"].lower()
+
+
+@pytest.mark.parametrize("depth", [40, 100_000])
+def test_deeply_nested_json_is_a_400(http, model_name, depth):
+    nested = "[" * depth + "]" * depth
+    for field in ("prompt", "response_format", "user"):
+        raw = '{"model": "%s", "max_tokens": 2, "%s": %s}' % (model_name, field, nested)
+        r = http.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (field, r.text[:300])
+        assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_every_http_error_has_the_openai_shape(http, model_name):
+    cases = [("GET", "/no/such/path", 404), ("GET", "/v1/completions", 405), ("DELETE", "/v1/models", 405),
+             ("GET", "/v1/models/no-such-model", 404)]
+    for method, path, status in cases:
+        r = http.request(method, path)
+        assert r.status_code == status, (method, path, r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["message"] and err["type"], (path, err)
+        assert set(err) == {"message", "type", "param", "code"}
+
+
+def test_models_by_id(http, model_name):
+    r = http.get(f"/v1/models/{model_name}")
+    assert r.status_code == 200 and r.json()["id"] == model_name
+    assert http.get("/v1/models/gpt-4").json()["error"]["code"] == "model_not_found"
+
+
+def test_tokenize_and_detokenize_like_vllm(http, model_name):
+    from frontend.tokenizer import ChatTurn, ModelTokenizer
+    from splitserve.models import resolve_model
+    tok = ModelTokenizer(resolve_model("tiny"))
+    r = http.post("/tokenize", json={"model": model_name, "prompt": "def f(x): return x"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tok.encode("def f(x): return x") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == CONTEXT
+    r = http.post("/tokenize", json={"prompt": "abc", "add_special_tokens": False})
+    assert r.json()["tokens"] == tok.encode("abc", add_special_tokens=False)
+    msgs = [{"role": "user", "content": "hi there"}]
+    r = http.post("/tokenize", json={"model": model_name, "messages": msgs})
+    assert r.json()["tokens"] == tok.encode_chat([ChatTurn("user", "hi there")])
+    r = http.post("/detokenize", json={"model": model_name, "tokens": body["tokens"]})
+    assert r.status_code == 200 and r.json()["prompt"] == tok.decode(body["tokens"])
+    r = http.post("/detokenize", json={"model": model_name, "tokens": [VOCAB]})
+    assert r.status_code == 400 and "token" in r.json()["error"]["message"]
+    r = http.post("/tokenize", json={"model": model_name, "prompt": "x " * (CONTEXT + 5)})
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"]
 
 
 def test_unknown_model_is_a_404(http):
@@ -165,6 +281,52 @@ BAD_GRPC = [
 @pytest.mark.parametrize("name,kw", BAD_GRPC, ids=[b[0] for b in BAD_GRPC])
 def test_bad_grpc_request_is_invalid_argument(grpc_stub, model_name, name, kw):
     assert grpc_code(grpc_stub, model=model_name, **kw) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_top_k_beyond_the_vocabulary_is_clamped(grpc_stub, http, model_name):
+    # int32-range top_k is valid input: above the vocabulary it means "off" (it used to overflow)
+    assert grpc_code(grpc_stub, model=model_name, text="x",
+                     sampling=pb.SamplingParams(max_tokens=2, top_k=2 ** 31 - 1)) == grpc.StatusCode.OK
+    r = http.post("/v1/completions", json=completion(model_name, top_k=2 ** 31 - 1))
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("raw,list_models_too", [(b"\xff\xff\xff\xff", True), (b"\x1a\x02\xff\xfe", False),
+                                                 (b"\x0a\x05ab", True)],
+                         ids=["garbage", "invalid utf-8 in text", "truncated"])
+def test_a_malformed_grpc_message_is_invalid_argument(_session_cluster, raw, list_models_too):
+    # (field 3 is the prompt text of GenerateRequest; to ListModelsRequest it is an unknown field)
+    methods = [("/splitserve.v1.Generation/Generate", False)]
+    if list_models_too:
+        methods.append(("/splitserve.v1.Generation/ListModels", True))
+    with grpc.insecure_channel(_session_cluster.grpc_target) as ch:
+        for method, unary in methods:
+            call = (ch.unary_unary if unary else ch.unary_stream)(method, request_serializer=None,
+                                                                  response_deserializer=None)
+            with pytest.raises(grpc.RpcError) as e:
+                result = call(raw, timeout=30)
+                if not unary:
+                    list(result)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.value)
+
+
+def test_grpc_reflection_v1_and_v1alpha(_session_cluster):
+    from grpc_reflection.v1alpha import reflection_pb2 as rpb
+    with grpc.insecure_channel(_session_cluster.grpc_target) as ch:
+        for version in ("v1", "v1alpha"):
+            call = ch.stream_stream(f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+                                    request_serializer=rpb.ServerReflectionRequest.SerializeToString,
+                                    response_deserializer=rpb.ServerReflectionResponse.FromString)
+            listed, described = call(iter([rpb.ServerReflectionRequest(list_services=""),
+                                           rpb.ServerReflectionRequest(
+                                               file_containing_symbol="splitserve.v1.Generation")]), timeout=30)
+            names = {s.name for s in listed.list_services_response.service}
+            assert {"splitserve.v1.Generation", "grpc.reflection.v1.ServerReflection",
+                    "grpc.reflection.v1alpha.ServerReflection"} <= names, (version, names)
+            assert described.file_descriptor_response.file_descriptor_proto, version
+            (v1,) = call(iter([rpb.ServerReflectionRequest(
+                file_containing_symbol="grpc.reflection.v1.ServerReflection")]), timeout=30)
+            assert v1.file_descriptor_response.file_descriptor_proto, version
 
 
 def test_unknown_model_over_grpc_is_not_found(grpc_stub):

@@ -143,3 +143,24 @@ def test_errors_surface_as_openai_exceptions(client, model_name):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model_name, prompt="x", max_tokens=1, temperature=-1)
     assert "temperature" in str(e.value)
+
+
+def test_n_samples_completion_and_chat(client, model_name):
+    r = client.completions.create(model=model_name, prompt="def add(a, b):", max_tokens=6, n=3,
+                                  temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 18
+    assert len({c.text for c in r.choices}) > 1          # seeds 7, 8, 9: different samples
+    again = client.completions.create(model=model_name, prompt="def add(a, b):", max_tokens=6, n=3,
+                                      temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]
+    chat = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=5, n=3,
+                                          extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in chat.choices) == [0, 1, 2] and chat.usage.completion_tokens == 15
+    chunks = list(client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=5, n=3,
+                                                 stream=True, extra_body={"ignore_eos": True}))
+    finished = {c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason}
+    assert finished == {0, 1, 2}
+    roles = {c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role == "assistant"}
+    assert roles == {0, 1, 2}

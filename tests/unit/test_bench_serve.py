@@ -311,6 +311,8 @@ class FakeOpenAI:
             if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
                 return JSONResponse({"error": {"message": "bad key"}}, status_code=401)
             body = await request.json()
+            if isinstance(body["prompt"], str):      # a text prompt: its "tokens" are its bytes here
+                body["prompt"] = list(body["prompt"].encode())
             n = next(self.counter)
             self.prompts.append(body["prompt"])
             if self.fail_every and n % self.fail_every == self.fail_every - 1:
@@ -414,6 +416,39 @@ def test_scenario_sends_inferencemax_random_lengths_and_records_them(capsys):
     assert level["output_tokens"] == sum(s.max_tokens for s in planned) < 1024 * 12
     assert level["mean_output_len"] == round(sum(s.max_tokens for s in planned) / 12, 1)
     assert summary["levels"][0]["mean_output_len"] == level["mean_output_len"]
+
+
+def test_text_corpus_windows_are_seeded_and_have_their_length(tmp_path):
+    corpus_dir = tmp_path / "corpus"
+    corpus_dir.mkdir()
+    (corpus_dir / "a.txt").write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    (corpus_dir / "b.md").write_text("# Notes\n\nSome *markdown* text, with punctuation; and more.\n" * 30)
+    (corpus_dir / "skip.bin").write_bytes(b"\xff\xfe")
+    corpus = bs.TextCorpus(str(corpus_dir), "tiny")
+    from tokenizers import Tokenizer
+    from splitserve.models import resolve_model
+    tok = Tokenizer.from_file(f"{resolve_model('tiny')}/tokenizer.json")
+    a, b = corpus.prompt((0, 1), 50), corpus.prompt((0, 2), 50)
+    assert isinstance(a, str) and a != b and corpus.prompt((0, 1), 50) == a
+    assert abs(len(tok.encode(a, add_special_tokens=False).ids) - 50) <= 2   # edges may re-tokenize
+    assert len(corpus.prompt((3,), 5000)) > 1000                # longer than the corpus: it wraps
+    with pytest.raises(bs.BenchInputError):
+        bs.TextCorpus(str(tmp_path / "none.txt"), "tiny")
+
+
+def test_http_sweep_with_text_prompts(tmp_path, capsys):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("def hello(name):\n    return f'hello {name}'\n" * 200)
+    with FakeOpenAI() as server:
+        rc = bs.main(_args(url=server.url, isl=32, osl=8, concurrency="2", num_requests=6, warmup=0,
+                           corpus=str(corpus), tokenizer="tiny"))
+    assert rc == 0
+    level, summary = _lines(capsys)
+    assert (level["errors"], level["token_mismatches"], level["prompts"]) == (0, 0, "text")
+    # the server's count (here: the prompts' bytes) is what input_tokens adds up
+    assert level["input_tokens"] == sum(len(p) for p in server.prompts) > 6 * 32
+    with pytest.raises(bs.BenchInputError):
+        bs.make_plan(_args(isl=8, osl=8, corpus=str(corpus), tokenizer=None))
 
 
 def test_failed_requests_are_counted_and_the_run_completes(capsys):

@@ -241,3 +241,24 @@ def test_bitmask_unpacks_as_xgrammar_packs():
         words[r, t // 32] |= 1 << (t % 32)
     packed = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)   # int32 bit pattern
     assert torch.equal(unpack_bitmask(packed, 70), allowed)
+
+
+def test_a_grammar_that_only_allows_stopping_wins_over_min_tokens():
+    """Row 0's grammar allows only token 2 (a stop token, its JSON value complete) while min_tokens
+    bans it: the row keeps token 2 instead of becoming all -inf (NaN probabilities, a failed step).
+    Row 1 has other allowed tokens, so its ban holds."""
+    import torch
+
+    from engine.sampler import LogitsProcessing, process_logits
+    vocab = 40
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(0))
+    words = (vocab + 31) // 32
+    bitmask = torch.zeros(2, words, dtype=torch.int32)
+    bitmask[0, 0] = 1 << 2                      # row 0: token 2 only
+    bitmask[1, 0] = (1 << 2) | (1 << 5)         # row 1: tokens 2 and 5
+    proc = LogitsProcessing(bitmask_rows=torch.tensor([0, 1]), bitmask=bitmask,
+                            banned_rows=torch.tensor([0, 1]), banned_ids=torch.tensor([2, 2]))
+    out = process_logits(logits.clone(), proc)
+    assert torch.isfinite(out[0, 2]) and torch.isneginf(out[0, torch.arange(vocab) != 2]).all()
+    assert torch.isneginf(out[1, 2]) and torch.isfinite(out[1, 5])
+    assert out[1].argmax() == 5
