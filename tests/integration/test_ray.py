@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -101,8 +102,11 @@ def ready(cluster) -> list[admin_pb2.WorkerStatus]:
 
 
 def settled(cluster, n: int) -> bool:
+    """n ready decode workers and no others, and the frontend routes to all n (it learns of a ready
+    worker on its next discovery poll, a moment after the controller does)."""
     p = next(p for p in status(cluster).pools if p.pool == "decode")
-    return p.desired == n and p.ready == n and p.starting == 0 and p.draining == 0
+    return (p.desired == n and p.ready == n and p.starting == 0 and p.draining == 0
+            and httpx.get(f"{cluster.url}/health", timeout=10).json().get("decode") == n)
 
 
 def load(address: str) -> worker_pb2.WorkerStatus:
