@@ -1,7 +1,7 @@
 """Bytes between the engine's KV cache (G1, device) and the host tier (G2, pinned host RAM).
 
 Part of the door in kvstore/transfer.py. Two ways, one interface, so that the device run measures
-both and the worker picks the faster (DEPENDENCIES.md: NIXL where it measures at least as fast):
+both and the worker picks the faster (NIXL where it measures at least as fast; docs/kv_tiers.md):
 
 - ``TorchHostCopy``: CUDA copies on a side stream. Offload gathers the blocks' (layer, block)
   chunks into a device staging buffer with one ``index_select`` (output already block-major, the

@@ -64,7 +64,7 @@ from kvstore.tier_policy import (OnboardCounters, OnboardDecision, OnboardMode, 
 
 log = logging.getLogger(__name__)
 
-# Until a probe says otherwise: the H100 machine's figures (DEPENDENCIES.md).
+# Until a probe says otherwise: the H100 machine's measured figures (docs/kv_tiers.md).
 DEFAULT_RATES = {TierPath.G1_TO_G2: PathRate(55e9, 20e-6), TierPath.G2_TO_G1: PathRate(55e9, 20e-6),
                  TierPath.G2_TO_G3: PathRate(1.3e9, 200e-6), TierPath.G3_TO_G2: PathRate(1.3e9, 200e-6)}
 

@@ -141,7 +141,7 @@ def test_blocks_round_trip_through_files_scattered_across_two_slabs(tmp_path):
 
 @needs_nixl
 def test_nixl_host_copy_needs_no_remote_agent_for_a_loopback_copy():
-    """DEPENDENCIES.md says an agent cannot add itself as a remote agent; it need not: a list
+    """An agent cannot add itself as a remote agent (NIXL_ERR_INVALID_PARAM, docs/kv_tiers.md); it need not: a list
     prepared under its own name is a loopback target."""
     kv = cache()
     host = HostPool(BlockFormat.of(kv, "m"), 4 * BlockFormat.of(kv, "m").block_bytes)

@@ -1,6 +1,6 @@
 """Simulated workers on a virtual clock: what one prefill or decode worker does with its requests.
 
-Lifecycle (DESIGN.md): STARTING (costs a GPU, serves nothing) -> READY -> DRAINING (takes no new
+Lifecycle (docs/operations.md): STARTING (costs a GPU, serves nothing) -> READY -> DRAINING (takes no new
 work, finishes what it holds) -> STOPPED. A worker costs GPU time from its start to its stop.
 
 - `PrefillWorker`: one FIFO server. A prompt's service time is the profile's prefill time at its
