@@ -1,23 +1,74 @@
-"""Process hygiene shared by every component: die with the parent, stop cleanly on signals."""
+"""Process hygiene shared by every component: die with the parent, stop cleanly on signals, and
+never let a stuck clean-up step hold a shutdown up (`bounded`, which says where it was stuck)."""
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import faulthandler
+import logging
 import os
 import signal
 import sys
 
+log = logging.getLogger(__name__)
+
 PR_SET_PDEATHSIG = 1
+
+
+def _resolve_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# Resolved here, in the parent: `die_with_parent` runs between fork and exec (preexec_fn) of a
+# process with threads, where a dlopen could wait forever on a loader lock another thread held.
+_PRCTL = _resolve_prctl()
 
 
 def die_with_parent() -> None:
     """On Linux, get SIGTERM when the launching process dies (even by kill -9): no orphans."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        except OSError:
-            pass
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def enable_stack_dumps() -> None:
+    """`kill -USR1 PID` prints every thread's stack to stderr (the component's log): what a
+    process that seems stuck is doing, with no debugger and no restart."""
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+def awaiting(task: asyncio.Task) -> str:
+    """Where a task is suspended: its chain of awaits, outermost first (file:line function)."""
+    steps, coro = [], task.get_coro()
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            steps.append(type(coro).__name__)
+            break
+        steps.append(f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return " -> ".join(steps)
+
+
+async def bounded(what: str, aw, timeout_s: float) -> bool:
+    """Await `aw` for at most `timeout_s`; past that, log what it and every other task are waiting
+    on, leave it running and return False. For clean-up steps whose hang must not stop the rest."""
+    task = asyncio.ensure_future(aw)
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if done:
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("%s failed: %r", what, task.exception())
+        return True
+    others = [t for t in asyncio.all_tasks() if t is not task and t is not asyncio.current_task() and not t.done()]
+    log.warning("%s did not finish within %.0f s; going on without it. It waits at %s%s", what, timeout_s,
+                awaiting(task), "".join(f"\n  task {t.get_name()}: {awaiting(t)}" for t in others))
+    return False
 
 
 def process_age_s() -> float:

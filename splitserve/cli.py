@@ -22,6 +22,7 @@ from runtime.config import (ControllerComponentConfig, EngineConfig, FrontendCon
 from runtime.config_fields import ConfigError
 from runtime.errors import InvalidRequest
 from runtime.logging import setup_logging
+from runtime.process import enable_stack_dumps
 
 # serve's frontend follows the engine: its model is the workers', its block size is learned
 SERVE_SKIPS = ("frontend.model", "frontend.block_size", "frontend.max_model_len")
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    enable_stack_dumps()
     cmd = args.command
     if cmd in ("pools", "workers"):
         from splitserve import admin_cli

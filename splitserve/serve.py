@@ -49,13 +49,14 @@ from runtime.config import FrontendConfig, ServeConfig, WorkerConfig
 from runtime.config_file import write_config
 from runtime.errors import InvalidRequest
 from runtime.metrics import PoolMetrics, start_metrics_server
-from runtime.process import die_with_parent
+from runtime.process import bounded, die_with_parent
 from runtime.redis_embedded import EmbeddedRedis
 from splitserve.models import resolve_model
 
 log = logging.getLogger("splitserve.serve")
 
 STOP_MARGIN_S = 15.0          # beyond the drain timeout, before stragglers are killed
+CLOSE_TIMEOUT_S = 5.0         # for each of serve's own clean-up steps; the workers' drain goes on regardless
 SECRETS_ENV = ("SPLITSERVE_ADMIN_TOKEN",)
 
 
@@ -350,10 +351,14 @@ class Launcher:
                  cfg.planner.ttft_ms, cfg.planner.itl_ms, cfg.planner.interval_s, self.planner_profile.name)
 
     async def _shutdown(self) -> None:
-        if self.planner is not None:
-            await self.planner.close()
         if self.controller is not None:
-            await self.controller.close()            # no restarts, no scaling from here on
+            self.controller.acting = False           # no restarts, no scaling from here on
+        if self.connector is not None:
+            self.connector.restart_crashed = False
+        if self.planner is not None:
+            await bounded("closing the planner", self.planner.close(), CLOSE_TIMEOUT_S)
+        if self.controller is not None:
+            await bounded("closing the pool controller", self.controller.close(), CLOSE_TIMEOUT_S)
         if self.frontend is not None and self.frontend.poll() is None:
             self.frontend.send_signal(signal.SIGTERM)
         if self.connector is not None:
@@ -372,7 +377,7 @@ class Launcher:
         for _, p in self.cluster.procs:
             p.wait()
         if self.admin is not None:
-            await self.admin.stop(grace=0.5)
+            await bounded("stopping the admin API", self.admin.stop(grace=0.5), CLOSE_TIMEOUT_S)
         if self.redis is not None:
             self.redis.close()
         if self.token_path is not None:

@@ -46,6 +46,30 @@ def until(cond, timeout_s: float = 10.0, interval_s: float = 0.05, what: str = "
         time.sleep(interval_s)
 
 
+def log_problems(text: str, also: tuple[str, ...] = (), context: int = 30) -> str:
+    """The regions of a cluster log around each traceback or ERROR line (and each of `also`), for a
+    failure message that shows the fault itself rather than the log's last lines; "" when clean."""
+    lines = text.splitlines()
+    hits = [i for i, line in enumerate(lines)
+            if "Traceback" in line or " ERROR " in line or any(a in line for a in also)]
+    if not hits:
+        return ""
+    shown: list[str] = []
+    last = -1
+    for i in hits:
+        lo, hi = max(i - 5, last + 1), min(i + context, len(lines))
+        if lo > last + 1 and shown:
+            shown.append("...")
+        shown.extend(lines[lo:hi])
+        last = max(last, hi - 1)
+    return "\n".join(shown)
+
+
+def assert_clean_log(text: str, also: tuple[str, ...] = ()) -> None:
+    problems = log_problems(text, also)
+    assert not problems, f"the cluster log shows faults:\n{problems}"
+
+
 @dataclass
 class Cluster:
     proc: subprocess.Popen
@@ -88,9 +112,17 @@ class Cluster:
             try:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
+                for pid in [self.proc.pid, *self.child_pids("splitserve")]:   # every thread's stack to the log
+                    try:
+                        os.kill(pid, signal.SIGUSR1)
+                    except ProcessLookupError:
+                        pass
+                time.sleep(1.0)
                 self.proc.kill()
                 self.proc.wait()
-                raise AssertionError(f"splitserve serve ignored SIGTERM for {timeout_s} s\n{self.log()[-3000:]}")
+                text = self.log()
+                tail = text[text.rfind("stopping (signal"):] if "stopping (signal" in text else text[-3000:]
+                raise AssertionError(f"splitserve serve ignored SIGTERM for {timeout_s} s\n{tail[-20000:]}")
         return self.proc.returncode
 
     # ---- the workers, as found in Redis -------------------------------------------------

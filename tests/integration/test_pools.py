@@ -31,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from proto.splitserve.v1 import admin_pb2, admin_pb2_grpc  # noqa: E402
 from runtime.admin_auth import read_token_file  # noqa: E402
-from tests.integration.cluster import own_cluster, until  # noqa: E402
+from tests.integration.cluster import assert_clean_log, own_cluster, until  # noqa: E402
 from tests.integration.streams import failures, prompts, stream_all  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -51,7 +51,7 @@ def cluster(tmp_path_factory):
                      "--max-num-batched-tokens", "64", "--drain-timeout-s", str(DRAIN_TIMEOUT_S), "--no-prefix-caching",
                      "--lease-ttl-s", "2", tmp_dir=tmp_path_factory.mktemp("pools")) as c:
         yield c
-    assert "Traceback" not in c.log() and " ERROR " not in c.log(), c.log()[-5000:]
+    assert_clean_log(c.log())
 
 
 @pytest.fixture(scope="module")
