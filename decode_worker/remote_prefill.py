@@ -193,8 +193,9 @@ class RemotePrefillClient:
             self._poller = asyncio.create_task(self._poll_notifications())
 
     async def _poll_notifications(self) -> None:
-        """Without a NIXL progress thread our polls drive the target side; poll while handoffs run."""
-        while self._notified:
+        """Without a NIXL progress thread our polls drive the target side; poll while handoffs run
+        (and the agent is open: at shutdown it closes under handoffs that are still waiting)."""
+        while self._notified and not self.agent.closed:
             for _peer, msg in self.agent.take_notifications():
                 fut = self._notified.get(msg.decode(errors="replace"))
                 if fut is not None and not fut.done():

@@ -248,8 +248,13 @@ class KvTransferAgent:
             yield pause
             pause = min(pause * 2, 200e-6)
 
+    @property
+    def closed(self) -> bool:
+        return self._agent is None
+
     def take_notifications(self) -> list[tuple[str, bytes]]:
-        """Target side: (peer name, notif) for every push that landed since the last call."""
+        """Target side: (peer name, notif) for every push that landed since the last call (none
+        once closed: a poller that outlives the worker's shutdown by a tick finds nothing)."""
         self._progress()
         notifs, self._notifs = self._notifs, []
         return notifs
@@ -306,7 +311,10 @@ class KvTransferAgent:
     def _progress(self) -> None:
         """Drive NIXL/UCX progress (we run without its spinning thread), keeping any notifications.
         Also how a failed endpoint gets cleaned up: tearing down an agent whose failed requests
-        were never progressed trips a UCX assertion (arbiter.c) and aborts the process."""
+        were never progressed trips a UCX assertion (arbiter.c) and aborts the process. Closed:
+        nothing to drive."""
+        if self._agent is None:
+            return
         for k, msgs in self._agent.get_new_notifs().items():
             name = k.decode() if isinstance(k, bytes) else k  # notifs are keyed by str
             self._notifs += [(name, bytes(m)) for m in msgs]

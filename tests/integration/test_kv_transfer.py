@@ -188,3 +188,15 @@ def test_peer_with_another_kv_dtype_is_refused():
     finally:
         a.close()
         b.close()
+
+
+def test_a_closed_agent_has_no_notifications_and_clear_errors():
+    """A decode worker closes its agent at shutdown while a handoff may still poll it (a CI run saw
+    the poller's AttributeError): after close, polls find nothing, and a peer is unknown."""
+    agent = KvTransferAgent("closing", kv_cache(4, "sentinel"))
+    assert not agent.closed
+    agent.close()
+    assert agent.closed and agent.take_notifications() == []
+    with pytest.raises(KvTransferError, match="unknown peer"):
+        agent.remove_peer("gone")
+    agent.close()                      # idempotent
