@@ -39,8 +39,12 @@ def die_with_parent() -> None:
 def enable_stack_dumps() -> None:
     """`kill -USR1 PID` prints every thread's stack to stderr (the component's log): what a
     process that seems stuck is doing, with no debugger and no restart."""
-    if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if not hasattr(signal, "SIGUSR1"):
+        return
+    try:
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    except (AttributeError, ValueError, OSError):     # no stderr file descriptor (embedded, closed)
+        pass
 
 
 def awaiting(task: asyncio.Task) -> str:
