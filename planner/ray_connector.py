@@ -38,7 +38,7 @@ import ray
 from planner.connector import ConnectorError, HandleState, WorkerHandle
 from planner.local_connector import describe_exit
 from planner.pools import PoolName
-from planner.restarts import CrashHistory, RestartPolicy
+from planner.restarts import CrashHistory, RestartPolicy, record_crash
 from runtime.config import FrontendConfig, WorkerConfig
 from runtime.config_file import write_config
 from runtime.process import die_with_parent
@@ -184,7 +184,8 @@ class RayConnector:
                 self._slots.pop(slot.name, None)
             else:
                 kill_actor(slot.actor)
-                self._crashed(slot, why, now)
+                record_crash(slot, why, now, self.restart_crashed, log, self._on_crash_loop,
+                             restarting="replacing its actor")
         for slot in list(self._slots.values()):
             if slot.state == HandleState.BACKOFF and now >= slot.restart_at:
                 self._launch(slot)
@@ -235,20 +236,3 @@ class RayConnector:
         if not slot.placed:
             slot.placed, slot.detail = True, ""
         return code, ""
-
-    def _crashed(self, slot: _Slot, why: str, now: float) -> None:
-        uptime = now - slot.launched_at
-        slot.detail = f"{why} after {uptime:.1f} s"
-        delay = slot.history.crashed(uptime) if self.restart_crashed else None
-        if delay is None:
-            slot.state = HandleState.FAILED
-            if self.restart_crashed:
-                slot.detail = f"crash loop: {slot.history.in_a_row} crashes in a row, the last {slot.detail}"
-                log.error("%s keeps crashing (%s); not restarting it. `splitserve workers drain %s` clears it",
-                          slot.name, slot.detail, slot.name)
-                if self._on_crash_loop:
-                    self._on_crash_loop(slot.pool)
-            return
-        log.warning("%s %s; replacing its actor in %.1f s (restart %d)", slot.name, slot.detail, delay,
-                    slot.history.restarts)
-        slot.state, slot.restart_at = HandleState.BACKOFF, now + delay
