@@ -1,4 +1,4 @@
-"""The Ray connector: workers (and `serve --ray`'s frontend) as Ray actors.
+"""The Ray connector: workers (and `serve --ray`'s frontend and SLA planner) as Ray actors.
 
 Each component runs in one `ComponentActor`: Ray places the actor on a node with the resources it
 asks for (`num_gpus` per worker from --ray-worker-gpus, CPU-only actors otherwise), and the actor
@@ -39,7 +39,7 @@ from planner.connector import ConnectorError, HandleState, WorkerHandle
 from planner.local_connector import describe_exit
 from planner.pools import PoolName
 from planner.restarts import CrashHistory, RestartPolicy, record_crash
-from runtime.config import FrontendConfig, WorkerConfig
+from runtime.config import FrontendConfig, PlannerComponentConfig, WorkerConfig
 from runtime.config_file import write_config
 from runtime.process import die_with_parent
 
@@ -47,12 +47,13 @@ log = logging.getLogger(__name__)
 
 RAY_NAMESPACE = "splitserve"
 POLL_TIMEOUT_S = 2.0            # an actor that does not answer within this is still being placed
+Component = WorkerConfig | FrontendConfig | PlannerComponentConfig      # the configs a ComponentActor runs
 
 
 class ComponentActor:
     """One Splitserve process on the node Ray placed this actor on (used as a Ray actor class)."""
 
-    def __init__(self, command: str, cfg: WorkerConfig | FrontendConfig, env: dict[str, str]) -> None:
+    def __init__(self, command: str, cfg: Component, env: dict[str, str]) -> None:
         node = ray.util.get_node_ip_address()
         if isinstance(cfg, WorkerConfig):       # reachable from the other nodes at the node's address
             cfg = dataclasses.replace(cfg, host=node, advertise_host=node)
@@ -86,8 +87,8 @@ class ComponentActor:
 RemoteComponent = ray.remote(max_restarts=0, max_task_retries=0)(ComponentActor)
 
 
-def start_component(name: str, command: str, cfg: WorkerConfig | FrontendConfig, env: dict[str, str],
-                    num_cpus: float, num_gpus: float = 0.0, resources: dict[str, float] | None = None):
+def start_component(name: str, command: str, cfg: Component, env: dict[str, str], num_cpus: float,
+                    num_gpus: float = 0.0, resources: dict[str, float] | None = None):
     """A new ComponentActor running `splitserve COMMAND` with `cfg`; returns its actor handle at once."""
     return RemoteComponent.options(name=name, namespace=RAY_NAMESPACE, num_cpus=num_cpus, num_gpus=num_gpus,
                                    resources=resources or {}).remote(command, cfg, env)
