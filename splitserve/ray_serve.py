@@ -107,18 +107,26 @@ def worker_gpus(cfg: ServeConfig) -> float:
 
 
 class ActorProcess:
-    """The frontend actor, seen as the Popen `Launcher` supervises (poll, send_signal, returncode)."""
+    """The frontend (or planner) actor, seen as the Popen `Launcher` supervises (poll, send_signal,
+    returncode). `poll` never blocks: it runs in serve's event loop, beside the admin API and the
+    controller, every 0.2 s, and an actor Ray is still placing may not answer for seconds; so one
+    question is kept in flight and its answer read once there is one."""
 
     def __init__(self, actor) -> None:
         self.actor = actor
         self.returncode: int | None = None
+        self._asked = None                     # the poll call in flight
 
     def poll(self) -> int | None:
         if self.returncode is None:
+            if self._asked is None:
+                self._asked = self.actor.poll.remote()
+            done, _ = ray.wait([self._asked], timeout=0)
+            if not done:
+                return None                    # not placed yet, or busy
+            asked, self._asked = self._asked, None
             try:
-                self.returncode = ray.get(self.actor.poll.remote(), timeout=2.0)
-            except ray.exceptions.GetTimeoutError:
-                return None                    # not placed yet
+                self.returncode = ray.get(asked)
             except ray.exceptions.RayActorError:
                 self.returncode = -signal.SIGKILL    # the actor died: its process with it
         return self.returncode
