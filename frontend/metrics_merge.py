@@ -1,6 +1,7 @@
 """One scrape sees the whole cluster: the frontend's /metrics also carries every worker's samples,
 and the pool controller's (desired and ready workers per pool, restarts: `splitserve serve`'s, whose
-address comes from its record in Redis, runtime/pool_record.py).
+address comes from its record in Redis, runtime/pool_record.py), and the SLA planner's when the
+record names it (`serve --ray --planner` runs the planner as an actor with its own /metrics).
 
 Each worker serves its own /metrics (as pods are scraped in Kubernetes); their samples already
 carry a `worker` label. The frontend fetches them concurrently (short timeout; a slow or dead
@@ -32,8 +33,9 @@ class WorkerMetricsScraper:
 
     async def scrape(self) -> bytes:
         urls = [c.info.metrics_url for c in self._pool.workers.values() if c.alive and c.info.metrics_url]
-        if self._pool.pools is not None and self._pool.pools.metrics_url:
-            urls.append(self._pool.pools.metrics_url)
+        pools = self._pool.pools
+        if pools is not None:
+            urls += [u for u in (pools.metrics_url, pools.planner_metrics_url) if u]
         if not urls:
             return b""
         texts = await asyncio.gather(*(self._fetch(u) for u in urls))

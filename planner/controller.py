@@ -95,6 +95,7 @@ class PoolController:
         self.redis = aioredis.Redis.from_url(redis_url)
         self.namespace, self.metrics, self.tick_s = namespace, metrics, tick_s
         self.metrics_url, self.admin_address, self.name = metrics_url, admin_address, name
+        self.planner_metrics_url: str | None = None     # a planner process's /metrics, published beside ours
         self._infos: list[WorkerInfo] = []
         self._status: dict[str, worker_pb2.WorkerStatus] = {}
         self._status_at = 0.0
@@ -315,7 +316,8 @@ class PoolController:
         pools = self.pools()
         record = PoolsRecord(desired={p.pool: p.spec.desired for p in pools},
                              failed={p.pool: p.failed for p in pools if p.failed},
-                             metrics_url=self.metrics_url, admin_address=self.admin_address)
+                             metrics_url=self.metrics_url, admin_address=self.admin_address,
+                             planner_metrics_url=self.planner_metrics_url)
         try:
             await write_pools(self.redis, self.namespace, record)
             self._warn.clear("publish")

@@ -25,7 +25,7 @@ from typing import Callable
 
 from planner.connector import HandleState, WorkerHandle
 from planner.pools import PoolName
-from planner.restarts import CrashHistory, RestartPolicy
+from planner.restarts import CrashHistory, RestartPolicy, record_crash
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,8 @@ class LocalProcessConnector:
                 log.info("%s exited after its drain (%s)", slot.name, describe_exit(code))
                 del self._slots[slot.name]
             else:
-                self._crashed(slot, code, now)
+                record_crash(slot, describe_exit(code), now, self.restart_crashed, log, self._on_crash_loop,
+                             restarting="restarting it", hint="See its log above; ")
 
     # ---- beyond the protocol: what serve needs -------------------------------------------
     def pid(self, name: str) -> int | None:
@@ -143,23 +144,6 @@ class LocalProcessConnector:
         slot.proc = self._spawn(slot.pool, slot.name)
         slot.state = HandleState.RUNNING
         slot.launched_at, slot.started_at = self._clock(), time.time()
-
-    def _crashed(self, slot: _Slot, code: int, now: float) -> None:
-        uptime = now - slot.launched_at
-        slot.detail = f"{describe_exit(code)} after {uptime:.1f} s"
-        delay = slot.history.crashed(uptime) if self.restart_crashed else None
-        if delay is None:
-            slot.state = HandleState.FAILED
-            if self.restart_crashed:
-                slot.detail = f"crash loop: {slot.history.in_a_row} crashes in a row, the last {slot.detail}"
-                log.error("%s keeps crashing (%s); not restarting it. See its log above; `splitserve workers "
-                          "drain %s` clears it", slot.name, slot.detail, slot.name)
-                if self._on_crash_loop:
-                    self._on_crash_loop(slot.pool)
-            return
-        log.warning("%s %s; restarting it in %.1f s (restart %d)", slot.name, slot.detail, delay,
-                    slot.history.restarts)
-        slot.state, slot.restart_at = HandleState.BACKOFF, now + delay
 
 
 def _signal(proc: subprocess.Popen | None, sig: int) -> None:

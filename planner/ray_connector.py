@@ -1,4 +1,4 @@
-"""The Ray connector: workers (and `serve --ray`'s frontend) as Ray actors.
+"""The Ray connector: workers (and `serve --ray`'s frontend and SLA planner) as Ray actors.
 
 Each component runs in one `ComponentActor`: Ray places the actor on a node with the resources it
 asks for (`num_gpus` per worker from --ray-worker-gpus, CPU-only actors otherwise), and the actor
@@ -38,8 +38,8 @@ import ray
 from planner.connector import ConnectorError, HandleState, WorkerHandle
 from planner.local_connector import describe_exit
 from planner.pools import PoolName
-from planner.restarts import CrashHistory, RestartPolicy
-from runtime.config import FrontendConfig, WorkerConfig
+from planner.restarts import CrashHistory, RestartPolicy, record_crash
+from runtime.config import FrontendConfig, PlannerComponentConfig, WorkerConfig
 from runtime.config_file import write_config
 from runtime.process import die_with_parent
 
@@ -47,12 +47,13 @@ log = logging.getLogger(__name__)
 
 RAY_NAMESPACE = "splitserve"
 POLL_TIMEOUT_S = 2.0            # an actor that does not answer within this is still being placed
+Component = WorkerConfig | FrontendConfig | PlannerComponentConfig      # the configs a ComponentActor runs
 
 
 class ComponentActor:
     """One Splitserve process on the node Ray placed this actor on (used as a Ray actor class)."""
 
-    def __init__(self, command: str, cfg: WorkerConfig | FrontendConfig, env: dict[str, str]) -> None:
+    def __init__(self, command: str, cfg: Component, env: dict[str, str]) -> None:
         node = ray.util.get_node_ip_address()
         if isinstance(cfg, WorkerConfig):       # reachable from the other nodes at the node's address
             cfg = dataclasses.replace(cfg, host=node, advertise_host=node)
@@ -86,8 +87,8 @@ class ComponentActor:
 RemoteComponent = ray.remote(max_restarts=0, max_task_retries=0)(ComponentActor)
 
 
-def start_component(name: str, command: str, cfg: WorkerConfig | FrontendConfig, env: dict[str, str],
-                    num_cpus: float, num_gpus: float = 0.0, resources: dict[str, float] | None = None):
+def start_component(name: str, command: str, cfg: Component, env: dict[str, str], num_cpus: float,
+                    num_gpus: float = 0.0, resources: dict[str, float] | None = None):
     """A new ComponentActor running `splitserve COMMAND` with `cfg`; returns its actor handle at once."""
     return RemoteComponent.options(name=name, namespace=RAY_NAMESPACE, num_cpus=num_cpus, num_gpus=num_gpus,
                                    resources=resources or {}).remote(command, cfg, env)
@@ -184,7 +185,8 @@ class RayConnector:
                 self._slots.pop(slot.name, None)
             else:
                 kill_actor(slot.actor)
-                self._crashed(slot, why, now)
+                record_crash(slot, why, now, self.restart_crashed, log, self._on_crash_loop,
+                             restarting="replacing its actor")
         for slot in list(self._slots.values()):
             if slot.state == HandleState.BACKOFF and now >= slot.restart_at:
                 self._launch(slot)
@@ -235,20 +237,3 @@ class RayConnector:
         if not slot.placed:
             slot.placed, slot.detail = True, ""
         return code, ""
-
-    def _crashed(self, slot: _Slot, why: str, now: float) -> None:
-        uptime = now - slot.launched_at
-        slot.detail = f"{why} after {uptime:.1f} s"
-        delay = slot.history.crashed(uptime) if self.restart_crashed else None
-        if delay is None:
-            slot.state = HandleState.FAILED
-            if self.restart_crashed:
-                slot.detail = f"crash loop: {slot.history.in_a_row} crashes in a row, the last {slot.detail}"
-                log.error("%s keeps crashing (%s); not restarting it. `splitserve workers drain %s` clears it",
-                          slot.name, slot.detail, slot.name)
-                if self._on_crash_loop:
-                    self._on_crash_loop(slot.pool)
-            return
-        log.warning("%s %s; replacing its actor in %.1f s (restart %d)", slot.name, slot.detail, delay,
-                    slot.history.restarts)
-        slot.state, slot.restart_at = HandleState.BACKOFF, now + delay

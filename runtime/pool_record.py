@@ -2,9 +2,10 @@
 
 The controller (`splitserve serve`, or the planner) owns the desired size of each pool. It writes
 `{namespace}:pools` every tick (an expiring key: a controller that died leaves no stale sizes):
-the desired sizes, the pools' crash-looped workers, where its admin API and its /metrics are. The
+the desired sizes, the pools' crash-looped workers, where its admin API and its /metrics are (and
+the /metrics of an SLA planner it runs as a process of its own: `serve --ray --planner`). The
 frontend reads it to say in /health whether a pool is below its desired size (degraded), and to
-merge the controller's /metrics into its own. Each frontend writes `{namespace}:latency:{id}`:
+merge the controller's and that planner's /metrics into its own. Each frontend writes `{namespace}:latency:{id}`:
 its TTFT and ITL histograms of the last minute per pool (runtime/latency.py), which the controller
 sums for `splitserve pools status`.
 """
@@ -30,6 +31,7 @@ class PoolsRecord:
     failed: dict[str, int] = field(default_factory=dict)      # pool -> crash-looped workers
     metrics_url: str | None = None
     admin_address: str | None = None
+    planner_metrics_url: str | None = None
 
 
 @dataclass(slots=True)

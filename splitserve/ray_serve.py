@@ -7,7 +7,10 @@ This process (the Ray driver) connects to the Ray cluster at ADDRESS (or starts 
 - the frontend as one actor pinned to this node (clients connect where they would without Ray);
 - each worker as one actor with --ray-worker-gpus GPUs and --ray-worker-cpus CPUs, anywhere Ray
   finds them, through the Ray connector (planner/ray_connector.py), which the controller drives
-  like the local-process one: `pools scale` starts and drains actors, a dead actor is replaced.
+  like the local-process one: `pools scale` starts and drains actors, a dead actor is replaced;
+- with --planner, the SLA planner as one actor pinned to this node (`splitserve planner`, driving
+  the admin API on loopback with the admin token in its environment), replaced if it dies like the
+  frontend.
 
 Every actor runs the component's ordinary process (planner/ray_connector.py); the processes talk
 gRPC (and NIXL for KV) to each other directly at their nodes' addresses. Ray carries no request data.
@@ -29,9 +32,11 @@ import ray
 
 from planner.pools import PoolName
 from planner.ray_connector import RAY_NAMESPACE, RayConnector, kill_actor, start_component
-from planner.restarts import RestartPolicy
-from runtime.config import RayConfig, ServeConfig
-from splitserve.serve import STOP_MARGIN_S, Launcher, frontend_config, serve, worker_config
+from planner.local_connector import describe_exit
+from planner.restarts import CrashHistory, RestartPolicy
+from runtime.config import PlannerComponentConfig, RayConfig, ServeConfig, SlaConfig
+from runtime.redis_embedded import free_port
+from splitserve.serve import STOP_MARGIN_S, Launcher, connect_host, frontend_config, serve, worker_config
 
 log = logging.getLogger("splitserve.serve")
 
@@ -39,6 +44,7 @@ log = logging.getLogger("splitserve.serve")
 # the rest, node-specific settings included, it inherits from `ray start` on its node
 PASSED_ENV_PREFIXES = ("SPLITSERVE_", "UCX_")
 SECRET_ENV = ("SPLITSERVE_API_KEY", "SPLITSERVE_ADMIN_TOKEN", "SPLITSERVE_KUBE_TOKEN")
+PLANNER_STOP_S = 5.0          # the planner has nothing to drain: SIGTERM, then its actor is killed
 
 
 def serve_ray(cfg: ServeConfig) -> int:
@@ -78,6 +84,17 @@ def connect_ray(cfg: RayConfig) -> None:
         ray.init(address=cfg.address, namespace=RAY_NAMESPACE)
 
 
+def planner_config(cfg: ServeConfig, admin_address: str, metrics_port: int) -> PlannerComponentConfig:
+    """The planner actor's: serve's SLA settings (a profile path made absolute: the actor's working
+    directory is Ray's), its Redis, the admin API at `admin_address` and /metrics on `metrics_port`
+    beside the controller's; no token (it comes by environment)."""
+    sla = {f.name: getattr(cfg.planner, f.name) for f in dataclasses.fields(SlaConfig)}
+    if sla["profile"]:
+        sla["profile"] = os.path.abspath(sla["profile"])
+    return PlannerComponentConfig(**sla, redis=cfg.frontend.redis, admin_address=admin_address,
+                                  metrics_host=cfg.frontend.host, metrics_port=metrics_port)
+
+
 def worker_gpus(cfg: ServeConfig) -> float:
     """GPUs per worker actor: --ray-worker-gpus, else 1 where the engine will run on cuda."""
     if cfg.ray.worker_gpus is not None:
@@ -90,18 +107,26 @@ def worker_gpus(cfg: ServeConfig) -> float:
 
 
 class ActorProcess:
-    """The frontend actor, seen as the Popen `Launcher` supervises (poll, send_signal, returncode)."""
+    """The frontend (or planner) actor, seen as the Popen `Launcher` supervises (poll, send_signal,
+    returncode). `poll` never blocks: it runs in serve's event loop, beside the admin API and the
+    controller, every 0.2 s, and an actor Ray is still placing may not answer for seconds; so one
+    question is kept in flight and its answer read once there is one."""
 
     def __init__(self, actor) -> None:
         self.actor = actor
         self.returncode: int | None = None
+        self._asked = None                     # the poll call in flight
 
     def poll(self) -> int | None:
         if self.returncode is None:
+            if self._asked is None:
+                self._asked = self.actor.poll.remote()
+            done, _ = ray.wait([self._asked], timeout=0)
+            if not done:
+                return None                    # not placed yet, or busy
+            asked, self._asked = self._asked, None
             try:
-                self.returncode = ray.get(self.actor.poll.remote(), timeout=2.0)
-            except ray.exceptions.GetTimeoutError:
-                return None                    # not placed yet
+                self.returncode = ray.get(asked)
             except ray.exceptions.RayActorError:
                 self.returncode = -signal.SIGKILL    # the actor died: its process with it
         return self.returncode
@@ -122,6 +147,9 @@ class RayLauncher(Launcher):
         self.node = ray.util.get_node_ip_address()
         self.gpus = worker_gpus(cfg)
         self.frontends = 0
+        self.planners = 0
+        self.planner_started = 0.0
+        self.planner_history = CrashHistory(self.frontend_history.policy)
         # actors on other nodes resolve a tiny model there; any other model must lie at the same path on each node
         self.actor_model = cfg.engine.model if cfg.engine.model.startswith("tiny") else model_dir
         self.actor_env = {k: v for k, v in os.environ.items()
@@ -156,7 +184,63 @@ class RayLauncher(Launcher):
         self.frontend = ActorProcess(actor)
         self.frontend_started = time.monotonic()
 
+    def _start_planner(self) -> None:
+        """The SLA planner as an actor pinned to this node: the admin API may bind loopback only, and
+        a --planner-profile path is this node's. It sets the pools' sizes through the admin API's
+        SetPoolTargets, so its decisions show in `pools status` as the in-process planner's do."""
+        sla = self.cfg.planner
+        admin = f"{connect_host(self.cfg.controller.admin_host)}:{self.admin_address.rsplit(':', 1)[1]}"
+        metrics_port = free_port()
+        pcfg = planner_config(self.cfg, admin, metrics_port)
+        env = {**self.actor_env, "SPLITSERVE_ADMIN_TOKEN": self.admin_token}   # never argv, never the config file
+        name = f"{self.cfg.frontend.redis.namespace}-planner.{self.planners}"
+        self.planners += 1
+        actor = start_component(name, "planner", pcfg, env, 0, resources={f"node:{self.node}": 0.001})
+        self.planner = ActorProcess(actor)
+        self.planner_started = time.monotonic()
+        self.controller.planner_metrics_url = f"http://{connect_host(pcfg.metrics_host)}:{metrics_port}/metrics"
+        log.info("SLA planner: actor %s, TTFT %.0f ms, ITL %.0f ms, a decision every %.0f s (profile %s)",
+                 name, sla.ttft_ms, sla.itl_ms, sla.interval_s, self.planner_profile.name)
+
+    async def _supervise(self) -> bool:
+        """Also replace a planner actor that died; a crash-looping planner is left stopped (serving goes
+        on, the pools keep their sizes)."""
+        if not await super()._supervise():
+            return False
+        p = self.planner
+        if p is not None and p.poll() is not None:
+            self.planner = None
+            self.controller.planner_metrics_url = None
+            uptime = time.monotonic() - self.planner_started
+            delay = self.planner_history.crashed(uptime)
+            if delay is None:
+                log.error("the SLA planner keeps crashing (%s); not restarting it: the pools keep their sizes "
+                          "(`splitserve pools scale` still works)", describe_exit(p.returncode))
+                return True
+            log.warning("the SLA planner %s after %.0f s; restarting its actor in %.1f s", describe_exit(p.returncode),
+                        uptime, delay)
+            asyncio.get_running_loop().call_later(delay, self._restart_planner)
+        return True
+
+    def _restart_planner(self) -> None:
+        if not self.stop.is_set():
+            self._start_planner()
+            self.metrics.component_restarts.labels("planner").inc()
+
+    async def _stop_planner(self) -> None:
+        p, self.planner = self.planner, None
+        if p is None:
+            return
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + PLANNER_STOP_S
+            while p.poll() is None and time.monotonic() < deadline and not self.kill_now.is_set():
+                await asyncio.sleep(0.1)
+        p.kill()
+
     async def _shutdown(self) -> None:
+        self.stop.set()                              # a planner restart still pending starts nothing now
+        await self._stop_planner()                   # first: no more targets
         if self.controller is not None:
             await self.controller.close()            # no restarts, no scaling from here on
         if self.frontend is not None and self.frontend.poll() is None:
@@ -190,6 +274,7 @@ class RayLauncher(Launcher):
 
     def _banner(self) -> str:
         where = "a local Ray cluster" if self.cfg.ray.address == "local" else f"the Ray cluster at {self.cfg.ray.address}"
+        actors = "frontend, workers and the SLA planner" if self.planner is not None else "frontend and workers"
         return (super()._banner().rstrip("\n") +
-                f"\nOn {where}: frontend and workers are actors in Ray namespace {RAY_NAMESPACE!r} "
+                f"\nOn {where}: {actors} are actors in Ray namespace {RAY_NAMESPACE!r} "
                 f"({self.gpus:g} GPU(s) per worker).\n")

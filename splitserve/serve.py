@@ -185,9 +185,10 @@ class Launcher:
                                                            crash_loop_restarts=cfg.controller.crash_loop_restarts))
         self.connector: LocalProcessConnector | None = None
         self.controller: PoolController | None = None
-        self.planner = None                           # planner.live.PlannerLoop with --planner
+        self.planner = None                           # with --planner: a planner.live.PlannerLoop (an actor on Ray)
         self.planner_profile = None
         self.admin = None
+        self.admin_token = ""                         # in memory only; a planner actor gets it by environment
         self.token_path: Path | None = None
         self.admin_address = ""
         self.env: dict[str, str] = {}
@@ -238,7 +239,7 @@ class Launcher:
 
     async def _start_controller(self) -> bool:
         cfg, c = self.cfg, self.cfg.controller
-        token = c.admin_token or new_token()
+        token = self.admin_token = c.admin_token or new_token()
         mhost = "127.0.0.1" if cfg.frontend.host in ("0.0.0.0", "::", "") else cfg.frontend.host
         mport = start_metrics_server(cfg.frontend.host, 0, self.metrics.registry)
         policy = RestartPolicy(backoff_s=c.restart_backoff_s, crash_loop_restarts=c.crash_loop_restarts)
@@ -283,7 +284,7 @@ class Launcher:
 
     async def _wait_ready(self) -> bool:
         """Until the frontend's /health counts every worker (False: a child died, time ran out or a stop)."""
-        url = f"http://{_connect_host(self.cfg.frontend.host)}:{self.cfg.frontend.http_port}/health"
+        url = f"http://{connect_host(self.cfg.frontend.host)}:{self.cfg.frontend.http_port}/health"
         want = {p: s.desired for p, s in self.book.pools.items()}
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         async with httpx.AsyncClient(timeout=1.0) as client:
@@ -409,7 +410,8 @@ async def _wait(event: asyncio.Event, timeout_s: float) -> None:
         pass
 
 
-def _connect_host(host: str) -> str:
+def connect_host(host: str) -> str:
+    """Where a process on this node reaches a server bound to `host` (a wildcard: loopback)."""
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 

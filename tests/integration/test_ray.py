@@ -1,14 +1,18 @@
 """`splitserve serve --ray ADDRESS` on a real Ray cluster: one head node on loopback (`ray start
 --head`, token auth on, 4 logical CPUs), the mock engine (Ray places processes; the engine is not
-what is tested here), the embedded Redis on the head. In order, on one cluster:
+what is tested here), the embedded Redis on the head, the SLA planner on (`--planner`; the tests
+hold the pool with `pools scale`, so that they set its size). In order, on one cluster:
 
 - completions are served by worker actors: every worker process is the child of a Ray actor
   process, and each took traffic;
+- the SLA planner runs as an actor's process with the admin token in its environment only; its
+  decisions show in `pools status` and in the frontend's /metrics, its log in serve's; its actor,
+  killed, is replaced;
 - `pools scale --decode 3` adds actors that take traffic; `--decode 1` drains two while they stream:
   no failed or truncated request, drained actors leave;
 - kill -9 of a worker's actor process: the connector replaces it (same name, a new actor), ready
   within REPLACED_WITHIN_S;
-- SIGTERM to serve drains and stops every actor's process; serve exits 0.
+- SIGTERM to serve drains and stops every actor's process, the planner's too; serve exits 0.
 
 About a minute on the 2-core CI machine (Ray's head starts in ~10 s).
 """
@@ -84,11 +88,18 @@ def cluster(ray_head, tmp_path_factory):
     address, env = ray_head
     c = start_cluster(tmp_path_factory.mktemp("serve"), "--ray", address, "--mock", "--prefill-workers", "0",
                       "--decode-workers", "2", "--ray-worker-cpus", "0.5", "--ray-frontend-cpus", "0.5",
-                      "--drain-timeout-s", str(DRAIN_TIMEOUT_S), "--lease-ttl-s", "2", env=env, min_workers=2)
+                      "--drain-timeout-s", str(DRAIN_TIMEOUT_S), "--lease-ttl-s", "2",
+                      "--planner", "--planner-interval-s", "1", env=env, min_workers=2)
+    # the tests set the sizes: an override holds them against the planner (which, with no load yet,
+    # holds the pool where it is anyway), and its decisions still show
+    c.cli("pools", "scale", "--decode", "2")
     yield c
+    planner_actors = {actor_of(pid)[0] for pid in component_pids("planner")}
     code = c.stop(60)
     assert code == 0, c.log()[-3000:]
     assert worker_pids() == [], "a worker process outlived serve"
+    until(lambda: component_pids("planner") == [] and not any(os.path.exists(f"/proc/{p}") for p in planner_actors),
+          10, 0.2, "the planner's process and actor gone with serve")
 
 
 def status(cluster) -> admin_pb2.GetStatusResponse:
@@ -121,17 +132,23 @@ def _proc(pid: str) -> tuple[int, str]:
         return ppid, f.read().replace(b"\0", b" ").decode()
 
 
-def worker_pids(name: str = "") -> list[int]:
-    """Worker processes started by a Ray actor (their config file is named after the handle)."""
+def component_pids(command: str, name: str = "") -> list[int]:
+    """Processes of `splitserve COMMAND` started by a Ray actor (their config file is named after
+    the worker's handle, or after the command)."""
     out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            ppid, cmd = _proc(pid)
+            _, cmd = _proc(pid)
         except (OSError, ValueError, IndexError):
             continue
-        if "decode-worker --config" in cmd and "/splitserve-actor-" in cmd and f"/{name}" in cmd:
+        if f"{command} --config" in cmd and "/splitserve-actor-" in cmd and f"/{name}" in cmd:
             out.append(int(pid))
     return out
+
+
+def worker_pids(name: str = "") -> list[int]:
+    """Worker processes started by a Ray actor (their config file is named after the handle)."""
+    return component_pids("decode-worker", name)
 
 
 def actor_of(pid: int) -> tuple[int, str]:
@@ -150,6 +167,26 @@ def test_completions_are_served_by_worker_actors(cluster):
     served = {w.name: load(w.address).num_prompt_tokens for w in workers}
     assert all(v > 0 for v in served.values()), served
     assert "On the Ray cluster at 127.0.0.1:" in cluster.log()
+
+
+def test_the_sla_planner_runs_as_an_actor_whose_decisions_show_and_which_is_replaced(cluster):
+    [pid] = until(lambda: component_pids("planner"), 30, 0.2, "the planner's process")
+    actor_pid, cmd = actor_of(pid)
+    assert cmd.startswith("ray::ComponentActor"), cmd
+    token = read_token_file(cluster.admin_port)
+    with open(f"/proc/{pid}/environ", "rb") as f:               # the admin token by environment
+        assert f"SPLITSERVE_ADMIN_TOKEN={token}".encode() in f.read().split(b"\0")
+    assert token not in cluster.log() + _proc(str(pid))[1]      # not in argv, not logged
+    until(lambda: "[override 2 holds until `pools release`]" in cluster.cli("pools", "status").stdout, 30, 0.3,
+          "a planner decision in `pools status`")
+    until(lambda: [line for line in httpx.get(f"{cluster.url}/metrics", timeout=10).text.splitlines()
+                   if line.startswith("splitserve_planner_decisions_total{") and 'pool="decode"' in line],
+          10, 0.3, "the planner's metrics in the frontend's")
+    until(lambda: re.search(r"planner\[\d+\] planner\.live: planner: ", cluster.log()), 10, 0.2, "its log in serve's")
+
+    os.kill(actor_pid, signal.SIGKILL)                           # the actor's process: Ray reports it dead
+    [new_pid] = until(lambda: [p for p in component_pids("planner") if p != pid], 30, 0.2, "a new planner")
+    assert "the SLA planner killed by SIGKILL" in cluster.log() and actor_of(new_pid)[0] != actor_pid
 
 
 def test_pools_scale_adds_and_drains_actors_with_no_failed_request(cluster):

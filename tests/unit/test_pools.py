@@ -1,11 +1,18 @@
 """The pool controller's decision core (planner/pools.py) and the restart policy (planner/restarts.py):
 desired sizes within limits, overrides held and released, what to start and what to drain, and when
-a crashing worker stops being restarted."""
+a crashing worker stops being restarted (and what the local-process connector makes of that: its
+workers here are real processes that exit at once, its clock a variable)."""
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
+import sys
+
 import pytest
 
+from planner.connector import HandleState
+from planner.local_connector import LocalProcessConnector
 from planner.pools import Drain, PoolBook, PoolName, PoolSpec, Start, Stop, WorkerView
 from planner.restarts import CrashHistory, RestartPolicy
 from runtime.errors import InvalidRequest, NotFound
@@ -101,3 +108,43 @@ def test_a_worker_that_ran_stably_before_crashing_starts_the_count_again():
     assert h.crashed(1.0) == 1.0 and h.crashed(1.0) == 2.0
     assert h.crashed(3600.0) == 1.0                 # a day-long run, then a crash: promptly restarted
     assert h.crashed(1.0) == 2.0 and h.crashed(1.0) is None
+
+
+def test_a_connector_backs_off_a_crashed_worker_then_leaves_a_crash_loop_failed(caplog):
+    now = [0.0]
+    loops = []
+    spawn = lambda pool, name: subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])   # noqa: E731
+    c = LocalProcessConnector(spawn, {D: "decode", P: "prefill"}, RestartPolicy(backoff_s=1.0, crash_loop_restarts=1),
+                              on_crash_loop=loops.append, clock=lambda: now[0])
+
+    def crash(at: float) -> None:
+        now[0] = at
+        c._slots["decode-0"].proc.wait()
+        asyncio.run(c.refresh())
+
+    asyncio.run(c.start(D))
+    crash(2.0)
+    [h] = c.list()
+    assert h.state == HandleState.BACKOFF and h.detail == "exit code 3 after 2.0 s" and h.restarts == 1
+    assert "decode-0 exit code 3 after 2.0 s; restarting it in 1.0 s (restart 1)" in caplog.text
+    now[0] = 3.0
+    asyncio.run(c.refresh())                         # the backoff is over: launched again
+    assert c.list()[0].state == HandleState.RUNNING
+    crash(4.5)
+    [h] = c.list()
+    assert h.state == HandleState.FAILED and loops == [D]
+    assert h.detail == "crash loop: 2 crashes in a row, the last exit code 3 after 1.5 s"
+    assert ("decode-0 keeps crashing (crash loop: 2 crashes in a row, the last exit code 3 after 1.5 s); not "
+            "restarting it. See its log above; `splitserve workers drain decode-0` clears it") in caplog.text
+
+
+def test_a_crash_while_restarts_are_off_fails_the_worker_at_once_and_quietly(caplog):
+    spawn = lambda pool, name: subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])   # noqa: E731
+    c = LocalProcessConnector(spawn, {D: "decode", P: "prefill"}, clock=lambda: 0.5)
+    c.restart_crashed = False                        # serve's start-up: a crash means a bad model or flag
+    asyncio.run(c.start(D))
+    c._slots["decode-0"].proc.wait()
+    asyncio.run(c.refresh())
+    [h] = c.failed()
+    assert h.detail == "exit code 1 after 0.0 s" and h.restarts == 0
+    assert "decode-0" not in caplog.text             # serve reports it, not the connector
