@@ -30,13 +30,14 @@ import time
 
 import ray
 
+from planner.local_connector import describe_exit
 from planner.pools import PoolName
 from planner.ray_connector import RAY_NAMESPACE, RayConnector, kill_actor, start_component
-from planner.local_connector import describe_exit
 from planner.restarts import CrashHistory, RestartPolicy
 from runtime.config import PlannerComponentConfig, RayConfig, ServeConfig, SlaConfig
+from runtime.process import bounded
 from runtime.redis_embedded import free_port
-from splitserve.serve import STOP_MARGIN_S, Launcher, connect_host, frontend_config, serve, worker_config
+from splitserve.serve import CLOSE_TIMEOUT_S, STOP_MARGIN_S, Launcher, connect_host, frontend_config, serve, worker_config
 
 log = logging.getLogger("splitserve.serve")
 
@@ -242,7 +243,11 @@ class RayLauncher(Launcher):
         self.stop.set()                              # a planner restart still pending starts nothing now
         await self._stop_planner()                   # first: no more targets
         if self.controller is not None:
-            await self.controller.close()            # no restarts, no scaling from here on
+            self.controller.acting = False           # no restarts, no scaling from here on
+        if self.connector is not None:
+            self.connector.restart_crashed = False
+        if self.controller is not None:
+            await bounded("closing the pool controller", self.controller.close(), CLOSE_TIMEOUT_S)
         if self.frontend is not None and self.frontend.poll() is None:
             self.frontend.send_signal(signal.SIGTERM)
         c = self.connector
