@@ -22,6 +22,7 @@ class CandidatePool:
         self.names = list(names)
         self.position = {w: i for i, w in enumerate(self.names)}
         self.rows = np.array(rows, dtype=np.intp)
+        self.slots = list(slots)            # position -> index slot (None: no events seen yet)
         self.slots_version = slots_version
         num_slots = 1 + max((s for s in slots if s is not None), default=-1)
         self._slot_pos: list[int] = [-1] * num_slots    # index slot -> candidate position, or -1

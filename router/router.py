@@ -29,7 +29,7 @@ from router.index import ApplyResult, PrefixIndex, SnapshotEntries
 from router.load import LoadTracker
 from router.pool import CandidatePool
 from router.queues import PrefillQueues, Utilisation
-from router.selection import Holder, Selector, holder_blocks
+from router.selection import Holder, Selector, cached_tokens, holder_blocks
 from runtime.profile import CurveTiming
 
 _SERVES: dict[WorkerRole, frozenset[WorkerRole]] = {
@@ -128,10 +128,12 @@ class Router:
             weight = (prefill_weight(util.value(now, len(all_eligible.names)))
                       if self.config.busy_period_weight else 1.0)
             queues = self._queues
-            worker, cost, cached, overlap = self._selector.select_ttft(
+            i, cost = self._selector.select_ttft(
                 pool, num_prompt_tokens, self.block_size, holders, queues.busy_until, now,
                 self._prefill, pinned, weight,
                 queues.decoding if self.config.decode_delay and queues.decoding_total else None)
+            worker, overlap = pool.names[i], holder_blocks(holders, i, pool.slots[i])
+            cached = cached_tokens(overlap, num_prompt_tokens, self.block_size) if overlap else 0
             prefill_s = self._prefill.seconds(cached, num_prompt_tokens)
             queues.route(request_id, worker, prefill_s, cached)
             util.add(now, prefill_s)
@@ -227,18 +229,18 @@ class Router:
         cfg = self.config
         if self._approx is not None or cfg.lower_tier_weight > 0:
             position = pool.position
-            return [(position[w], n) for w, n in self._overlaps(block_hashes).items()
+            return [(position[w], n, 0) for w, n in self._overlaps(block_hashes).items()
                     if w in position]
         out: list[Holder] = []
         for bits, run in self._index.runs(block_hashes, cfg.tiers):
             if bits & (bits - 1):
                 pos = pool.positions(bits)
                 if len(pos):
-                    out.append((pos, run))
+                    out.append((pos, run, bits))
             else:
                 p = pool.position_of_slot(bits.bit_length() - 1)
                 if p >= 0:
-                    out.append((p, run))
+                    out.append((p, run, 0))
         return out
 
     def _pinned(self, hint: str, block_hashes: Sequence[int], pool: CandidatePool,
@@ -253,12 +255,13 @@ class Router:
             return None
         if self._queues.is_queued(pin.request_id):
             common = pin.common_prefix(block_hashes)
-            if common > holder_blocks(holders, p):
-                for k, (pos, blocks) in enumerate(holders):    # take it out of its group
-                    if type(pos) is not int and p in pos:
-                        holders[k] = (pos[pos != p], blocks)
-                holders[:] = [h for h in holders if type(h[0]) is not int or h[0] != p]
-                holders.append((p, common))
+            slot = pool.slots[p]
+            if common > holder_blocks(holders, p, slot):   # take it out of its group
+                holders[:] = [(pos[pos != p], blocks, bits & ~(1 << slot))
+                              if type(pos) is not int and slot is not None and bits >> slot & 1
+                              else (pos, blocks, bits)
+                              for pos, blocks, bits in holders if type(pos) is not int or pos != p]
+                holders.append((p, common, 0))
         return pin.worker_id
 
     def _overlaps(self, block_hashes: Sequence[int]) -> dict[str, float]:

@@ -35,22 +35,23 @@ from router.pool import CandidatePool
 
 _TIE_EPS = 1e-9
 
-# Workers that cache the same leading blocks of a prompt: candidate positions (an array, or one
-# int) and the blocks.
-Holder = tuple["np.ndarray | int", float]
+# Workers that cache the same leading blocks of a prompt: their candidate positions (an array, or
+# one int), the blocks, and for an array the index slots' mask (membership in one operation).
+Holder = tuple["np.ndarray | int", float, int]
 
 
-def holder_blocks(holders: Sequence[Holder], position: int) -> float:
-    """The cached leading blocks of the candidate at ``position`` (0 if it is in no group)."""
-    for pos, blocks in holders:
-        if type(pos) is int:
-            if pos == position:
-                return blocks
-        else:
-            k = int(np.searchsorted(pos, position))
-            if k < len(pos) and pos[k] == position:
-                return blocks
+def holder_blocks(holders: Sequence[Holder], position: int, slot: int | None) -> float:
+    """The cached leading blocks of the candidate at ``position`` (index slot ``slot``): 0 if it
+    is in no group."""
+    for pos, blocks, bits in holders:
+        if pos == position if type(pos) is int else slot is not None and bits >> slot & 1:
+            return blocks
     return 0
+
+
+def cached_tokens(blocks: float, num_tokens: int, block_size: int) -> int:
+    """The prompt tokens ``blocks`` cached leading blocks spare (at least one token is computed)."""
+    return min(int(blocks) * block_size, (num_tokens - 1) // block_size * block_size)
 
 
 class Selector:
@@ -83,12 +84,11 @@ class Selector:
                     holders: Sequence[Holder], busy_until: np.ndarray, now: float,
                     prefill: PrefillCost, prefer: str | None = None,
                     prefill_weight: float = 1.0,
-                    decoding: np.ndarray | None = None) -> tuple[str, float, int, float]:
-        """The KV policy: the soonest predicted first token. Returns (worker, its predicted TTFT in
-        seconds, the prompt tokens it holds, its overlap in blocks).
+                    decoding: np.ndarray | None = None) -> tuple[int, float]:
+        """The KV policy: the soonest predicted first token. Returns the winner's position in the
+        pool and its predicted TTFT in seconds.
 
-        ``holders``: (candidate positions, cached leading blocks) groups, disjoint; the positions
-        an array, or one int. ``busy_until`` and ``decoding`` are the queues' arrays, indexed by
+        ``holders``: groups of candidates caching the same leading blocks, disjoint. ``busy_until`` and ``decoding`` are the queues' arrays, indexed by
         the pool's rows (``decoding`` None: ignore decodes). One pass of array arithmetic over
         every candidate, then one more per group of holders: per worker the same floating-point
         operations, in the same order, as the cost in the module docstring spelled out."""
@@ -96,37 +96,24 @@ class Selector:
         cold = prefill_weight * cold_s
         # cost - (cold - now): when the worker would start the prompt, corrected below for what
         # it holds and for the requests it is decoding; the constant is added back to the winner
-        costs = busy_until[pool.rows]
-        np.maximum(costs, now, out=costs)
+        costs = np.maximum(busy_until[pool.rows], now)
         dec = None
         if decoding is not None:   # each running decode waits out the prompt's prefill steps too
             dec = decoding[pool.rows]
             costs += dec * cold_s
-        max_hit = (num_tokens - 1) // block_size * block_size
-        for pos, blocks in holders:     # one prefill estimate per group
-            if not blocks:
-                continue
-            hit = int(blocks) * block_size
-            if hit > max_hit:
-                hit = max_hit
-            d = prefill.seconds(hit, num_tokens) - cold_s
-            costs[pos] += d * prefill_weight if dec is None else d * (prefill_weight + dec[pos])
-        names = pool.names
+        for pos, blocks, _ in holders:      # one prefill estimate per group
+            if blocks:
+                d = prefill.seconds(cached_tokens(blocks, num_tokens, block_size), num_tokens) - cold_s
+                costs[pos] += d * prefill_weight if dec is None else d * (prefill_weight + dec[pos])
         if self._config.temperature > 0:
-            w, cost = self._sample(names, [x - now + cold for x in costs.tolist()])
-            i = pool.position[w]
-        else:
-            tied = np.flatnonzero(costs <= costs.min() + _TIE_EPS)
-            if len(tied) == 1:
-                i = int(tied[0])
-            else:
-                tied_names = [names[j] for j in tied]
-                i = pool.position[prefer if prefer in tied_names else self._rng.choice(tied_names)]
-            w, cost = names[i], float(costs[i]) - now + cold
-        blocks = holder_blocks(holders, i)
-        if not blocks:
-            return w, cost, 0, 0
-        return w, cost, min(int(blocks) * block_size, max_hit), blocks
+            w, cost = self._sample(pool.names, [x - now + cold for x in costs.tolist()])
+            return pool.position[w], cost
+        i = int(costs.argmin())
+        tied = (costs <= costs[i] + _TIE_EPS).nonzero()[0]
+        if len(tied) > 1:       # the preferred worker if tied, else one at random (in pool order)
+            p = pool.position.get(prefer, -1) if prefer is not None else -1
+            i = p if p >= 0 and costs[p] <= costs[i] + _TIE_EPS else int(self._rng.choice(tied))
+        return i, float(costs[i]) - now + cold
 
     def cost(self, worker_id: str, prompt_blocks: int, overlaps: Mapping[str, float],
              load: Mapping[str, float]) -> float:
