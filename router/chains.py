@@ -72,7 +72,11 @@ class ChainIndex:
         out: list[tuple[int, int]] = []
         n = len(block_hashes)
         i = 0
+        last = get(block_hashes[n - 1], 0)
         while m:
+            if m == last:       # the run goes to the end: a whole hit costs no gallop
+                out.append((m, n))
+                break
             # Masks only shrink along the prompt: gallop from i to a position whose mask differs
             # (n counts as the empty mask), then bisect for the last position still equal to m.
             lo, step = i, 1
