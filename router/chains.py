@@ -7,10 +7,10 @@ prompt block by block, this structure keeps, per tier,
 
     chain[h] = bitmask of the workers that hold h AND every block before it,
 
-so the masks along a prompt can only lose bits: chain[h_0] ⊇ chain[h_1] ⊇ ... A lookup gallops
-and bisects for the positions where the mask changes, ~2·log2(n) dict reads per distinct mask
-(17 for a 256-block prompt cached whole on one worker, instead of 256), and reads the workers
-that drop out at each change: that position is their run.
+so the masks along a prompt can only lose bits: chain[h_0] ⊇ chain[h_1] ⊇ ... A lookup reads the
+last block's mask (a run to the prompt's end is then found at once: a whole hit costs two dict
+reads), gallops and bisects for the positions where the mask changes, ~2·log2(n) dict reads per
+distinct mask, and reads the workers that drop out at each change: that position is their run.
 
 Keeping the masks exact whatever order blocks come and go in:
 
@@ -24,6 +24,8 @@ Keeping the masks exact whatever order blocks come and go in:
   empty: the orphan count lets a store skip looking for orphans, and removals find no chained child.
 - Parents and children are kept only for hashes some worker holds (a reference count per hash);
   a child that goes away unlinks itself from its parent.
+- The common store (a run new to its worker, all unknown to the index or all known, no orphans to
+  adopt) is done with whole-run set/dict updates; any other goes block by block, to the same end.
 
 A snapshot entry without a parent takes the one this structure learned, if any; a block whose
 parent is unknown stays an orphan (it is not counted as cached) until an event names its parent.
