@@ -9,8 +9,10 @@ Ingest: the whole fleet state is published as BlockStored events of ``--event-bl
 through PrefixIndex.apply (and again from encoded bytes through the codec), then churned
 (remove + re-store). Decisions: Router.route + finished for 256-block prompts: a third whole
 documents cached on one worker, a third a shared system prompt followed by an unseen tail, a
-third unseen. A round-robin router in the same process is the baseline for the per-decision
-overhead.
+third unseen; each finished at once (an idle fleet: queues empty, many workers tie), then again
+with ``--in-flight`` requests decoding (the KV policy's decode-delay term at work). A round-robin
+router in the same process is the baseline for the per-decision overhead. ``--out`` appends the
+JSON lines to a file.
 
 Goals (issue 20, docs/router.md): ≥ 50k decisions/s with p99 ≤ 1 ms at 4k-token prompts, 64
 workers, ≥ 1M indexed blocks; ≥ 1M block events/s ingest. Each phase's line says which it met
@@ -121,7 +123,10 @@ def make_prompts(rng: random.Random, docs: list[list[int]], placement: dict, n: 
     return out
 
 
-def bench_decisions(router: Router, prompts: list[tuple[str, list[int]]]) -> dict:
+def bench_decisions(router: Router, prompts: list[tuple[str, list[int]]], in_flight: int = 0) -> dict:
+    """Route each prompt and finish it at once, or (``in_flight`` > 0) mark its first token at
+    once and finish it ``in_flight`` decisions later: the fleet then decodes that many requests,
+    and the KV policy weighs the delay a prefill imposes on them."""
     times_ns: dict[str, list[int]] = {"hit": [], "system": [], "miss": []}
     clock = time.perf_counter_ns
     num_tokens = len(prompts[0][1]) * BLOCK_SIZE
@@ -131,7 +136,14 @@ def bench_decisions(router: Router, prompts: list[tuple[str, list[int]]]) -> dic
         s = clock()
         router.route(rid, hs, num_tokens, WorkerRole.DECODE)
         times_ns[kind].append(clock() - s)
-        router.finished(rid)
+        if in_flight:
+            router.first_token(rid)
+            if i >= in_flight:
+                router.finished(str(i - in_flight))
+        else:
+            router.finished(rid)
+    for i in range(max(0, len(prompts) - in_flight), len(prompts) if in_flight else 0):
+        router.finished(str(i))
     wall_s = time.perf_counter() - t0
     every = sorted(t for ts in times_ns.values() for t in ts)
     out = {"decisions_per_s": round(len(prompts) / wall_s),
@@ -149,6 +161,14 @@ def pct(sorted_values: list[int], p: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(len(sorted_values) * p / 100))]
 
 
+def emit(out: str | None, record: dict) -> None:
+    line = json.dumps(record)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0)
@@ -159,6 +179,9 @@ def main() -> None:
     ap.add_argument("--event-blocks", type=int, default=16)
     ap.add_argument("--decisions", type=int, default=60_000)
     ap.add_argument("--cpu", type=int, default=0, help="core to pin to (-1: don't pin)")
+    ap.add_argument("--in-flight", type=int, default=512,
+                    help="requests decoding during the second decision run (first token out)")
+    ap.add_argument("--out", help="also append the JSON lines to this file")
     args = ap.parse_args()
     if args.cpu >= 0 and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {args.cpu})
@@ -194,7 +217,7 @@ def main() -> None:
                                                 for h in e.block_hashes]) for b in batches[:4000]]
     single_events = sum(len(b.events) for b in single)
     single_s = bench_ingest(single, fresh_router())
-    print(json.dumps({**base, "phase": "ingest",
+    emit(args.out, {**base, "phase": "ingest",
                       "indexed_blocks": router.index.num_entries(),
                       "distinct_hashes": router.index.num_hashes(),
                       "event_blocks": args.event_blocks,
@@ -206,8 +229,7 @@ def main() -> None:
                       "churn_events_per_s": round(churn_events / churn_s),
                       "single_block_events_per_s": round(single_events / single_s),
                       "goal_met": {"ingest_1M_blocks_per_s": num_blocks / ingest_s >= 1e6},
-                      "encoded_bytes_per_block": round(sum(map(len, encoded)) / num_blocks, 2)}),
-          flush=True)
+                      "encoded_bytes_per_block": round(sum(map(len, encoded)) / num_blocks, 2)})
 
     prompts = make_prompts(rng, docs, placement, args.decisions, args.doc_blocks)
     blocks_router = fresh_router(RoutingPolicy.KV_BLOCKS)   # the same fleet state, Dynamo's formula
@@ -218,23 +240,27 @@ def main() -> None:
     gc.collect()
     gc.freeze()
     kv = bench_decisions(router, prompts)
+    decoding = bench_decisions(router, prompts[: args.decisions // 3], args.in_flight)
     rr = bench_decisions(fresh_router(RoutingPolicy.ROUND_ROBIN), prompts[: args.decisions // 3])
     kv_blocks = bench_decisions(blocks_router, prompts[: args.decisions // 3])
     t0 = time.perf_counter()
     for _, hs in prompts:
         router.index.overlaps(hs)
     lookup_s = time.perf_counter() - t0
-    print(json.dumps({**base, "phase": "decide", "indexed_blocks": router.index.num_entries(),
+    emit(args.out, {**base, "phase": "decide", "indexed_blocks": router.index.num_entries(),
                       "prompt_tokens": args.doc_blocks * BLOCK_SIZE, "policy": "kv", **kv,
                       "index_lookups_per_s": round(len(prompts) / lookup_s),
+                      "in_flight": args.in_flight,
+                      "in_flight_decisions_per_s": decoding["decisions_per_s"],
+                      "in_flight_decision_p50_ms": decoding["decision_p50_ms"],
+                      "in_flight_decision_p99_ms": decoding["decision_p99_ms"],
                       "baseline_round_robin_decisions_per_s": rr["decisions_per_s"],
                       "kv_blocks_decisions_per_s": kv_blocks["decisions_per_s"],
                       "kv_blocks_decision_p99_ms": kv_blocks["decision_p99_ms"],
                       "kv_vs_round_robin_time_ratio": round(rr["decisions_per_s"]
                                                             / kv["decisions_per_s"], 2),
                       "goal_met": {"50k_decisions_per_s": kv["decisions_per_s"] >= 50_000,
-                                   "p99_1ms": kv["decision_p99_ms"] <= 1.0}}),
-          flush=True)
+                                   "p99_1ms": kv["decision_p99_ms"] <= 1.0}})
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from runtime.profile import StepTiming
 
+_MEMO_MAX = 1 << 16
+
 
 class PrefillCost:
     def __init__(self, timing: StepTiming, chunk_tokens: int = 2048) -> None:
@@ -28,11 +30,22 @@ class PrefillCost:
         self.timing = timing
         self.chunk_tokens = chunk_tokens          # the engine's max_num_batched_tokens
         self._step_base_s = timing.step_s([])
+        self._memo: dict[tuple[int, int], float] = {}
 
     def seconds(self, cached_tokens: int, num_tokens: int) -> float:
         """Prefill time of ``num_tokens`` prompt tokens of which the first ``cached_tokens`` hit.
 
-        At least one token is computed (the engine needs logits to sample from)."""
+        At least one token is computed (the engine needs logits to sample from). A decision asks
+        for a few (cached, length) pairs that recur from prompt to prompt: answers are memoized."""
+        key = (cached_tokens, num_tokens)
+        found = self._memo.get(key)
+        if found is None:
+            if len(self._memo) >= _MEMO_MAX:
+                self._memo.clear()
+            found = self._memo[key] = self._seconds(cached_tokens, num_tokens)
+        return found
+
+    def _seconds(self, cached_tokens: int, num_tokens: int) -> float:
         n = max(1, num_tokens - cached_tokens)
         start = num_tokens - n
         chunks = -(-n // self.chunk_tokens)

@@ -62,6 +62,7 @@ class PrefixIndex:
         self._workers: dict[str, _Worker] = {}
         self._slot_owner: list[str | None] = []
         self._free_slots: list[int] = []
+        self.slots_version = 0      # bumped whenever a slot changes hands (router/pool.py caches)
 
     # ---- lookups -------------------------------------------------------------------------
 
@@ -72,19 +73,28 @@ class PrefixIndex:
         Workers holding no leading block are absent from the result. A hole (a block the worker
         lacks) ends that worker's run even if it holds later blocks.
         """
-        if len(tiers) == 1:
-            runs = self._chains.runs(block_hashes, tiers[0])
-        else:
-            runs = self._chains.runs_any_tier(block_hashes, tiers,
-                                              {w.held.bit: w.held for w in self._workers.values()})
         out: dict[str, int] = {}
         owner = self._slot_owner
-        for bits, run in runs:
+        for bits, run in self.runs(block_hashes, tiers):
             while bits:
                 low = bits & -bits
                 out[owner[low.bit_length() - 1]] = run  # type: ignore[index]
                 bits ^= low
         return out
+
+    def runs(self, block_hashes: Sequence[int],
+             tiers: Sequence[Tier] = (Tier.GPU,)) -> list[tuple[int, int]]:
+        """``overlaps`` before it is spelled out per worker: (slot bitmask, leading blocks) pairs,
+        disjoint. Slot ``s`` is bit ``1 << s``; ``slot`` names a worker's."""
+        if len(tiers) == 1:
+            return self._chains.runs(block_hashes, tiers[0])
+        return self._chains.runs_any_tier(block_hashes, tiers,
+                                          {w.held.bit: w.held for w in self._workers.values()})
+
+    def slot(self, worker_id: str) -> int | None:
+        """The worker's slot (its bit in ``runs``), None if the index has not seen it."""
+        w = self._workers.get(worker_id)
+        return w.slot if w else None
 
     def worker_blocks(self, worker_id: str, tier: Tier = Tier.GPU) -> frozenset[int]:
         w = self._workers.get(worker_id)
@@ -175,6 +185,7 @@ class PrefixIndex:
             self._chains.clear(w.held, tier)
         self._slot_owner[w.slot] = None
         self._free_slots.append(w.slot)
+        self.slots_version += 1
 
     # ---- direct edits (approximate mode, tests) ---------------------------------------------
 
@@ -200,6 +211,7 @@ class PrefixIndex:
                 slot = len(self._slot_owner)
                 self._slot_owner.append(worker_id)
             w = self._workers[worker_id] = _Worker(slot, Holdings(1 << slot))
+            self.slots_version += 1
         return w
 
     def _drain(self, w: _Worker) -> int:

@@ -23,12 +23,9 @@ class _WorkerLoad:
     routed_prefill: float = 0.0
 
 
-@dataclass(slots=True, frozen=True)
-class _Routed:
-    worker_id: str
-    decode_blocks: float
-    prefill_blocks: float
-    epoch: int
+# One routing of a request: (worker, decode blocks, prefill blocks, the worker's epoch then). A
+# plain tuple: one is made per decision.
+_Routed = tuple[str, float, float, int]
 
 
 @dataclass(slots=True)
@@ -59,25 +56,30 @@ class LoadTracker:
         w.routed_decode += decode_blocks
         w.routed_prefill += prefill_blocks
         self._refresh(worker_id, w)
-        self._requests.setdefault(request_id, []).append(
-            _Routed(worker_id, decode_blocks, prefill_blocks, w.epoch))
+        routed = (worker_id, decode_blocks, prefill_blocks, w.epoch)
+        earlier = self._requests.get(request_id)
+        if earlier is None:
+            self._requests[request_id] = [routed]
+        else:
+            earlier.append(routed)
 
     def finish(self, request_id: str, worker_id: str | None = None) -> bool:
         """Release a request's load (on ``worker_id`` only, if given). False if nothing was held."""
         routed = self._requests.get(request_id)
         if not routed:
             return False
-        keep = [r for r in routed if worker_id is not None and r.worker_id != worker_id]
+        keep = [r for r in routed if worker_id is not None and r[0] != worker_id]
         if len(keep) == len(routed):
             return False
         for r in routed:
             if r in keep:
                 continue
-            w = self._workers.get(r.worker_id)
-            if w is not None and w.epoch == r.epoch:
-                w.routed_decode = max(0.0, w.routed_decode - r.decode_blocks)
-                w.routed_prefill = max(0.0, w.routed_prefill - r.prefill_blocks)
-                self._refresh(r.worker_id, w)
+            wid, decode_blocks, prefill_blocks, epoch = r
+            w = self._workers.get(wid)
+            if w is not None and w.epoch == epoch:
+                w.routed_decode = max(0.0, w.routed_decode - decode_blocks)
+                w.routed_prefill = max(0.0, w.routed_prefill - prefill_blocks)
+                self._refresh(wid, w)
         if keep:
             self._requests[request_id] = keep
         else:

@@ -27,6 +27,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 
 @dataclass(slots=True)
 class _Queue:
@@ -36,34 +38,53 @@ class _Queue:
 
 
 class PrefillQueues:
+    """The queues, with each worker's queue end and decode count in arrays indexed by its row, so
+    that the KV policy's scan over candidates (router/selection.py) reads them vectorized."""
+
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._queues: dict[str, _Queue] = {}
         self._owner: dict[str, str] = {}            # queued request id -> worker id
-        # worker -> when the prefill work queued there ends (selection reads it directly)
-        self.busy_until: dict[str, float] = {}
-        # worker -> requests it is decoding for this router (first token out, not finished)
-        self.decoding: dict[str, int] = {}
+        self.row: dict[str, int] = {}               # worker -> its row in the arrays below
+        self._free_rows: list[int] = []
+        # row -> when the prefill work queued on that worker ends (a virtual clock)
+        self.busy_until = np.zeros(8)
+        # row -> requests that worker is decoding for this router (first token out, not finished)
+        self.decoding = np.zeros(8, dtype=np.int64)
+        self.decoding_total = 0                     # sum of ``decoding``: 0 lets the scan skip it
         self._decoder: dict[str, str] = {}          # decoding request id -> worker id
 
     def add_worker(self, worker_id: str) -> None:
-        self._queues.setdefault(worker_id, _Queue())
-        self.busy_until.setdefault(worker_id, 0.0)
-        self.decoding.setdefault(worker_id, 0)
+        if worker_id in self._queues:
+            return
+        self._queues[worker_id] = _Queue()
+        if self._free_rows:
+            row = self._free_rows.pop()
+        else:
+            row = len(self.row)
+            if row == len(self.busy_until):
+                self.busy_until = np.concatenate([self.busy_until, np.zeros(row)])
+                self.decoding = np.concatenate([self.decoding, np.zeros(row, dtype=np.int64)])
+        self.row[worker_id] = row
+        self.busy_until[row] = 0.0
+        self.decoding[row] = 0
 
     def remove_worker(self, worker_id: str) -> None:
         q = self._queues.pop(worker_id, None)
-        self.busy_until.pop(worker_id, None)
-        self.decoding.pop(worker_id, None)
+        if q is None:
+            return
+        row = self.row.pop(worker_id)
+        self._free_rows.append(row)
+        self.decoding_total -= int(self.decoding[row])
+        self.decoding[row] = 0
         for rid in [r for r, w in self._decoder.items() if w == worker_id]:
             del self._decoder[rid]
-        if q is not None:
-            for rid in q.items:
-                self._owner.pop(rid, None)
+        for rid in q.items:
+            self._owner.pop(rid, None)
 
     def wait_s(self, worker_id: str) -> float:
         """Seconds until the worker would start a prompt sent now."""
-        return max(0.0, self.busy_until[worker_id] - self._clock())
+        return max(0.0, float(self.busy_until[self.row[worker_id]]) - self._clock())
 
     def queued(self, worker_id: str) -> int:
         return len(self._queues[worker_id].items)
@@ -78,7 +99,8 @@ class PrefillQueues:
         if request_id in self._owner:
             self._drop(request_id)
         q = self._queues[worker_id]
-        self.busy_until[worker_id] = max(self._clock(), self.busy_until[worker_id]) + prefill_s
+        row = self.row[worker_id]
+        self.busy_until[row] = max(self._clock(), float(self.busy_until[row])) + prefill_s
         q.items[request_id] = (prefill_s, cached_tokens)
         q.cached_tokens += cached_tokens
         self._owner[request_id] = worker_id
@@ -89,15 +111,19 @@ class PrefillQueues:
         if worker_id is None:
             return
         q = self._queues[worker_id]
+        done = 0
         while q.items:
             rid, (_, cached) = q.items.popitem(last=False)
             del self._owner[rid]
             q.cached_tokens -= cached
             self._decoder[rid] = worker_id          # prompts sent before it are done too
-            self.decoding[worker_id] += 1
+            done += 1
             if rid == request_id:
                 break
-        self.busy_until[worker_id] = self._clock() + sum(s for s, _ in q.items.values())
+        row = self.row[worker_id]
+        self.decoding[row] += done
+        self.decoding_total += done
+        self.busy_until[row] = self._clock() + sum(s for s, _ in q.items.values())
 
     def finished(self, request_id: str, worker_id: str | None = None) -> None:
         """The request ended (on ``worker_id`` only, if given); if it never got a first token, its
@@ -108,14 +134,16 @@ class PrefillQueues:
         decoder = self._decoder.get(request_id)
         if decoder is not None and (worker_id is None or worker_id == decoder):
             del self._decoder[request_id]
-            self.decoding[decoder] -= 1
+            self.decoding[self.row[decoder]] -= 1
+            self.decoding_total -= 1
 
     def _drop(self, request_id: str) -> None:
         worker_id = self._owner.pop(request_id)
         q = self._queues[worker_id]
         prefill_s, cached = q.items.pop(request_id)
         q.cached_tokens -= cached
-        self.busy_until[worker_id] = max(self._clock(), self.busy_until[worker_id] - prefill_s)
+        row = self.row[worker_id]
+        self.busy_until[row] = max(self._clock(), float(self.busy_until[row]) - prefill_s)
 
     def report(self, worker_id: str, waiting_prefill_tokens: int,
                seconds_of: Callable[[int], float]) -> None:
@@ -124,8 +152,9 @@ class PrefillQueues:
         uncached = waiting_prefill_tokens - q.cached_tokens
         if uncached > 0:
             floor = self._clock() + seconds_of(uncached)
-            if floor > self.busy_until[worker_id]:
-                self.busy_until[worker_id] = floor
+            row = self.row[worker_id]
+            if floor > self.busy_until[row]:
+                self.busy_until[row] = floor
 
 
 class Utilisation:

@@ -27,8 +27,9 @@ from router.cost import PrefillCost
 from router.errors import NoWorkerAvailable, UnknownWorker
 from router.index import ApplyResult, PrefixIndex, SnapshotEntries
 from router.load import LoadTracker
+from router.pool import CandidatePool
 from router.queues import PrefillQueues, Utilisation
-from router.selection import Selector
+from router.selection import Holder, Selector, cached_tokens, holder_blocks
 from runtime.profile import CurveTiming
 
 _SERVES: dict[WorkerRole, frozenset[WorkerRole]] = {
@@ -67,8 +68,7 @@ class Router:
         self.config = config
         self.block_size = block_size
         self._roles: dict[str, WorkerRole] = {}
-        self._candidates: dict[WorkerRole, list[str]] = {}
-        self._positions: dict[WorkerRole, dict[str, int]] = {}     # candidate -> index in its list
+        self._pools: dict[WorkerRole, CandidatePool] = {}
         self._index = PrefixIndex(config.gap_max_buffered, config.gap_timeout_s, clock)
         self._approx = ApproxIndex(config.approx_ttl_s, clock) if config.approximate else None
         self._loads = LoadTracker(block_size)
@@ -86,7 +86,7 @@ class Router:
         self._roles[worker_id] = role
         self._loads.add_worker(worker_id)
         self._queues.add_worker(worker_id)
-        self._candidates.clear()
+        self._pools.clear()
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker entirely (lease expired or drained): cache, load, role."""
@@ -97,7 +97,7 @@ class Router:
         self._index.remove_worker(worker_id)
         if self._approx:
             self._approx.remove_worker(worker_id)
-        self._candidates.clear()
+        self._pools.clear()
 
     def workers(self) -> dict[str, WorkerRole]:
         return dict(self._roles)
@@ -111,37 +111,40 @@ class Router:
 
         ``hint`` is the client's routing key (prompt_cache_key or user): requests with one key are
         kept together while load allows (router/affinity.py). Only the KV policy reads it."""
-        candidates = self._eligible(role)
-        positions = self._positions[role]
+        pool = all_eligible = self._pool(role)
         if exclude:
-            candidates = [c for c in candidates if c not in exclude]
-            positions = None
-        if not candidates:
+            pool = self._new_pool([c for c in pool.names if c not in exclude])
+        if not pool.names:
             raise NoWorkerAvailable(f"no {role.value} worker available "
                                     f"({len(self._roles)} registered, {len(exclude)} excluded)")
         prompt_blocks = max(len(block_hashes), -(-num_prompt_tokens // self.block_size))
-        overlaps = self._overlaps(block_hashes)
         if self._ttft:
             now = self._clock()
-            if not self.config.use_hints:
-                hint = None
-            pinned = self._pinned(hint, block_hashes, candidates, overlaps) if hint is not None else None
+            holders = self._holders(block_hashes, pool)
+            pinned = None
+            if hint is not None and self.config.use_hints:
+                pinned = self._pinned(hint, block_hashes, pool, holders)
             util = self._utilisation[role]
-            weight = (prefill_weight(util.value(now, len(self._eligible(role))))
+            weight = (prefill_weight(util.value(now, len(all_eligible.names)))
                       if self.config.busy_period_weight else 1.0)
-            worker, cost, cached = self._selector.select_ttft(
-                candidates, num_prompt_tokens, self.block_size, overlaps, self._queues.busy_until,
-                now, self._prefill, pinned, weight, positions,
-                self._queues.decoding if self.config.decode_delay else None)
+            queues = self._queues
+            i, cost = self._selector.select_ttft(
+                pool, num_prompt_tokens, self.block_size, holders, queues.busy_until, now,
+                self._prefill, pinned, weight,
+                queues.decoding if self.config.decode_delay and queues.decoding_total else None)
+            worker, overlap = pool.names[i], holder_blocks(holders, i, pool.slots[i])
+            cached = cached_tokens(overlap, num_prompt_tokens, self.block_size) if overlap else 0
             prefill_s = self._prefill.seconds(cached, num_prompt_tokens)
-            self._queues.route(request_id, worker, prefill_s, cached)
+            queues.route(request_id, worker, prefill_s, cached)
             util.add(now, prefill_s)
-            if hint is not None:
+            if hint is not None and self.config.use_hints:
                 self._pins.record(hint, worker, request_id, block_hashes)
+            overlap = int(overlap)
         else:
+            overlaps = self._overlaps(block_hashes)
             load = self._loads.prefill if role is WorkerRole.PREFILL else self._loads.decode
-            worker, cost = self._selector.select(candidates, prompt_blocks, overlaps, load)
-        overlap = int(overlaps.get(worker, 0))
+            worker, cost = self._selector.select(pool.names, prompt_blocks, overlaps, load)
+            overlap = int(overlaps.get(worker, 0))
         to_prefill = prompt_blocks - overlap
         if role is WorkerRole.PREFILL:
             self._loads.route(request_id, worker, 0.0, to_prefill)
@@ -206,25 +209,59 @@ class Router:
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _eligible(self, role: WorkerRole) -> list[str]:
-        found = self._candidates.get(role)
-        if found is None:
+    def _pool(self, role: WorkerRole) -> CandidatePool:
+        """The role's candidates in registration order (the order ties are broken in)."""
+        found = self._pools.get(role)
+        if found is None or found.slots_version != self._index.slots_version:
             serves = _SERVES[role]
-            found = self._candidates[role] = [w for w, r in self._roles.items() if r in serves]
-            self._positions[role] = {w: i for i, w in enumerate(found)}
+            found = self._pools[role] = self._new_pool(
+                [w for w, r in self._roles.items() if r in serves])
         return found
 
-    def _pinned(self, hint: str, block_hashes: Sequence[int], candidates: list[str],
-                overlaps: dict[str, float]) -> str | None:
+    def _new_pool(self, names: list[str]) -> CandidatePool:
+        index, rows = self._index, self._queues.row
+        return CandidatePool(names, [rows[w] for w in names], [index.slot(w) for w in names],
+                             index.slots_version)
+
+    def _holders(self, block_hashes: Sequence[int], pool: CandidatePool) -> list[Holder]:
+        """The pool's workers holding a prefix of the prompt, grouped by its length: straight from
+        the index's slot masks, or (approximate index, lower tiers weighed) per worker."""
+        cfg = self.config
+        if self._approx is not None or cfg.lower_tier_weight > 0:
+            position = pool.position
+            return [(position[w], n, 0) for w, n in self._overlaps(block_hashes).items()
+                    if w in position]
+        out: list[Holder] = []
+        for bits, run in self._index.runs(block_hashes, cfg.tiers):
+            if bits & (bits - 1):
+                pos = pool.positions(bits)
+                if len(pos):
+                    out.append((pos, run, bits))
+            else:
+                p = pool.position_of_slot(bits.bit_length() - 1)
+                if p >= 0:
+                    out.append((p, run, 0))
+        return out
+
+    def _pinned(self, hint: str, block_hashes: Sequence[int], pool: CandidatePool,
+                holders: list[Holder]) -> str | None:
         """The hint's pinned worker if it may take the request; while the key's last request is
         still queued there, its prompt counts as cached there (the index cannot know yet)."""
         pin = self._pins.get(hint)
-        if pin is None or pin.worker_id not in candidates:
+        if pin is None:
+            return None
+        p = pool.position.get(pin.worker_id)
+        if p is None:
             return None
         if self._queues.is_queued(pin.request_id):
             common = pin.common_prefix(block_hashes)
-            if common > overlaps.get(pin.worker_id, 0):
-                overlaps[pin.worker_id] = common
+            slot = pool.slots[p]
+            if common > holder_blocks(holders, p, slot):   # take it out of its group
+                holders[:] = [(pos[pos != p], blocks, bits & ~(1 << slot))
+                              if type(pos) is not int and slot is not None and bits >> slot & 1
+                              else (pos, blocks, bits)
+                              for pos, blocks, bits in holders if type(pos) is not int or pos != p]
+                holders.append((p, common, 0))
         return pin.worker_id
 
     def _overlaps(self, block_hashes: Sequence[int]) -> dict[str, float]:

@@ -27,10 +27,31 @@ import math
 import random
 from typing import Mapping, Sequence
 
+import numpy as np
+
 from router.config import RouterConfig, RoutingPolicy
 from router.cost import PrefillCost
+from router.pool import CandidatePool
 
 _TIE_EPS = 1e-9
+
+# Workers that cache the same leading blocks of a prompt: their candidate positions (an array, or
+# one int), the blocks, and for an array the index slots' mask (membership in one operation).
+Holder = tuple["np.ndarray | int", float, int]
+
+
+def holder_blocks(holders: Sequence[Holder], position: int, slot: int | None) -> float:
+    """The cached leading blocks of the candidate at ``position`` (index slot ``slot``): 0 if it
+    is in no group."""
+    for pos, blocks, bits in holders:
+        if pos == position if type(pos) is int else slot is not None and bits >> slot & 1:
+            return blocks
+    return 0
+
+
+def cached_tokens(blocks: float, num_tokens: int, block_size: int) -> int:
+    """The prompt tokens ``blocks`` cached leading blocks spare (at least one token is computed)."""
+    return min(int(blocks) * block_size, (num_tokens - 1) // block_size * block_size)
 
 
 class Selector:
@@ -59,50 +80,40 @@ class Selector:
             return w, costs[candidates.index(w)]
         return w, self.cost(w, prompt_blocks, overlaps, load)
 
-    def select_ttft(self, candidates: Sequence[str], num_tokens: int, block_size: int,
-                    overlaps: Mapping[str, float], busy_until: Mapping[str, float], now: float,
+    def select_ttft(self, pool: CandidatePool, num_tokens: int, block_size: int,
+                    holders: Sequence[Holder], busy_until: np.ndarray, now: float,
                     prefill: PrefillCost, prefer: str | None = None,
                     prefill_weight: float = 1.0,
-                    positions: Mapping[str, int] | None = None,
-                    decoding: Mapping[str, int] | None = None) -> tuple[str, float, int]:
-        """The KV policy: the soonest predicted first token. Returns (worker, its predicted TTFT in
-        seconds, the prompt tokens it holds). ``positions``: candidate -> its index in
-        ``candidates`` (the router keeps one per candidate list)."""
-        assert candidates
+                    decoding: np.ndarray | None = None) -> tuple[int, float]:
+        """The KV policy: the soonest predicted first token. Returns the winner's position in the
+        pool and its predicted TTFT in seconds.
+
+        ``holders``: groups of candidates caching the same leading blocks, disjoint. ``busy_until`` and ``decoding`` are the queues' arrays, indexed by
+        the pool's rows (``decoding`` None: ignore decodes). One pass of array arithmetic over
+        every candidate, then one more per group of holders: per worker the same floating-point
+        operations, in the same order, as the cost in the module docstring spelled out."""
         cold_s = prefill.seconds(0, num_tokens)
         cold = prefill_weight * cold_s
         # cost - (cold - now): when the worker would start the prompt, corrected below for what
         # it holds and for the requests it is decoding; the constant is added back to the winner
-        costs = [b if (b := busy_until[c]) > now else now for c in candidates]
-        if decoding:            # each running decode waits out the prompt's prefill steps too
-            for i, c in enumerate(candidates):
-                d = decoding.get(c)
-                if d:
-                    costs[i] += d * cold_s
-        cached = None
-        if overlaps:   # workers holding a prefix: one prefill estimate per distinct prefix length
-            max_hit = (num_tokens - 1) // block_size * block_size
-            cached = {}
-            saved: dict[int, float] = {}
-            pos = positions if positions is not None else {c: i for i, c in enumerate(candidates)}
-            for c, blocks in overlaps.items():
-                i = pos.get(c)
-                if i is None or not blocks:
-                    continue
-                hit = int(blocks) * block_size
-                if hit > max_hit:
-                    hit = max_hit
-                cached[c] = hit
-                d = saved.get(hit)
-                if d is None:
-                    d = saved[hit] = prefill.seconds(hit, num_tokens) - cold_s
-                costs[i] += d * (prefill_weight + (decoding.get(c, 0) if decoding else 0))
+        costs = np.maximum(busy_until[pool.rows], now)
+        dec = None
+        if decoding is not None:   # each running decode waits out the prompt's prefill steps too
+            dec = decoding[pool.rows]
+            costs += dec * cold_s
+        for pos, blocks, _ in holders:      # one prefill estimate per group
+            if blocks:
+                d = prefill.seconds(cached_tokens(blocks, num_tokens, block_size), num_tokens) - cold_s
+                costs[pos] += d * prefill_weight if dec is None else d * (prefill_weight + dec[pos])
         if self._config.temperature > 0:
-            w, cost = self._sample(candidates, [x - now + cold for x in costs])
-        else:
-            w = self._cheapest(candidates, costs, prefer)
-            cost = costs[candidates.index(w)] - now + cold
-        return w, cost, cached.get(w, 0) if cached else 0
+            w, cost = self._sample(pool.names, [x - now + cold for x in costs.tolist()])
+            return pool.position[w], cost
+        i = int(costs.argmin())
+        tied = (costs <= costs[i] + _TIE_EPS).nonzero()[0]
+        if len(tied) > 1:       # the preferred worker if tied, else one at random (in pool order)
+            p = pool.position.get(prefer, -1) if prefer is not None else -1
+            i = p if p >= 0 and costs[p] <= costs[i] + _TIE_EPS else int(self._rng.choice(tied))
+        return i, float(costs[i]) - now + cold
 
     def cost(self, worker_id: str, prompt_blocks: int, overlaps: Mapping[str, float],
              load: Mapping[str, float]) -> float:

@@ -270,3 +270,43 @@ def test_index_matches_a_brute_force_model_under_loss_duplication_reordering_and
         assert idx.applied_seq(wid) == pubs[wid].seq
         for tier in Tier:
             assert idx.worker_blocks(wid, tier) == pubs[wid].history[-1][tier]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_whole_run_stores_leave_the_same_structure_as_block_by_block_ones(seed, monkeypatch):
+    """ChainIndex.store takes whole runs at once when it can (_store_run); the result must be
+    the very structure the block-by-block path builds: masks, parents, children, counts, orphans."""
+    from router.chains import ChainIndex, Holdings
+    rng = random.Random(seed)
+    tree = _Tree(rng)
+    fast, slow = ChainIndex(), ChainIndex()
+    monkeypatch.setattr(slow, "_store_run", lambda *a: False)
+    holdings = {idx: [Holdings(1 << i) for i in range(4)] for idx in (fast, slow)}
+    took_run = 0
+    real_run = fast._store_run
+
+    def counting_run(*a):
+        nonlocal took_run
+        done = real_run(*a)
+        took_run += done
+        return done
+
+    monkeypatch.setattr(fast, "_store_run", counting_run)
+    for _ in range(3000):
+        i, tier, roll = rng.randrange(4), rng.choice([Tier.GPU, Tier.HOST]), rng.random()
+        path = tree.path(rng.randint(1, 24))
+        start = rng.randrange(len(path))
+        hs = tuple(path[start:start + rng.randint(1, 6)])
+        for idx in (fast, slow):
+            w = holdings[idx][i]
+            if roll < 0.6:
+                idx.store(w, tier, hs, path[start - 1] if start else None)
+            elif roll < 0.97:
+                idx.remove(w, tier, hs[::-1] if roll < 0.8 else hs)
+            else:
+                idx.clear(w, tier)
+        assert fast._chain == slow._chain and fast._refs == slow._refs
+        assert fast._parent == slow._parent and fast._children == slow._children
+        assert [(h.blocks, h.orphans) for h in holdings[fast]] == \
+            [(h.blocks, h.orphans) for h in holdings[slow]]
+    assert took_run > 300       # the whole-run path is the one being compared
