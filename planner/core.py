@@ -32,6 +32,8 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import replace
+from functools import lru_cache
+from statistics import NormalDist
 from typing import Sequence
 
 import numpy as np
@@ -49,9 +51,23 @@ BURST_INTERVALS = 10         # burstiness is pooled over this many recent interv
 WAIT_FLOOR_SHARE = 0.05      # waits below 5% of the TTFT target are noise to the wait correction
 MIN_BURST_ARRIVALS = 20      # fewer arrivals in an interval say nothing about burstiness
 NOISE_DECISIONS = 20         # the planned work's noise: its scatter over this many decisions, ...
-NOISE_LAG = 3                # ... in differences this many decisions apart, ...
+NOISE_LAG = 3                # ... in differences this many decisions apart
 MAX_NOISE_HYSTERESIS = 0.25  # a transition inside the window still reads partly as noise: bound its cost
-NOISE_RANGE_SD = 4.0         # ... times the expected range of 30 normal draws, in standard deviations
+
+
+@lru_cache(maxsize=None)
+def expected_range_sd(n: int) -> float:
+    """E[max - min] of n independent standard normal draws (the control-chart constant d2(n):
+    1.128 for 2, 1.693 for 3, 4.086 for 30): the integral of 1 - F^n - (1 - F)^n over the line."""
+    if n < 2:
+        return 0.0
+    step = 1e-3
+    cdf = NormalDist().cdf
+    total = 0.0
+    for k in range(-8000, 8001):
+        f = cdf(k * step)
+        total += 1 - f ** n - (1 - f) ** n
+    return total * step
 
 
 class Planner:
@@ -68,6 +84,7 @@ class Planner:
         self._arrivals: deque[tuple[float, float, np.ndarray, float]] = deque(maxlen=BURST_INTERVALS)
         self._work: dict[Pool, deque[float]] = {p: deque(maxlen=NOISE_DECISIONS) for p in Pool}
         self._history: dict[Pool, deque[tuple[float, int]]] = {Pool.PREFILL: deque(), Pool.DECODE: deque()}
+        self._noise_range_sd = expected_range_sd(self._horizon() + 1)
         self._first_s: float | None = None
         self.last: Decision | None = None
 
@@ -98,7 +115,7 @@ class Planner:
             self._first_s = obs.now_s
         self._observe(obs)
         cfg = self.config
-        horizon = max(1, math.ceil((cfg.startup_s + cfg.interval_s) / cfg.interval_s))
+        horizon = self._horizon()
         forecasts = [self._rate_forecast(h) for h in range(1, horizon + 1)]
         rate = forecasts[0].mean / cfg.interval_s
         plan_rate = max(f.quantile(cfg.arrival_quantile) for f in forecasts) / cfg.interval_s
@@ -121,10 +138,22 @@ class Planner:
         self.last = Decision(obs.now_s, pre, dec, load, self.wait_correction.value)
         return self.last
 
+    def _horizon(self) -> int:
+        """Decisions ahead a new worker needs: it serves startup_s after it is asked for, and the
+        next decision comes one interval later."""
+        cfg = self.config
+        return max(1, math.ceil((cfg.startup_s + cfg.interval_s) / cfg.interval_s))
+
     def _hysteresis(self, pool: Pool, work: float) -> float:
         """The scale-down margin: the configured hysteresis, or the expected range of the noise of
         the pool's planned work (rate x work per request: the forecast's and the length window's
-        noise together) over about 30 decisions, 4 standard deviations, whichever is larger.
+        noise together) over the next horizon + 1 decisions, whichever is larger.
+
+        Why that many (ski rental): a scale-down that noise reverses costs one start-up of GPU time,
+        while holding a worker the pool does not need costs an interval per decision. So the margin
+        only has to keep noise from reversing the step before a replacement could be serving (the
+        horizon); guarding against the range of many more decisions holds a worker for all of them
+        to save one start-up. Tail growth over that horizon is already in the planned quantile.
 
         The noise is read from differences NOISE_LAG decisions apart (the forecast and the length
         window remember about that long, so closer differences would hide their noise), by their
@@ -139,7 +168,7 @@ class Planner:
         diffs = y[NOISE_LAG:] - y[:-NOISE_LAG]
         mad = float(np.median(np.abs(diffs - np.median(diffs))))
         noise = 1.4826 * mad / math.sqrt(2)       # normal sd; a difference holds two draws
-        return max(self.config.hysteresis, min(NOISE_RANGE_SD * noise, MAX_NOISE_HYSTERESIS))
+        return max(self.config.hysteresis, min(self._noise_range_sd * noise, MAX_NOISE_HYSTERESIS))
 
     def _rate_forecast(self, steps: int) -> Forecast:
         """The predictor's forecast of the count, less the count's own sampling noise: given the

@@ -20,9 +20,11 @@ Timing models (seconds per engine step):
   with the last slope). See `load_profile` for the format.
 
 `Profile` wraps a timing model with the worker's KV capacity, its start-to-ready time and the
-engine limits the tables were taken under; `load_profile(None)` is the shipped default
-(runtime/profiles/h100-llama-3.1-8b-curve.json: CurveTiming sampled into tables by
-`curve_profile_spec`, so the default is data that a measured profile replaces file for file).
+engine limits the tables were taken under. `load_profile(None)` is the planner's default, the
+profile of the Llama-3.1-8B architecture measured on one H100 with our own engine
+(runtime/profiles/h100-llama-3.1-8b.json, `splitserve profile`); the analytic curve stays beside
+it as data (runtime/profiles/h100-llama-3.1-8b-curve.json: CurveTiming sampled into tables by
+`curve_profile_spec`) and remains the mock engine's default timing.
 
 It knows nothing of engines, workers, schedulers or clocks.
 """
@@ -41,12 +43,14 @@ from typing import Callable, Protocol, Sequence
 DEFAULT_KV_TOKENS = 450_000
 DEFAULT_MAX_MODEL_LEN = 131_072     # Llama-3.1's context
 # Start-to-ready of one 8B worker on the H100 (process start to its ready lease, weights in the page
-# cache): the mean of the two runs in bench/results/startup-h100-02d2b6e.jsonl (19.58 s, 21.4 s),
-# after the fast-start work (66 s before it). The one place this default lives.
-DEFAULT_STARTUP_S = 20.5
+# cache): the mean of the two runs in bench/results/startup-h100-deb3eb7.jsonl (14.91 s, 18.16 s),
+# after the fast-start work and the pinned-ring weights reader (66 s before it). The one place this
+# default lives: the shipped profiles leave startup_s out so that they read it from here.
+DEFAULT_STARTUP_S = 16.5
 DEFAULT_MAX_NUM_SEQS = 256            # EngineConfig's defaults, which the default profile assumes
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-DEFAULT_PROFILE_PATH = Path(__file__).parent / "profiles" / "h100-llama-3.1-8b-curve.json"
+DEFAULT_PROFILE_PATH = Path(__file__).parent / "profiles" / "h100-llama-3.1-8b.json"   # measured
+CURVE_PROFILE_PATH = Path(__file__).parent / "profiles" / "h100-llama-3.1-8b-curve.json"   # CurveTiming
 PROFILE_FORMAT = 2
 
 
@@ -280,7 +284,7 @@ _CURVE_DECODE_CONTEXT = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 
 
 
 def curve_profile_spec(curve: CurveTiming = CurveTiming(), name: str = "h100-llama-3.1-8b-curve") -> dict:
-    """A profile file (format 2) sampled from an analytic curve: what the shipped default is.
+    """A profile file (format 2) sampled from an analytic curve (runtime/profiles/h100-llama-3.1-8b-curve.json).
 
     Prefill times are those of the engine's chunked prefill (chunks of the default
     max_num_batched_tokens), from an empty cache and at cached fractions; decode times on the
@@ -325,7 +329,7 @@ def profile_json(spec: dict) -> str:
 
 
 def load_profile(path: str | Path | None = None) -> Profile:
-    """The shipped default profile (path None), or a JSON profile file.
+    """The shipped default profile (path None: the measured H100 8B one), or a JSON profile file.
 
     A file is either {"curve": {<CurveTiming fields>}} (the analytic model with other
     constants), or measured tables (format 1, the first version, still read)::

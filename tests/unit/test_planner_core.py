@@ -11,10 +11,12 @@ import pytest
 
 from planner import (Bound, DecodeStats, Observation, Planner, PlannerConfig, PoolLimits, PoolState,
                      PrefillRecord, RequestSample)
-from runtime.profile import load_profile
+from runtime.profile import CURVE_PROFILE_PATH, load_profile
 
 INTERVAL = 30.0
-PROFILE = load_profile()
+# The analytic H100 curve, not the default profile: the loads below are chosen to cross its pools'
+# step boundaries, and a re-measured default must not move them.
+PROFILE = load_profile(CURVE_PROFILE_PATH)
 
 
 def config(**kw) -> PlannerConfig:
@@ -173,3 +175,13 @@ def test_the_core_imports_no_io_or_torch():
             "bad = [m for m in ('grpc', 'redis', 'ray', 'torch', 'router', 'engine') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_scale_down_margin_uses_the_normal_range_over_the_start_up_horizon():
+    """d2(n), the expected range of n normal draws, against its tabulated values; the planner takes
+    it over the horizon + 1 decisions (16.5 s start-up, 30 s interval: 2 + 1)."""
+    from planner.core import expected_range_sd
+    assert [round(expected_range_sd(n), 3) for n in (1, 2, 3, 5, 10)] == [0.0, 1.128, 1.693, 2.326, 3.078]
+    assert Planner(config(startup_s=16.5), PROFILE)._noise_range_sd == pytest.approx(1.693, abs=1e-3)
+    # 100 s: ceil(130 / 30) = 5 decisions ahead, d2(6) = 2.534
+    assert Planner(config(startup_s=100.0), PROFILE)._noise_range_sd == pytest.approx(2.534, abs=1e-3)

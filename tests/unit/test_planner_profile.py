@@ -7,14 +7,23 @@ import json
 
 import pytest
 
-from runtime.profile import (DEFAULT_KV_TOKENS, DEFAULT_PROFILE_PATH, DEFAULT_STARTUP_S, CurveTiming, Profile,
-                             ProfileTiming, curve_profile_spec, load_profile, load_timing, profile_json)
+from runtime.profile import (CURVE_PROFILE_PATH, DEFAULT_KV_TOKENS, DEFAULT_PROFILE_PATH, DEFAULT_STARTUP_S,
+                             CurveTiming, Profile, ProfileTiming, curve_profile_spec, load_profile, load_timing,
+                             profile_json)
 
 
-def test_the_shipped_default_is_the_curve_sampled_and_has_not_drifted():
-    assert json.loads(DEFAULT_PROFILE_PATH.read_text()) == curve_profile_spec()
-    assert DEFAULT_PROFILE_PATH.read_text() == profile_json(curve_profile_spec())
+def test_the_default_is_the_measured_h100_profile_with_the_measured_startup():
+    spec = json.loads(DEFAULT_PROFILE_PATH.read_text())
+    assert spec["device"].startswith("NVIDIA H100") and "startup_s" not in spec
     p = load_profile()
+    assert (p.name, p.startup_s) == ("h100-llama-3.1-8b", DEFAULT_STARTUP_S)
+    assert p.kv_capacity_tokens == spec["kv_capacity_tokens"]
+
+
+def test_the_shipped_curve_is_the_curve_sampled_and_has_not_drifted():
+    assert json.loads(CURVE_PROFILE_PATH.read_text()) == curve_profile_spec()
+    assert CURVE_PROFILE_PATH.read_text() == profile_json(curve_profile_spec())
+    p = load_profile(CURVE_PROFILE_PATH)
     assert isinstance(p.timing, ProfileTiming)
     assert (p.kv_capacity_tokens, p.startup_s, p.max_num_seqs) == (DEFAULT_KV_TOKENS, DEFAULT_STARTUP_S, 256)
     curve = Profile(CurveTiming())
@@ -26,7 +35,7 @@ def test_the_shipped_default_is_the_curve_sampled_and_has_not_drifted():
 
 def test_the_mock_keeps_its_default_and_its_file_api():
     assert load_timing(None) == CurveTiming()
-    assert isinstance(load_timing(DEFAULT_PROFILE_PATH), ProfileTiming)
+    assert isinstance(load_timing(CURVE_PROFILE_PATH), ProfileTiming)
 
 
 def test_decode_fast_paths_agree_with_the_step_model():
