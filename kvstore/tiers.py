@@ -135,6 +135,7 @@ class TierManager:
         self.counters = OnboardCounters()
         self._inflight_writes = 0
         self._disk_paused_until = 0.0    # write-back pauses after a full disk
+        self._scanned: tuple[int, int, int] | None = None   # what the last fruitless write-back scan saw
         self._worker: DiskWorker | None = None
         if cfg.disk is not None:
             try:
@@ -271,17 +272,28 @@ class TierManager:
         self._write_back()
 
     def _write_back(self) -> None:
-        """Queue disk writes of admitted blocks at G2's LRU tail (step 2 of the module docstring)."""
+        """Queue disk writes of admitted blocks at G2's LRU tail (step 2 of the module docstring).
+
+        Runs every step, so it must cost next to nothing when there is nothing to write: the scan
+        is skipped while the host table, the admission counts and the disk table are as the last
+        fruitless scan left them, and a scan checks admission for the whole window in one numpy
+        pass. (A per-slot scan of a 1,536-slot window, every step of a decode whose blocks the rule
+        rejects, took 22.7 ms per step on the CPU machine: the H100's 2x decode ITL.)"""
         disk = self.disk
         room = self.cfg.max_disk_inflight_blocks - self._inflight_writes
         if time.monotonic() < self._disk_paused_until or \
                 room < min(self.cfg.disk_batch_blocks, self.cfg.max_disk_inflight_blocks):
             return
+        seen = (self.host.slots.version, self.admission.sketch.version, disk.slots.version)
+        if seen == self._scanned:
+            return
         window = max(self.cfg.disk_batch_blocks, int(self.cfg.clean_fraction * self.host.num_slots))
+        slots = self.host.slots.evictable(window)
+        hashes = [self.host.slots.hash_of(s) for s in slots]
+        admitted = self.admission.admitted(hashes) if hashes else []
         items, host_slots = [], []
-        for hslot in self.host.slots.evictable(window):
-            h = self.host.slots.hash_of(hslot)
-            if disk.slots.holds(h) or not self.admission.admits(h):
+        for hslot, h, ok in zip(slots, hashes, admitted):
+            if not ok or disk.slots.holds(h):
                 continue
             dslot = disk.slots.reserve(h, self.host.slots.parent_of(hslot))
             if dslot is None:
@@ -290,6 +302,7 @@ class TierManager:
             host_slots.append(hslot)
             if len(items) == room:
                 break
+        self._scanned = None if items else seen
         if items:
             self.host.slots.pin(host_slots)
             self._inflight_writes += len(items)
