@@ -65,13 +65,17 @@ class BlockPool:
         out.sort()
         return out
 
-    def free(self, blocks: list[int]) -> None:
-        """Drop one reference to each block; blocks reaching 0 join the free queue's tail in reverse order."""
+    def free(self, blocks: list[int], oldest: bool = False) -> None:
+        """Drop one reference to each block; blocks reaching 0 join the free queue's tail in reverse
+        order, or with ``oldest`` its head in the given order (blocks taken from the head only to be
+        copied to a lower tier go back where they were, first in line for reuse)."""
         for block in reversed(blocks):
             assert self.ref_counts[block] > 0, f"double free of block {block}"
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self._free[block] = None
+                if oldest:
+                    self._free.move_to_end(block, last=False)
 
     # ---- prefix cache ----------------------------------------------------------------------
     def lookup(self, hashes: list[int]) -> list[int]:
@@ -84,6 +88,18 @@ class BlockPool:
             if block is None:
                 break
             out.append(block)
+        return out
+
+    def reusable(self, n: int) -> list[tuple[int, int, int | None]]:
+        """(block, hash, parent) of the cached blocks among the next ``n`` that ``allocate`` would
+        hand out, oldest first: what the next allocations would evict."""
+        out = []
+        for i, block in enumerate(self._free):
+            if i == n:
+                break
+            h = self._hash_of.get(block)
+            if h is not None:
+                out.append((block, h, self._parent_of.get(h)))
         return out
 
     def touch(self, blocks: list[int]) -> None:

@@ -249,7 +249,7 @@ class TierManager:
         rates = self.rates()
         num_disk = min(ob.num_disk, ob.num_ok)
         bandwidth_s = sum(rates.block_load_s(t, self.fmt.block_bytes) * n
-                          for t, n in ((Tier.HOST, ob.num_ok - num_disk), (Tier.DISK, num_disk)))
+                          for t, n in ((Tier.HOST, ob.num_ok - num_disk), (Tier.DISK, num_disk)) if n)
         self.load_latency[Tier.DISK if num_disk else Tier.HOST].observe(time.perf_counter() - ob.started_s,
                                                                          bandwidth_s)
 
