@@ -96,6 +96,8 @@ class Scheduler:
         self._offloads: list[tuple[int, int, bool]] = []   # (G1 block, host slot, back to the free
         #                                                 queue's head) to copy in the next plan
         self._unflushed = False                     # blocks registered since G1 was last flushed to G2
+        self._num_offloading = 0                    # G1 blocks held for offload copies not landed yet
+        self._scanned_at: int | None = None         # pool.num_taken when the window was last found clean
         # G1 -> G2 offload ahead of eviction: the next `offload_window` blocks the pool would hand
         # out are kept copied down (a step's worth of allocations, a full budget of prefill plus a
         # decode block per sequence, so that a block is copied a step before it is needed; at most
@@ -422,26 +424,40 @@ class Scheduler:
         of the most recently used cached blocks, as many as G2 holds) that G2 lacks. Under way, at
         most the blocks G1 can spare beyond the next step's needs (a decode block per running
         sequence and a budget of prefill) are held, and at most half of G2 is in question, so that
-        the blocks copied cannot push each other out of G2 and be copied again."""
+        the blocks copied cannot push each other out of G2 and be copied again. Blocks already held
+        for copies count against the window: they are the next in line, only out of the queue."""
         idle = self._idle
         if idle and not self._unflushed:
             return
         pool, host = self.pool, self.tiers.host
+        room = self.offload_window - self._num_offloading
         spare = pool.num_free if idle else pool.num_free - len(self.running) - self.budget // self.block_size
-        if spare <= 0:
+        if room <= 0 or spare <= 0:
             return
         if idle:
             candidates = pool.reusable(pool.num_free)[-host.num_slots:]
+            self._scanned_at = None
         else:
-            candidates = pool.reusable(min(self.offload_window, max(1, host.num_slots // 2)))
-        picked = [c for c in candidates if not host.slots.holds(c[1])][:min(spare, self.offload_window)]
+            # only the blocks that moved into the window since it was last found clean (one per
+            # block taken off the queue since); the whole window when the queue is shorter
+            n = min(room, max(1, host.num_slots // 2))
+            skip = 0
+            if self._scanned_at is not None and pool.num_free > n:
+                skip = max(0, n - (pool.num_taken - self._scanned_at))
+            self._scanned_at = pool.num_taken
+            candidates = pool.reusable(n, skip)
+        dirty = [c for c in candidates if not host.slots.holds(c[1])]
+        picked = dirty[:min(spare, room)]
         if idle:
             self._unflushed = bool(picked)       # flushed once a scan finds nothing left to copy
         if not picked:
             return
         pairs = self.tiers.reserve_offload([h for _, h, _ in picked], [p for _, _, p in picked])
+        if len(pairs) < len(dirty):
+            self._scanned_at = None              # some stay dirty: the whole window again next step
         blocks = [picked[i][0] for i, _ in pairs]
         pool.touch(blocks)                       # protected from reuse until the copy lands
+        self._num_offloading += len(blocks)
         # taken from the free queue's head, they go back there; an idle flush's go to its tail in
         # the order taken (oldest first), so the cached blocks keep their LRU order behind the clean
         self._offloads += [(b, s, not idle) for b, (_, s) in zip(blocks, pairs)]
@@ -528,6 +544,7 @@ class Scheduler:
         tiers = self.tiers
         if offload:
             if offloads:
+                self._num_offloading -= len(offloads)
                 tiers.offload_landed([s for _, s, _ in offloads], ok, seconds)
                 self.pool.free([b for b, _, head in offloads if head], oldest=True)
                 self.pool.free([b for b, _, head in reversed(offloads) if not head])   # tail, oldest first
