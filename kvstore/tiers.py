@@ -8,9 +8,10 @@ call returns at once; disk work runs on the I/O thread and comes back through ``
 
 The lifecycle of a block (numbers match the phase-2 wiring below):
 
- 1. Offload G1 -> G2, write-through (docs/kv_tiers.md says why): when the scheduler registers newly
-    computed full blocks it calls ``reserve_offload(hashes, parents)``; blocks not yet in G2 get a
-    FILLING host slot. The scheduler keeps those G1 blocks referenced, puts a
+ 1. Offload G1 -> G2, ahead of eviction (docs/kv_tiers.md says why): when cached G1 blocks near
+    the head of G1's free queue (the next to be reused), or any cached block once the engine is
+    idle, are not in G2, the scheduler calls ``reserve_offload(hashes, parents)``; blocks not yet
+    in G2 get a FILLING host slot. The scheduler keeps those G1 blocks referenced, puts a
     ``BlockCopy(OFFLOAD, g1_blocks, g2_slots)`` in the step plan, and when the model runner
     reports it landed calls ``offload_landed`` (the slots become READY: BlockStored HOST).
  2. G2 -> G3, written back ahead of eviction: each ``poll()`` looks at the LRU tail of G2 (the
