@@ -1,8 +1,8 @@
 """The engine's side of the KV tiers: building the tier manager from the config, running a plan's
 block copies with the mover the start-up probe picked, and telling the scheduler when they land.
 
-The scheduler (engine/scheduler.py) decides what moves (write-through offload of registered
-blocks, onboarding of prefix hits below G1) and puts it in `StepPlan.copies`; this module executes
+The scheduler (engine/scheduler.py) decides what moves (offload of cached blocks ahead of their
+eviction from G1, onboarding of prefix hits below G1) and puts it in `StepPlan.copies`; this module executes
 those copies before the step's forward pass and polls them without blocking. Everything tier-side
 that needs no device is in kvstore/tiers.py. Off (`--kv-host-gib 0`) none of this is built and the
 step loop pays one `is None` test per step.

@@ -93,7 +93,16 @@ class Scheduler:
         self.num_gpu_hit_blocks = 0                 # prompt blocks found in G1 (hits per tier: device)
         self.onboarding: dict[str, _Onboard] = {}   # waiting for disk reads / G1 room, then copied
         self._abandoned: list[object] = []          # onboardings of requests gone while disk reads run
-        self._offloads: list[tuple[int, int]] = []  # (G1 block, host slot) to copy in the next plan
+        self._offloads: list[tuple[int, int, bool]] = []   # (G1 block, host slot, back to the free
+        #                                                 queue's head) to copy in the next plan
+        self._unflushed = False                     # blocks registered since G1 was last flushed to G2
+        self._num_offloading = 0                    # G1 blocks held for offload copies not landed yet
+        self._scanned_at: int | None = None         # pool.num_taken when the window was last found clean
+        # G1 -> G2 offload ahead of eviction: the next `offload_window` blocks the pool would hand
+        # out are kept copied down (a step's worth of allocations, a full budget of prefill plus a
+        # decode block per sequence, so that a block is copied a step before it is needed; at most
+        # half of the pool)
+        self.offload_window = max(1, min(pool.num_blocks // 2, max_num_batched_tokens // block_size + max_num_seqs))
         self._copies: dict[int, tuple[list[tuple[int, int]], list[_Onboard]]] = {}   # by step_id
         self._remote_seen = False           # a decode worker's: some request came with a remote prefill
 
@@ -119,7 +128,12 @@ class Scheduler:
     @property
     def tier_busy(self) -> bool:
         """Onboardings or copies under way (the loop must keep stepping to finish them)."""
-        return bool(self.onboarding or self._offloads or self._copies or self._abandoned)
+        return bool(self.onboarding or self._offloads or self._copies or self._abandoned or
+                    (self._unflushed and self._idle))
+
+    @property
+    def _idle(self) -> bool:
+        return not (self.waiting or self.running or self.onboarding or self.awaiting_kv)
 
     # ---- scheduling ---------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -369,8 +383,7 @@ class Scheduler:
         start = req.num_registered_blocks
         parent = req.block_hashes[start - 1] if start else None
         self.pool.register(req.block_ids[start:full], req.block_hashes[start:full], parent)
-        if self.tiers is not None:
-            self._offload(req.block_ids[start:full], req.block_hashes[start:full], parent)
+        self._unflushed = True
         req.num_registered_blocks = full
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
@@ -398,17 +411,56 @@ class Scheduler:
         self._ended.append(req.key)
 
     # ---- KV tiers (kvstore/tiers.py; docs/kv_tiers.md) ----------------------------------------------
-    # Offload is write-through: blocks registered in G1 are copied to G2 by the next plan, their G1
-    # references held until the copy lands. A prompt's hit below G1 is decided (load or recompute) at
-    # admission; a request that loads waits in `onboarding` (disk reads, then G1 room), its copy goes
-    # into a plan, and once it lands the request returns to the head of the queue with the loaded
-    # blocks registered, as if they had been in G1.
+    # Offload is ahead of eviction: each step, the cached blocks among the next `offload_window` that
+    # G1 would hand out, and not in G2 yet, are copied down (a reference held until the copy lands,
+    # then they go back to the head of the free queue, clean); when the engine goes idle, every
+    # cached block not in G2 is. A decode with room in G1 copies nothing. A prompt's hit below G1
+    # is decided (load or recompute) at admission; a request that loads waits in `onboarding`
+    # (disk reads, then G1 room), its copy goes into a plan, and once it lands the request returns
+    # to the head of the queue with the loaded blocks registered, as if they had been in G1.
 
-    def _offload(self, blocks: list[int], hashes: list[int], parent: int | None) -> None:
-        parents = [parent] + hashes[:-1]
-        for i, slot in self.tiers.reserve_offload(hashes, parents):
-            self.pool.touch([blocks[i]])          # protected from reuse until the copy lands
-            self._offloads.append((blocks[i], slot))
+    def _offload_ahead(self) -> None:
+        """Queue copies of the cached G1 blocks that the next allocations would evict (or, idle,
+        of the most recently used cached blocks, as many as G2 holds) that G2 lacks. Under way, at
+        most the blocks G1 can spare beyond the next step's needs (a decode block per running
+        sequence and a budget of prefill) are held, and at most half of G2 is in question, so that
+        the blocks copied cannot push each other out of G2 and be copied again. Blocks already held
+        for copies count against the window: they are the next in line, only out of the queue."""
+        idle = self._idle
+        if idle and not self._unflushed:
+            return
+        pool, host = self.pool, self.tiers.host
+        room = self.offload_window - self._num_offloading
+        spare = pool.num_free if idle else pool.num_free - len(self.running) - self.budget // self.block_size
+        if room <= 0 or spare <= 0:
+            return
+        if idle:
+            candidates = pool.reusable(pool.num_free)[-host.num_slots:]
+            self._scanned_at = None
+        else:
+            # only the blocks that moved into the window since it was last found clean (one per
+            # block taken off the queue since); the whole window when the queue is shorter
+            n = min(room, max(1, host.num_slots // 2))
+            skip = 0
+            if self._scanned_at is not None and pool.num_free > n:
+                skip = max(0, n - (pool.num_taken - self._scanned_at))
+            self._scanned_at = pool.num_taken
+            candidates = pool.reusable(n, skip)
+        dirty = [c for c in candidates if not host.slots.holds(c[1])]
+        picked = dirty[:min(spare, room)]
+        if idle:
+            self._unflushed = bool(picked)       # flushed once a scan finds nothing left to copy
+        if not picked:
+            return
+        pairs = self.tiers.reserve_offload([h for _, h, _ in picked], [p for _, _, p in picked])
+        if len(pairs) < len(dirty):
+            self._scanned_at = None              # some stay dirty: the whole window again next step
+        blocks = [picked[i][0] for i, _ in pairs]
+        pool.touch(blocks)                       # protected from reuse until the copy lands
+        self._num_offloading += len(blocks)
+        # taken from the free queue's head, they go back there; an idle flush's go to its tail in
+        # the order taken (oldest first), so the cached blocks keep their LRU order behind the clean
+        self._offloads += [(b, s, not idle) for b, (_, s) in zip(blocks, pairs)]
 
     def _start_onboard(self, req: Request, hit: list[int], max_hit_blocks: int) -> bool:
         """Decide the prompt's hit below G1; start loading it if that pays. True: the request waits."""
@@ -438,13 +490,14 @@ class Scheduler:
         """Disk work applied; offloads queued into the plan."""
         tiers = self.tiers
         tiers.poll()
+        self._offload_ahead()
         if self._abandoned:
             for ob in [o for o in self._abandoned if o.ready]:
                 tiers.finish_onboard(ob)
                 self._abandoned.remove(ob)
         offloads, self._offloads = self._offloads, []
         if offloads:
-            plan.copies[:0] = [BlockCopy(Tier.GPU, b, Tier.HOST, s) for b, s in offloads]
+            plan.copies[:0] = [BlockCopy(Tier.GPU, b, Tier.HOST, s) for b, s, _ in offloads]
             self._copies[plan.step_id] = (offloads, [])
 
     def _onboard_copies(self, plan: StepPlan) -> bool:
@@ -491,8 +544,10 @@ class Scheduler:
         tiers = self.tiers
         if offload:
             if offloads:
-                tiers.offload_landed([s for _, s in offloads], ok, seconds)
-                self.pool.free([b for b, _ in offloads])
+                self._num_offloading -= len(offloads)
+                tiers.offload_landed([s for _, s, _ in offloads], ok, seconds)
+                self.pool.free([b for b, _, head in offloads if head], oldest=True)
+                self.pool.free([b for b, _, head in reversed(offloads) if not head])   # tail, oldest first
             entry = ([], started)
         else:
             for o in started:

@@ -45,6 +45,7 @@ class FrequencySketch:
         self._counts = np.zeros((depth, width), dtype=np.uint8)
         self.reset_every = reset_every or 10 * width
         self._since_reset = 0
+        self.version = 0          # bumped by every change of the counts
 
     @staticmethod
     def for_capacity(num_blocks: int) -> FrequencySketch:
@@ -57,6 +58,7 @@ class FrequencySketch:
         idx = self._index(hashes)
         if idx is None:
             return
+        self.version += 1
         cur = self._counts[self._rows, idx]
         self._counts[self._rows, idx] = np.minimum(cur + 1, _MAX_COUNT)
         self._since_reset += idx.shape[1]
@@ -92,3 +94,7 @@ class SecondHitAdmission:
 
     def admits(self, h: int) -> bool:
         return self.sketch.estimate(h) >= self.min_count
+
+    def admitted(self, hashes: list[int]) -> np.ndarray:
+        """``admits`` of many hashes at once (one numpy pass: what a per-step scan can afford)."""
+        return self.sketch.estimates(hashes) >= self.min_count

@@ -14,6 +14,7 @@ Plain Python, no torch: it hands out block ids; the engine owns the tensor they 
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 
 from kvstore.events import AllCleared, BlockRemoved, BlockStored, KvEvent
@@ -35,6 +36,8 @@ class BlockPool:
         self._block_of: dict[int, int] = {}       # hash → block id
         self._parent_of: dict[int, int | None] = {}
         self._events: list[KvEvent] = []
+        self.num_taken = 0      # blocks ever taken off the free queue (allocated or touched): lets a
+        #                         scan of the queue's head look only at what moved into it since
 
     # ---- allocation ------------------------------------------------------------------------
     @property
@@ -56,6 +59,7 @@ class BlockPool:
                 evicted.append(h)
             self.ref_counts[block] = 1
             out.append(block)
+        self.num_taken += n
         if evicted and self.emit_events:
             self._events.append(BlockRemoved(tuple(evicted)))
         # Which free block takes which position does not matter, but ascending ids do: requests
@@ -65,13 +69,17 @@ class BlockPool:
         out.sort()
         return out
 
-    def free(self, blocks: list[int]) -> None:
-        """Drop one reference to each block; blocks reaching 0 join the free queue's tail in reverse order."""
+    def free(self, blocks: list[int], oldest: bool = False) -> None:
+        """Drop one reference to each block; blocks reaching 0 join the free queue's tail in reverse
+        order, or with ``oldest`` its head in the given order (blocks taken from the head only to be
+        copied to a lower tier go back where they were, first in line for reuse)."""
         for block in reversed(blocks):
             assert self.ref_counts[block] > 0, f"double free of block {block}"
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self._free[block] = None
+                if oldest:
+                    self._free.move_to_end(block, last=False)
 
     # ---- prefix cache ----------------------------------------------------------------------
     def lookup(self, hashes: list[int]) -> list[int]:
@@ -86,11 +94,22 @@ class BlockPool:
             out.append(block)
         return out
 
+    def reusable(self, n: int, skip: int = 0) -> list[tuple[int, int, int | None]]:
+        """(block, hash, parent) of the cached blocks among the next ``n`` that ``allocate`` would
+        hand out, oldest first (after the first ``skip``): what the next allocations would evict."""
+        out = []
+        for block in itertools.islice(self._free, skip, n):
+            h = self._hash_of.get(block)
+            if h is not None:
+                out.append((block, h, self._parent_of.get(h)))
+        return out
+
     def touch(self, blocks: list[int]) -> None:
         """Take a reference to cached blocks found by `lookup` (removing free ones from the queue)."""
         for block in blocks:
             if self.ref_counts[block] == 0:
                 del self._free[block]
+                self.num_taken += 1
             self.ref_counts[block] += 1
 
     def register(self, blocks: list[int], hashes: list[int], parent: int | None) -> None:

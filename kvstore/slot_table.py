@@ -55,6 +55,7 @@ class SlotTable:
         self._lru: OrderedDict[int, None] = OrderedDict()  # READY and unpinned, oldest first
         self._num_ready = 0
         self._events: list[KvEvent] = []
+        self.version = 0      # bumped by every change of state or LRU order: lets a scan skip an unchanged table
 
     # ---- lookups ---------------------------------------------------------------------------
     def find(self, h: int) -> int | None:
@@ -95,6 +96,7 @@ class SlotTable:
         is already here or on its way, or when every usable slot is filling or pinned."""
         if h in self._slot_of:
             return None
+        self.version += 1
         slot = self._take_free()
         if slot is None:
             if not self._lru:
@@ -109,6 +111,7 @@ class SlotTable:
 
     def commit(self, slots: Sequence[int]) -> None:
         """FILLING -> READY at the LRU tail (most recent), in the given order."""
+        self.version += 1
         run: list[int] = []
         run_parent: int | None = None
         for slot in slots:
@@ -127,6 +130,7 @@ class SlotTable:
 
     def abort(self, slots: Iterable[int]) -> None:
         """FILLING -> FREE: the copy in failed or was abandoned; nobody ever saw the block."""
+        self.version += 1
         for slot in slots:
             assert self._state[slot] == SlotState.FILLING, f"slot {slot} is not filling"
             del self._slot_of[self._hash[slot]]
@@ -148,6 +152,7 @@ class SlotTable:
     # ---- use ----------------------------------------------------------------------------------
     def pin(self, slots: Iterable[int]) -> None:
         """Protect READY slots from reuse while they are copied out."""
+        self.version += 1
         for slot in slots:
             assert self._state[slot] == SlotState.READY, f"slot {slot} is not ready"
             if self._pins[slot] == 0:
@@ -158,6 +163,7 @@ class SlotTable:
         """Drop a pin; a slot whose last pin goes rejoins the LRU at its tail (just used), or with
         ``oldest`` at its head, in the given order (a block copied out only to be kept elsewhere,
         e.g. written to disk, goes back where it was: first in line for eviction)."""
+        self.version += 1
         for slot in (reversed(slots) if oldest else slots):
             assert self._pins[slot] > 0, f"slot {slot} is not pinned"
             self._pins[slot] -= 1
@@ -169,12 +175,14 @@ class SlotTable:
     def touch(self, slots: Iterable[int]) -> None:
         """A hit: unpinned READY slots move to the LRU tail (used last-first, so a prefix's head
         ends most recent and its tail is evicted first)."""
+        self.version += 1
         for slot in reversed(list(slots)):
             if slot in self._lru:
                 self._lru.move_to_end(slot)
 
     def drop(self, slots: Iterable[int]) -> None:
         """READY, unpinned -> FREE, announcing the removal (a damaged block, a failed write)."""
+        self.version += 1
         removed = []
         for slot in slots:
             assert self._state[slot] == SlotState.READY and self._pins[slot] == 0, f"slot {slot}"
@@ -195,6 +203,7 @@ class SlotTable:
     def retire_from(self, num_usable: int) -> None:
         """Stop handing out slots >= ``num_usable`` (their storage could not be created). Free ones
         go at once; filling or ready ones keep their block and are not reused once released."""
+        self.version += 1
         self._usable = min(self._usable, num_usable)
         self._free = [s for s in self._free if s < self._usable]
         heapq.heapify(self._free)

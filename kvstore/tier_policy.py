@@ -12,7 +12,11 @@ the prompt is recomputed. Per block of the run:
     recompute_s(block) = block_size / prefill_tokens_per_s
                          + attn_pair_s * block_size * (start + block_size / 2)
 
-plus a fixed latency per path used (a disk read's set-up is not free). ``auto`` picks the k with
+plus one fixed latency per load, by the slowest tier it reads (``TierRates.host_load_s`` /
+``disk_load_s``): what a load costs beyond its bytes, end to end (a disk read's set-up, the I/O
+thread's hand-off, the step-loop round trips before the request runs). It decides short hits: on the
+H100 an fp8 1k-token prefix from disk was predicted by bandwidth alone to load in less than its
+25.7 ms of recompute and took 63 ms (docs/kv_tiers.md). ``auto`` picks the k with
 the smallest load_s(k) - saved_s(k) (ties: fewer loaded: loading must win to be chosen), so a hit
 is loaded only when loading is predicted to be faster than recomputing it. ``always`` loads every
 hit (so CPU tests drive every path). The attention term matters: prefill slows as the context
@@ -21,7 +25,9 @@ is where a slow disk starts to pay.
 
 Rates are ``PathRate``s kept by ``RateMeter``s: seeded by a short probe at start-up and refined by
 every transfer that completes (an exponentially weighted mean of observed bytes/s), with totals of
-bytes and seconds that the worker exports as metrics.
+bytes and seconds that the worker exports as metrics. The per-load latencies are ``LatencyMeter``s:
+seeded by the probes' one-block latencies and refined by every load that completes (its wall time
+from start to landing, less what the bandwidths account for).
 
 Example (8B bf16 on the H100: 2 MiB blocks, prefill 40k tok/s): recomputing a block costs 0.4 ms;
 loading it from pinned host RAM at 55 GB/s costs 0.04 ms (10x faster); from a 1.3 GB/s disk
@@ -80,6 +86,25 @@ class RateMeter:
             self.rate = PathRate(bw, self.rate.latency_s)
 
 
+@dataclass(slots=True)
+class LatencyMeter:
+    """One tier's fixed cost of a load (seconds beyond bytes / bandwidth): a probe's seed refined by
+    the loads that complete (an exponentially weighted mean of their excess wall time)."""
+    seconds: float
+    alpha: float = 0.3
+    samples: int = 0
+
+    def seed(self, seconds: float) -> None:
+        """A start-up figure; ignored once loads have been measured."""
+        if self.samples == 0:
+            self.seconds = seconds
+
+    def observe(self, wall_s: float, bandwidth_s: float) -> None:
+        """A load took ``wall_s`` of which the bandwidths account for ``bandwidth_s``."""
+        self.seconds = (1 - self.alpha) * self.seconds + self.alpha * max(0.0, wall_s - bandwidth_s)
+        self.samples += 1
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillSpeed:
     """How fast the engine computes KV (the engine supplies it; a profile or a running mean)."""
@@ -103,9 +128,19 @@ class OnboardDecision:
 class TierRates:
     g2_to_g1: PathRate
     g3_to_g2: PathRate | None = None
+    host_load_s: float | None = None   # fixed cost of one load from host RAM (None: the path latency)
+    disk_load_s: float | None = None   # ... of one that reads disk (None: both paths' latencies)
+
+    def load_latency_s(self, tier: Tier) -> float:
+        """The fixed cost of one load whose slowest source is ``tier``."""
+        if tier == Tier.DISK:
+            assert self.g3_to_g2 is not None, "a disk hit without a disk rate"
+            return self.disk_load_s if self.disk_load_s is not None else \
+                self.g3_to_g2.latency_s + self.g2_to_g1.latency_s
+        return self.host_load_s if self.host_load_s is not None else self.g2_to_g1.latency_s
 
     def block_load_s(self, tier: Tier, block_bytes: int) -> float:
-        """Bandwidth part of loading one block from ``tier`` (latencies are per transfer)."""
+        """Bandwidth part of loading one block from ``tier`` (the latency is per load)."""
         s = block_bytes / self.g2_to_g1.bytes_per_s
         if tier == Tier.DISK:
             assert self.g3_to_g2 is not None, "a disk hit without a disk rate"
@@ -122,15 +157,14 @@ def decide_onboard(hit_tiers: Sequence[Tier], first_block: int, block_bytes: int
     """
     best_k, best_net = 0, 0.0
     load = recompute = 0.0
-    used_disk = False
+    slowest = Tier.HOST
     loads, recomputes = [0.0], [0.0]
     for j, tier in enumerate(hit_tiers):
         load += rates.block_load_s(tier, block_bytes)
-        if tier == Tier.DISK and not used_disk:
-            used_disk = True
-            load += rates.g3_to_g2.latency_s
+        if tier == Tier.DISK:
+            slowest = Tier.DISK
         recompute += prefill.seconds((first_block + j) * block_size, block_size)
-        loads.append(load + rates.g2_to_g1.latency_s)
+        loads.append(load + rates.load_latency_s(slowest))
         recomputes.append(recompute)
         net = loads[-1] - recompute
         if net < best_net:

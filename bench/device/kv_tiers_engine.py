@@ -11,7 +11,10 @@ Sections (one JSON line per figure, with provenance):
   more than 5% worse" check). Each prompt is new to G1 for every measurement (G1's prefix cache is
   reset; the lower tiers keep what the measurement needs).
 - ``itl``: a steady decode batch (the engine's own loop, async scheduling), step time p50/p90
-  with the tiers off, then on (write-through offload of every filled block running).
+  with the tiers off, then on under G1 pressure (every block the batch allocates evicts a cached
+  block not yet in G2, so the offload-ahead-of-eviction policy copies one block down for each: the
+  issue's "offload running" check, ``p50_ratio``), then on with room in G1 (nothing cached at risk:
+  the policy copies nothing, ``room_p50_ratio``); bytes offloaded during the timed steps of each.
 - ``replay``: a multi-turn Mooncake trace (prompts rebuilt from hash_ids) whose working set
   exceeds G1 (``--replay-g1-blocks``), closed loop at ``--replay-concurrency``, tiers off then on:
   prefix hit rate, TTFT p50/p90, output and total tokens/s.
@@ -153,7 +156,13 @@ def bench_ttft(emit, cfg: EngineConfig, lengths: list[int], common: dict, disk_d
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
 
-def _steady(eng: Engine, batch: int, ctx: int, steps: int, vocab: int, seed: int) -> list[float]:
+def _offloaded(eng: Engine) -> int:
+    from kvstore.tier_policy import TierPath
+    return eng.tiers.stats().path_bytes[TierPath.G1_TO_G2] if eng.scheduler.tiers is not None else 0
+
+
+def _steady(eng: Engine, batch: int, ctx: int, steps: int, vocab: int, seed: int) -> tuple[list[float], int]:
+    """Step times of a decode batch once every prompt is computed, and the bytes offloaded meanwhile."""
     rng = np.random.default_rng(seed)        # new prompts each time: nothing is in a tier yet
     sp = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
     for _ in range(batch):
@@ -162,15 +171,17 @@ def _steady(eng: Engine, batch: int, ctx: int, steps: int, vocab: int, seed: int
                                                     for r in eng.scheduler.running):
         eng.step()
     times = []
+    before = _offloaded(eng)
     for _ in range(steps):
         t0 = time.perf_counter()
         eng.step()
         times.append(time.perf_counter() - t0)
+    moved = _offloaded(eng) - before
     for r in list(eng.scheduler.requests):
         eng.abort_request(r)
     while eng.has_work:
         eng.step()
-    return times
+    return times, moved
 
 
 def bench_itl(emit, cfg: EngineConfig, common: dict, batch: int, ctx: int, steps: int) -> None:
@@ -179,16 +190,19 @@ def bench_itl(emit, cfg: EngineConfig, common: dict, batch: int, ctx: int, steps
     io = eng.tier_io
     _steady(eng, batch, ctx, 16, vocab, 1)                       # warm-up
     eng.tier_io, eng.scheduler.tiers = None, None                # tiers off: the same engine, no tier work
-    off = _steady(eng, batch, ctx, steps, vocab, 2)
+    off, _ = _steady(eng, batch, ctx, steps, vocab, 2)           # ... leaving its blocks cached, not in G2
     eng.tier_io, eng.scheduler.tiers = io, io.tiers
-    before = eng.tiers.stats().path_bytes
-    on = _steady(eng, batch, ctx, steps, vocab, 3)
-    after = eng.tiers.stats().path_bytes
-    moved = {p.value: after[p] - before[p] for p in after}
-    emit(**common, metric="itl", batch=batch, context=ctx, steps=steps,
+    on, on_bytes = _steady(eng, batch, ctx, steps, vocab, 3)     # allocations evict those: copied ahead
+    eng.pool.reset_cache()                                       # nothing cached at risk: room in G1
+    eng.pool.take_events()
+    room, room_bytes = _steady(eng, batch, ctx, steps, vocab, 4)
+    emit(**common, metric="itl", batch=batch, context=ctx, steps=steps, policy="ahead_of_eviction",
+         offload_window_blocks=eng.scheduler.offload_window, block_bytes=eng.tiers.fmt.block_bytes,
          off_p50_ms=round(q(off, 0.5) * 1e3, 3), off_p90_ms=round(q(off, 0.9) * 1e3, 3),
          on_p50_ms=round(q(on, 0.5) * 1e3, 3), on_p90_ms=round(q(on, 0.9) * 1e3, 3),
-         p50_ratio=round(q(on, 0.5) / q(off, 0.5), 4), offloaded_bytes=moved)
+         p50_ratio=round(q(on, 0.5) / q(off, 0.5), 4), offloaded_bytes=on_bytes,
+         room_p50_ms=round(q(room, 0.5) * 1e3, 3), room_p90_ms=round(q(room, 0.9) * 1e3, 3),
+         room_p50_ratio=round(q(room, 0.5) / q(off, 0.5), 4), room_offloaded_bytes=room_bytes)
     eng.close()
     del eng
     gc.collect()

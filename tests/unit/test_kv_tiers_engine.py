@@ -206,3 +206,49 @@ def test_the_mock_engine_models_the_host_tier(model):
     with pytest.raises(TierConfigError, match="host tier only"):
         Engine(EngineConfig(model=model, mock=True, num_blocks=8, kv_host_gib=0.1, kv_disk_gib=0.1,
                             kv_disk_dir="/tmp"))
+
+
+def test_offload_copies_nothing_while_g1_has_room_and_saves_what_eviction_would_lose(model, block_bytes, tmp_path):
+    """G1 -> G2 offload ahead of eviction: a decode with room in G1 copies nothing; a long prompt
+    arriving that eats through a finished request's cached blocks has them copied down before it
+    reuses them (while it runs, not when the engine goes idle), and that request comes back as host
+    hits with the same tokens."""
+    from kvstore.tier_policy import TierPath
+    a, = prompts(1, seed=6)                                  # 4 blocks
+    b = [7] * BLOCK                                          # 1 block + 60 outputs: 5 blocks
+    c = [9] * (18 * BLOCK)                                   # 19 blocks: with B's, every block of G1
+    eng = Engine(EngineConfig(model=model, device="cpu", num_blocks=24, max_num_batched_tokens=64,
+                              kv_host_gib=32 * block_bytes / 2**30, kv_onboard="always", kv_host_copy="torch"))
+    try:
+        offloaded = lambda: eng.tiers.stats().path_bytes[TierPath.G1_TO_G2]   # noqa: E731
+        eng.add_request(EngineRequest("a", a, GREEDY))
+        eng.add_request(EngineRequest("b", b, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)))
+        room_steps, copied_with_room, copied_under_way = 0, None, 0
+        while eng.has_work:
+            eng.step()
+            running = [r.request_id for r in eng.scheduler.running]
+            if running == ["b"] and copied_with_room is None:    # A done, B decoding, G1 has room
+                room_steps += 1
+                if room_steps == 20:
+                    copied_with_room = offloaded()
+                    eng.add_request(EngineRequest("c", c, GREEDY))
+            if "b" in running:
+                copied_under_way = offloaded()
+        assert copied_with_room == 0
+        assert copied_under_way >= 3 * block_bytes             # A's 3 full blocks, while B and C ran
+        assert eng.pool.num_free == eng.pool.num_blocks
+        eng.pool.check_invariants()
+        eng.tiers.host.slots.check_invariants()
+        assert eng.pool.lookup(_hashes(a)) == []              # C's blocks took A's place in G1 ...
+        assert eng.tiers.lookup(_hashes(a)) == [Tier.HOST] * 3   # ... A's sit in G2 ...
+        got = run(eng, [a], "again")
+        assert eng.stats().tiers.loaded_blocks[Tier.HOST] == 3   # ... and A comes back from there
+    finally:
+        eng.close()
+    assert got == reference(model, [a])
+
+
+def _hashes(prompt: list[int]) -> list[int]:
+    """The chained block hashes the scheduler gives this prompt."""
+    from kvstore.hashing import block_hashes
+    return block_hashes(prompt, BLOCK)

@@ -175,6 +175,35 @@ def test_auto_loads_host_hits_and_recomputes_disk_hits_a_fast_prefill_beats(tmp_
     e.close()
 
 
+def test_a_disk_load_slower_end_to_end_than_its_bandwidth_teaches_auto_to_recompute(tmp_path):
+    e = Engine(tmp_path, mode=OnboardMode.AUTO)
+    e.tiers.set_rate(TierPath.G2_TO_G1, PathRate(50e9))
+    e.tiers.set_rate(TierPath.G3_TO_G2, PathRate(1e9))
+    hot = hashes(6, seed=10)
+    for _ in range(2):
+        e.tiers.record_use(hot)
+    e.offload(list(range(6)), hot)
+    e.tiers.poll()
+    e.tiers.drain()
+    e.offload(list(range(10, 18)), hashes(8, seed=11))  # hot leaves host RAM: on disk only
+    assert e.tiers.lookup(hot) == [Tier.DISK] * 6
+    fast = PrefillSpeed(1e6)                            # 16 us a block to recompute, 8 us to read
+    assert e.tiers.decide(hot, 0, fast).num_load == 6
+    ob = e.tiers.start_onboard("r", hot, [None] + hot[:-1])
+    e.tiers.drain()
+    ob.started_s -= 0.05                                # the load took 50 ms end to end
+    op = e.tiers.onboard_copy(ob, [30, 31, 32, 33, 34, 35])
+    e.tiers.onboard_landed(ob, e.run(op))
+    e.tiers.finish_onboard(ob)
+    assert torch.equal(e.kv[:, 30:36], e.ref[:, 0:6])
+    lat = e.tiers.stats().load_latency_s
+    assert lat[Tier.DISK] >= 0.3 * 0.05 and lat[Tier.HOST] == 0.0     # an EWMA step towards >= 50 ms
+    e.offload(list(range(10, 18)), hashes(8, seed=12))  # on disk only again
+    assert e.tiers.lookup(hot) == [Tier.DISK] * 6
+    assert e.tiers.decide(hot, 0, fast).num_load == 0   # bandwidth still says load; the latency says no
+    e.close()
+
+
 def test_the_disk_probe_measures_both_directions_and_leaves_nothing_behind(eng):
     rates = eng.tiers.probe_disk(probe_bytes=16 * eng.fmt.block_bytes)
     assert rates is not None and all(r.bytes_per_s > 0 for r in rates)

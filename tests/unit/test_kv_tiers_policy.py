@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvstore.events import Tier
-from kvstore.tier_policy import (OnboardCounters, OnboardMode, PathRate, PrefillSpeed, RateMeter, TierRates,
-                                 decide_onboard)
+from kvstore.tier_policy import (LatencyMeter, OnboardCounters, OnboardMode, PathRate, PrefillSpeed, RateMeter,
+                                 TierRates, decide_onboard)
 
 H, D = Tier.HOST, Tier.DISK
 MIB2 = 2 << 20                                  # an 8B bf16 block: 16 tokens x 128 KiB
@@ -54,6 +54,33 @@ def test_a_tiny_hit_is_not_worth_a_transfers_latency():
     lat = TierRates(PathRate(55e9, 5e-3), None)  # 5 ms to start a copy
     assert decide([H], rates=lat).num_load == 0
     assert decide([H] * 200, rates=lat).num_load == 200
+
+
+def test_a_per_load_latency_turns_a_load_that_bandwidth_favours_into_a_recompute():
+    # the H100's fp8 1k-token case: 64 blocks of 1 MiB, read at 3 GB/s (the page cache), recomputed
+    # in 25.6 ms; by bandwidth 23.6 ms to load, but a load from disk took 63 ms end to end
+    page_cache = TierRates(PathRate(55e9, 20e-6), PathRate(3e9, 200e-6))
+    by_bandwidth = decide_onboard([D] * 64, 0, 1 << 20, BS, page_cache, PREFILL_8B, OnboardMode.AUTO)
+    assert by_bandwidth.num_load == 64 and by_bandwidth.load_s < by_bandwidth.recompute_s
+    measured = TierRates(PathRate(55e9, 20e-6), PathRate(3e9, 200e-6), host_load_s=20e-6, disk_load_s=40e-3)
+    d = decide_onboard([D] * 64, 0, 1 << 20, BS, measured, PREFILL_8B, OnboardMode.AUTO)
+    assert d.num_load == 0
+    # the latency is per load, not per block: a long enough hit still pays it off
+    assert decide_onboard([D] * 4096, 0, 1 << 20, BS, measured, PREFILL_8B, OnboardMode.AUTO).num_load == 4096
+    # and a host hit pays the host tier's latency only
+    assert decide_onboard([H] * 64, 0, 1 << 20, BS, measured, PREFILL_8B, OnboardMode.AUTO).num_load == 64
+
+
+def test_a_latency_meter_keeps_its_seed_until_loads_are_measured():
+    m = LatencyMeter(0.0)
+    m.seed(1e-3)
+    assert m.seconds == 1e-3
+    for _ in range(20):
+        m.observe(wall_s=0.05, bandwidth_s=0.01)  # 40 ms beyond what the bandwidth explains
+    m.seed(1e-3)                                   # a later probe does not undo measurements
+    assert m.seconds == pytest.approx(0.04, rel=0.01) and m.samples == 20
+    m.observe(wall_s=0.01, bandwidth_s=0.02)       # faster than the bandwidth predicts: no negative cost
+    assert m.seconds >= 0.0
 
 
 def test_always_loads_every_hit():
