@@ -127,6 +127,34 @@ def test_logit_bias_forces_a_token(engine):
     assert [o.new_token_ids[0] for o in outs["b"]] == [1234] * 6
 
 
+def test_logit_bias_is_added_not_forced(engine):
+    """A bias is added to the raw logits: it wins exactly when the raw gap to the top token is below
+    it (a +100 bias did not force its token on the H100's dummy 8B-shaped weights, whose logits
+    spread over 100). Each step's token is the argmax of the runner's logits plus the bias."""
+    runner, seen = engine.runner, []
+    bias = 60.0                     # the tiny model's raw gaps to token 1234 here: 34 to 82
+    launch = runner.launch
+
+    def record(launched):
+        seen.append((runner.last_logits.clone(), launched))
+        return launched
+    runner.launch = lambda plan, prev=None: record(launch(plan, prev))
+    try:
+        outs = _run(engine, {"b": (PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                                                              logit_bias=((1234, bias),)))})
+    finally:
+        del runner.launch
+    toks = [o.new_token_ids[0] for o in outs["b"]]
+    assert len(seen) == len(toks) == 16
+    wins = 0
+    for (logits, launched), t in zip(seen, toks):
+        x = logits[launched.rows["b"]].clone()
+        x[1234] += bias
+        assert t == x.argmax().item()
+        wins += t == 1234
+    assert 0 < wins < len(toks), wins          # the bias won some steps and lost others
+
+
 def test_min_tokens_holds_eos_back(engine):
     eos_first = SamplingParams(temperature=0.0, max_tokens=20, logit_bias=((EOS_ID, 100.0),))
     outs = _run(engine, {"m": (PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=20, min_tokens=5,
