@@ -121,7 +121,7 @@ class RequestGrammar:
 class GrammarMasks:
     """The grammar state of a runner's requests (a `RequestGrammar` each, by `PlanRow.key`) and the
     thread that fills their masks (module docstring). `threads`: xgrammar's threads for one fill
-    (0: half the CPU cores, at most 8; a 64-row fill of a nested JSON schema took 37 ms on one
+    (0: half the CPU cores, at most 8; a 64-row fill of a nested JSON schema took 37-51 ms on one
     thread of a busy 2-core CPU, `sampling_bench.py --grammar-host`)."""
 
     def __init__(self, grammars: Grammars, threads: int = 1, pinned: bool = False) -> None:
