@@ -6,19 +6,29 @@ keyed by the spec (equal specs compile once; the cache is bounded by count, leas
 out). `Grammars.matcher(spec)` gives a `RequestGrammar` per request. The bitmask is packed as
 engine/sampler.py's `apply_bitmask` reads it (int32 words, bit j of word w allows token 32w+j).
 
-The runner (engine/model_runner.py `check_grammar`, `_grammar_masks`) compiles at admission and
-keeps one `RequestGrammar` per request. Tests: tests/unit/test_grammar.py (random logits of the tiny
-model's vocabulary, masked, sampled and accepted token by token, give JSON that validates) and
+The runner (engine/model_runner.py) compiles at admission (`check_grammar`) and keeps one
+`RequestGrammar` per request in a `GrammarMasks`, which fills each step's masks on its own thread:
+a step's masks need the previous step's sampled ids, so filling them on the step loop's thread made
+it wait for those ids and then fill row after row before it could queue the sampling. Now the runner
+hands the rows over and goes on (the engine applies the previous step's results and schedules the
+next one) while the thread waits for the ids, advances each matcher and fills all rows in one
+xgrammar `BatchGrammarMatcher` call, which runs without the GIL (and on several threads when asked);
+the step's sampling is queued once the masks are there, before the next step's forward pass.
+Tests: tests/unit/test_grammar.py (random logits of the tiny model's vocabulary, masked, sampled and
+accepted token by token, give JSON that validates; the batched fill equals the per-row one) and
 tests/unit/test_sampling_options.py (through the engine, sync and async).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from engine.plan import PENDING_TOKEN, PlanRow
 from runtime.types import GrammarKind, GrammarSpec
 
 
@@ -82,10 +92,21 @@ class RequestGrammar:
         self._xgr, self._m, self.vocab_size, self._and = xgr, matcher, vocab_size, and_mask
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed next tokens into row `row` of a (B, ceil(V/32)) int32 CPU tensor."""
+        """Write the allowed next tokens into row `row` of a (B, ceil(V/32)) int32 CPU tensor (one
+        row; `GrammarMasks` fills a step's rows together)."""
         self._m.fill_next_token_bitmask(bitmask, row)
         if self._and is not None:
             bitmask[row] &= self._and[0]
+
+    @property
+    def handle(self):
+        """The xgrammar matcher (for `BatchGrammarMatcher`)."""
+        return self._m
+
+    @property
+    def and_mask(self) -> torch.Tensor | None:
+        """(1, W) packed tokens that stay allowed whatever the grammar says (None: all)."""
+        return self._and
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False if the grammar does not allow it (a bug upstream)."""
@@ -97,5 +118,77 @@ class RequestGrammar:
         return self._m.is_terminated()
 
 
-def allocate_bitmask(batch: int, vocab_size: int) -> torch.Tensor:
-    return torch.full((batch, -(-vocab_size // 32)), -1, dtype=torch.int32)
+class GrammarMasks:
+    """The grammar state of a runner's requests (a `RequestGrammar` each, by `PlanRow.key`) and the
+    thread that fills their masks (module docstring). `threads`: xgrammar's threads for one fill
+    (0: half the CPU cores, at most 8; a 64-row fill of a nested JSON schema took 37-51 ms on one
+    thread of a busy 2-core CPU, `sampling_bench.py --grammar-host`)."""
+
+    def __init__(self, grammars: Grammars, threads: int = 1, pinned: bool = False) -> None:
+        if threads < 0:
+            raise ValueError(f"grammar_threads must be 0 (auto) or more, got {threads}")
+        self.grammars, self._pinned = grammars, pinned
+        self.threads = threads or max(1, min(8, (os.cpu_count() or 2) // 2))
+        self._batch = grammars._xgr.BatchGrammarMatcher(self.threads)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        self._state: dict[int, list] = {}        # key -> [RequestGrammar, tokens of its sequence seen]
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+    def release(self, key: int) -> None:
+        self._state.pop(key, None)
+
+    def submit(self, rows: list[PlanRow], prev) -> Future | None:
+        """Start filling the masks of the grammar rows among `rows` (a step's sampling rows, in logits
+        order); None if there are none. `prev`: the previous step (a LaunchedStep whose sampling is
+        queued), whose ids the pending tokens are. The future's result: (the rows' places, their
+        packed masks on the host)."""
+        work = []
+        for j, r in enumerate(rows):
+            if r.sampling.grammar is None:
+                continue
+            if r.unseen is None:
+                raise RuntimeError(f"grammar row {r.request_id} without its unseen tokens")
+            st = self._state.get(r.key)
+            if st is None:
+                st = self._state[r.key] = [self.grammars.matcher(r.sampling.grammar), 0]
+            if r.unseen_from != st[1]:
+                raise RuntimeError(f"grammar of {r.request_id}: the plan gives tokens from {r.unseen_from}, "
+                                   f"{st[1]} were accepted")
+            outputs = r.unseen[max(0, r.num_prompt_tokens - r.unseen_from):]
+            if PENDING_TOKEN in outputs and (prev is None or r.request_id not in prev.rows):
+                raise RuntimeError(f"a pending token of {r.request_id} without the step that samples it")
+            st[1] += len(r.unseen)
+            work.append((j, r.request_id, st[0], outputs))
+        if not work:
+            return None
+        return self._pool.submit(self._fill, work, prev)
+
+    def _fill(self, work: list, prev) -> tuple[list[int], torch.Tensor]:
+        sampled = None
+        mask = allocate_bitmask(len(work), self.grammars.vocab_size, self._pinned)
+        live, live_rows, and_rows, and_mask = [], [], [], None
+        for m, (_, rid, g, outputs) in enumerate(work):
+            for t in outputs:
+                if t == PENDING_TOKEN:
+                    if sampled is None:
+                        sampled = prev.result()        # waits for the device, without the GIL
+                    t = sampled[rid]
+                g.accept(t)
+            if not g.terminated:  # terminated: the stop token is pending, this step is discarded
+                live.append(g.handle)
+                live_rows.append(m)
+                if g.and_mask is not None:
+                    and_rows.append(m)
+                    and_mask = g.and_mask
+        if live:
+            self._batch.batch_fill_next_token_bitmask(live, mask, live_rows)
+        if and_rows:        # one mask for every JSON grammar (Grammars._json_mask)
+            rows = torch.tensor(and_rows)
+            mask[rows] = mask[rows] & and_mask
+        return [w[0] for w in work], mask
+
+
+def allocate_bitmask(batch: int, vocab_size: int, pinned: bool = False) -> torch.Tensor:
+    return torch.full((batch, -(-vocab_size // 32)), -1, dtype=torch.int32, pin_memory=pinned)

@@ -14,8 +14,13 @@ reads) and its sampling on the device and returns a `LaunchedStep` whose `result
 sampled ids; nothing in between waits for the device. Tokens still pending on the host
 (PENDING_TOKEN, sampled by `prev`) are gathered from `prev`'s device tensor of sampled ids.
 `execute(plan)` is launch + result. Per-request state that outlives a step (the generator of a
-seeded request) lives here, keyed by the row's `key` (one per admission), and is dropped when a plan lists the request as
-finished.
+seeded request, the penalty counts, the grammar matcher) lives here, keyed by the row's `key` (one per
+admission), and is dropped when a plan lists the request as finished.
+
+A step with grammar rows defers its sampling: `launch` queues the forward pass, hands the masks to
+the grammar thread (engine/grammar.py `GrammarMasks`) and returns; the sampling is queued by
+`LaunchedStep.finish()`, which the next `launch` calls before its own forward pass (and `result()`
+calls), once the masks are filled.
 """
 
 from __future__ import annotations
@@ -29,9 +34,9 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention.torch_backend import TorchAttention
 from engine.loader import load_model
 from runtime.model_config import ModelConfig
-from engine.plan import PENDING_TOKEN, StepPlan
+from engine.plan import StepPlan
 from engine.sampler import Sampled, sample_on_device, sample_step
-from engine.sampling_state import build_processing
+from engine.sampling_state import PenaltySlots, build_processing
 from engine.step_inputs import HostStep, PendingInputs, build_host_step
 from runtime.config import EngineConfig
 from runtime.types import TokenLogprobs
@@ -161,7 +166,8 @@ class ModelRunner:
         self._generators: dict[int, torch.Generator] = {}   # seeded requests' generators, by PlanRow.key
         self._eos = frozenset(self.model_config.eos_token_ids)
         self._grammars = None                               # engine/grammar.py, built at the first grammar request
-        self._matchers: dict[int, list] = {}                # by PlanRow.key: [RequestGrammar, tokens accepted]
+        self._masks = None                                  # engine/grammar.py GrammarMasks, with _grammars
+        self._penalties: PenaltySlots | None = None         # per-request penalty state, at the first penalized row
         log.info("model %s on %s (%s, KV %s), %d KV blocks of %d tokens, attention=%s (decode %s), cuda graphs=%s",
                  mc.model_type, self.device, self.dtype, self.kv_dtype, self.num_blocks, cfg.block_size,
                  self.backend.name, getattr(self.backend, "decode_kernel", "-"),
@@ -194,15 +200,20 @@ class ModelRunner:
     def launch(self, plan: StepPlan, prev: "LaunchedStep | None" = None) -> "LaunchedStep":
         """Queue one step and its sampling on the device; read the ids with .result()."""
         t0 = time.perf_counter()
-        for key in plan.finished:
-            self._generators.pop(key, None)
-            self._matchers.pop(key, None)
         # plan.copies (KV tier moves) are run by the engine's TierIO (engine/kv_tiers.py), not here:
         # a request reads onboarded blocks only in a step scheduled after their copy is done
         rows = plan.rows
+        step = build_host_step(rows, self.cfg.block_size) if rows else None
+        if prev is not None:
+            prev.finish()       # its deferred sampling is queued first (and still reads finished rows' state)
+        for key in plan.finished:
+            self._generators.pop(key, None)
+            if self._penalties is not None:
+                self._penalties.release(key)
+            if self._masks is not None:
+                self._masks.release(key)
         if not rows:
             return LaunchedStep({}, None)
-        step = build_host_step(rows, self.cfg.block_size)
         pending = self._pending_sources(step, plan, prev)
         if self.use_cuda_graphs and step.is_decode_only and self.graphs.fits(len(rows)):
             logits = self.graphs.run(step, pending)
@@ -215,21 +226,31 @@ class ModelRunner:
         if not sampling_rows:
             return LaunchedStep({}, None)
         self.last_logits = logits
-        masks = self._grammar_masks(sampling_rows, logits.shape[-1], prev)
-        proc = build_processing(sampling_rows, logits.shape[-1], self._eos, self.device,
+        order = {r.request_id: i for i, r in enumerate(sampling_rows)}
+        masks = self._grammar_job(sampling_rows, prev)
+        if masks is None:
+            return LaunchedStep(order, *self._sample(sampling_rows, logits, prev))
+        return LaunchedStep(order, None, deferred=lambda: self._sample(sampling_rows, logits, prev, masks.result()))
+
+    @torch.inference_mode()
+    def _sample(self, rows, logits: torch.Tensor, prev: "LaunchedStep | None", masks=None):
+        """Queue the sampling of the step's sampling rows → (ids on the device, logprobs to read)
+        (also called from `LaunchedStep.finish()`, outside `launch`)."""
+        vocab = logits.shape[-1]
+        if self._penalties is None and any(r.sampling.penalized for r in rows):
+            self._penalties = PenaltySlots(vocab, self.device)
+        proc = build_processing(rows, vocab, self._eos, self.device,
                                 prev.tokens if prev is not None else None, prev.rows if prev is not None else None,
-                                masks)
+                                masks, self._penalties)
+        gens = [self._generator(r.key, r.sampling) for r in rows]
         if proc is None:          # no row sets an option: plain sampling, as before the options existed
-            tokens = sample_on_device(logits, [r.sampling for r in sampling_rows],
-                                      [self._generator(r.key, r.sampling) for r in sampling_rows], self._fi)
-            return LaunchedStep({r.request_id: i for i, r in enumerate(sampling_rows)}, tokens)
-        s = sample_step(logits, [r.sampling for r in sampling_rows],
-                        [self._generator(r.key, r.sampling) for r in sampling_rows], self._fi, proc)
+            return sample_on_device(logits, [r.sampling for r in rows], gens, self._fi), None
+        s = sample_step(logits, [r.sampling for r in rows], gens, self._fi, proc)
         lp = None
         if s.logprobs is not None:
-            lp_rows = [r for r in sampling_rows if r.sampling.logprobs is not None]
+            lp_rows = [r for r in rows if r.sampling.logprobs is not None]
             lp = ([r.request_id for r in lp_rows], [r.sampling.logprobs for r in lp_rows], s)
-        return LaunchedStep({r.request_id: i for i, r in enumerate(sampling_rows)}, s.tokens, lp)
+        return s.tokens, lp
 
     def check_grammar(self, spec) -> str:
         """Compile a request's grammar now (cached), so that a bad one is the request's error at
@@ -245,34 +266,16 @@ class ModelRunner:
             return str(e)
         return ""
 
-    def _grammar_masks(self, rows, vocab: int, prev: "LaunchedStep | None"):
-        """The packed bitmasks of the rows under a grammar, filled on the host: each request's
-        matcher first accepts the outputs it has not seen (a still pending one is read from `prev`,
-        which waits for that step: grammar rows give up the overlap for their own mask)."""
-        idx = [j for j, r in enumerate(rows) if r.sampling.grammar is not None]
-        if not idx:
+    def _grammar_job(self, rows, prev: "LaunchedStep | None"):
+        """The grammar rows' masks, being filled on the grammar thread (None: no grammar row)."""
+        if all(r.sampling.grammar is None for r in rows):
             return None
-        from engine.grammar import allocate_bitmask
-        if self._grammars is None:
-            self.check_grammar(rows[idx[0]].sampling.grammar)
-        mask = allocate_bitmask(len(idx), vocab)
-        sampled = None
-        for m, j in enumerate(idx):
-            r = rows[j]
-            state = self._matchers.get(r.key)
-            if state is None:
-                state = self._matchers[r.key] = [self._grammars.matcher(r.sampling.grammar), 0]
-            outputs = r.history[r.num_prompt_tokens:]
-            for t in outputs[state[1]:]:
-                if t == PENDING_TOKEN:
-                    if sampled is None:
-                        sampled = prev.result()
-                    t = sampled[r.request_id]
-                state[0].accept(t)
-                state[1] += 1
-            if not state[0].terminated:   # terminated: the stop token is pending, this step is discarded
-                state[0].fill_bitmask(mask, m)
-        return idx, mask
+        if self._masks is None:
+            from engine.grammar import GrammarMasks
+            if self._grammars is None:
+                self.check_grammar(next(r.sampling.grammar for r in rows if r.sampling.grammar is not None))
+            self._masks = GrammarMasks(self._grammars, self.cfg.grammar_threads, pinned=self._pinned)
+        return self._masks.submit(rows, prev)
 
     @staticmethod
     def _pending_sources(step: HostStep, plan: StepPlan, prev: "LaunchedStep | None") -> PendingInputs | None:
@@ -355,13 +358,25 @@ class _Phases:
 
 class LaunchedStep:
     """A step queued on the device: `rows` maps each sampling request to its row of `tokens`.
-    `lp`: (request ids, top-k each asked for, the step's `Sampled`) when some row wants logprobs."""
+    `lp`: (request ids, top-k each asked for, the step's `Sampled`) when some row wants logprobs.
+    `deferred`: its sampling is not queued yet; `finish()` queues it (returns `tokens, lp`)."""
 
-    __slots__ = ("rows", "tokens", "_host", "_ready", "_lp", "_lp_host")
+    __slots__ = ("rows", "tokens", "_host", "_ready", "_lp", "_lp_host", "_deferred")
 
     def __init__(self, rows: dict[str, int], tokens: torch.Tensor | None,
-                 lp: tuple[list[str], list[int], Sampled] | None = None) -> None:
-        self.rows, self.tokens = rows, tokens
+                 lp: tuple[list[str], list[int], Sampled] | None = None, deferred=None) -> None:
+        self.rows, self._deferred = rows, deferred
+        if deferred is None:
+            self._queued(tokens, lp)
+
+    def finish(self) -> None:
+        """Queue the deferred sampling, if any (on the step loop's thread; once)."""
+        if self._deferred is not None:
+            deferred, self._deferred = self._deferred, None
+            self._queued(*deferred())
+
+    def _queued(self, tokens: torch.Tensor | None, lp) -> None:
+        self.tokens = tokens
         self._host, self._ready, self._lp, self._lp_host = tokens, None, lp, None
         if lp is not None:
             s = lp[2]
@@ -375,6 +390,7 @@ class LaunchedStep:
 
     def result(self) -> dict[str, int]:
         """Wait for the step; the sampled id of each sampling request."""
+        self.finish()
         if self._host is None:
             return {}
         if self._ready is not None:
@@ -383,6 +399,7 @@ class LaunchedStep:
 
     def logprobs(self) -> dict[str, TokenLogprobs] | None:
         """After `result()`: the sampled tokens' logprobs of the requests that asked for them."""
+        self.finish()
         if self._lp is None:
             return None
         if self._ready is not None:

@@ -34,9 +34,13 @@ class PlanRow:
     sampling: SamplingParams
     samples: bool               # the chunk reaches the end of the known tokens: its last position yields one
     num_prompt_tokens: int = 0  # the request's prompt length (min_tokens, penalties)
-    # prompt + output so far (PENDING_TOKEN where still on the device): only for sampling rows of
-    # requests with a presence / frequency / repetition penalty or a grammar, None otherwise (no copy)
-    history: list[int] | None = None
+    # Only for sampling rows of requests with a presence / frequency / repetition penalty or a
+    # grammar (None otherwise): the tokens of the sequence from position `unseen_from` on that no
+    # earlier plan gave the runner (PENDING_TOKEN where still on the device). The whole sequence at
+    # the request's first sampling row, then the outputs since its previous one: normally one token.
+    # The runner keeps its per-request penalty counts and grammar matcher up to date from these.
+    unseen: list[int] | None = None
+    unseen_from: int = 0
 
     @property
     def num_tokens(self) -> int:

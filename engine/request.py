@@ -42,6 +42,7 @@ class Request:
     hold_blocks: bool = False           # prefill side: keep the blocks after finishing, until released
     num_pending: int = 0                # trailing PENDING_TOKENs in token_ids (0..2)
     key: int = 0                        # unique per admission, in the process (set by Scheduler.add)
+    num_tokens_sent: int = 0            # penalties / grammar: tokens given to the runner (PlanRow.unseen)
     tier_checked: bool = False          # KV tiers: this admission looked below G1 already
     tier_ready: bool = False            # KV tiers: onboarded blocks are in block_ids; admit as they are
 

@@ -33,11 +33,12 @@ _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 @dataclass(slots=True)
 class Penalties:
-    """Rows with a penalty, their output token counts and prompt masks (gathered from the runner's
-    per-request slots) and their parameters; all on the device, P rows."""
+    """Rows with a penalty, their slots in the runner's per-request output counts and prompt masks
+    (engine/sampling_state.py `PenaltySlots`) and their parameters; all on the device, P rows."""
     rows: torch.Tensor          # (P,) int64 rows of the logits
-    counts: torch.Tensor        # (P, V) int32 occurrences of each token in the output so far
-    prompt_mask: torch.Tensor   # (P, V) bool tokens of the prompt
+    slots: torch.Tensor         # (P,) int64 rows of counts / prompt_mask
+    counts: torch.Tensor        # (S, V) int32 occurrences of each token in the output so far, per slot
+    prompt_mask: torch.Tensor   # (S, V) bool tokens of the prompt, per slot
     presence: torch.Tensor      # (P,) float32
     frequency: torch.Tensor     # (P,) float32
     repetition: torch.Tensor    # (P,) float32 (1 = off)
@@ -140,10 +141,11 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> None:
     every token seen in the prompt or the output; frequency and presence (OpenAI) subtract
     `frequency * count + presence * (count > 0)` over the output's tokens."""
     x = logits.index_select(0, p.rows)
-    in_output = p.counts > 0
+    counts = p.counts.index_select(0, p.slots)
+    in_output = counts > 0
     rep = p.repetition[:, None]
-    x = torch.where(p.prompt_mask | in_output, torch.where(x > 0, x / rep, x * rep), x)
-    x = x - p.frequency[:, None] * p.counts - p.presence[:, None] * in_output
+    x = torch.where(p.prompt_mask.index_select(0, p.slots) | in_output, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - p.frequency[:, None] * counts - p.presence[:, None] * in_output
     logits.index_copy_(0, p.rows, x)
 
 

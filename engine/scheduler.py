@@ -110,7 +110,7 @@ class Scheduler:
     def add(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
-        request.key = next(_keys)
+        request.key, request.num_tokens_sent = next(_keys), 0   # a new key: the runner has seen none of it
         self._remote_seen = self._remote_seen or request.remote_prefill
         self.waiting.append(request)
 
@@ -149,10 +149,13 @@ class Scheduler:
         bs = self.block_size
         plan.rows = [PlanRow(c.request.request_id, c.request.key, c.request.token_ids[c.start:c.start + c.num_tokens], c.start,
                              c.request.block_ids[:(c.start + c.num_tokens + bs - 1) // bs],
-                             c.request.sampling, c.samples, c.request.num_prompt_tokens,
-                             list(c.request.token_ids) if c.samples and (c.request.sampling.penalized or
-                                                                         c.request.sampling.grammar is not None) else None)
+                             c.request.sampling, c.samples, c.request.num_prompt_tokens)
                      for c in chunks]
+        for row, c in zip(plan.rows, chunks):
+            if c.samples and (c.request.sampling.penalized or c.request.sampling.grammar is not None):
+                req = c.request
+                row.unseen, row.unseen_from = req.token_ids[req.num_tokens_sent:], req.num_tokens_sent
+                req.num_tokens_sent = req.num_tokens
         plan.finished, self._ended = self._ended, []
         return plan
 

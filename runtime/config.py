@@ -41,6 +41,8 @@ class EngineConfig:
     attention_backend: str = arg("auto", "attention kernels", choices=("auto", "torch", "flashinfer"))
     cuda_graphs: bool = arg(True, "replay decode steps from CUDA graphs (GPU only)")
     cuda_graph_max_batch: int = arg(256, "largest captured decode batch (sizes 1, 2, 4, 8, 16, ...)")
+    grammar_threads: int = arg(0, "xgrammar threads that fill one step's structured-output masks (beside the "
+                               "step loop, on the runner's grammar thread); 0: half the CPU cores, at most 8")
     async_scheduling: bool | None = arg(None, "schedule the next step while the device runs this one "
                                         "(auto: on with CUDA and --mock)")
     decode_tensor_cores: bool | None = arg(None, "FlashInfer decode attention on tensor cores "

@@ -1,6 +1,10 @@
 """Sampling options on the GPU with CUDA graphs and async scheduling (skipped without CUDA):
 the same tokens and logprobs as the synchronous engine, a plain request beside option rows samples
-as it does alone, logit_bias forces, logprobs are a distribution's."""
+as it does alone, logit_bias forces, logprobs are a distribution's.
+
+The forcing bias is 1,000, not the API's largest (100): these dummy weights' logits spread further
+than 100 (on the H100 the biased token's raw logit was up to 105 below the top one, and +100 then
+lost to it, as it should: the bias is added, tests/unit/test_sampling_options.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from runtime.types import EngineRequest, SamplingParams  # noqa: E402
 OPTIONS = [dict(temperature=0.0, logprobs=5),
            dict(temperature=0.7, seed=3, logprobs=0, min_p=0.1),
            dict(temperature=0.0, presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.3, logprobs=3),
-           dict(temperature=0.0, logit_bias=((77, 100.0),)),
+           dict(temperature=0.0, logit_bias=((77, 1000.0),)),
            dict(temperature=0.8, seed=5, min_tokens=12, top_k=50, logprobs=20),
            dict(temperature=0.0)]          # plain: the fast path, in a batch with option rows
 

@@ -14,7 +14,7 @@ jsonschema = pytest.importorskip("jsonschema")
 transformers = pytest.importorskip("transformers")
 
 from engine.grammar import GrammarError, Grammars, allocate_bitmask  # noqa: E402
-from engine.sampler import apply_bitmask  # noqa: E402
+from engine.sampler import apply_bitmask, unpack_bitmask  # noqa: E402
 from runtime.types import GrammarKind, GrammarSpec  # noqa: E402
 from splitserve.tiny_model import EOS_ID, write_tiny_model  # noqa: E402
 
@@ -75,3 +75,48 @@ def test_bad_schema_is_a_grammar_error(setup):
     for bad in ("{not json", '{"type": "no-such-type"}'):
         with pytest.raises(GrammarError):
             grammars.compile(GrammarSpec(GrammarKind.JSON_SCHEMA, bad))
+
+
+def test_grammar_thread_fills_as_row_by_row(setup):
+    """GrammarMasks (the runner's grammar thread, one batched xgrammar call) gives the same masks as
+    filling each row alone, over steps that give each row its unseen tokens (the whole sequence
+    first, then one output), with a pending token read from the previous step's ids."""
+    from engine.grammar import GrammarMasks
+    from engine.plan import PENDING_TOKEN, PlanRow
+    from runtime.types import SamplingParams
+    _, grammars = setup
+    specs = [GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMA)), GrammarSpec(GrammarKind.JSON_OBJECT), None]
+    masks, alone = GrammarMasks(grammars, threads=2), [grammars.matcher(s) if s else None for s in specs]
+    seqs, sent = [[5, 6], [7], [8, 9, 10]], [0, 0, 0]         # prompts of 2, 1 and 3 tokens
+    g = torch.Generator().manual_seed(1)
+
+    class Prev:                                               # the previous step's ids, as LaunchedStep
+        rows = {"0": 0, "1": 1, "2": 2}
+
+        def result(self):
+            return {str(i): s[-1] for i, s in enumerate(seqs)}
+
+    for step in range(12):
+        rows = []
+        for i, (spec, seq) in enumerate(zip(specs, seqs)):
+            unseen = seq[sent[i]:]
+            if step % 2 and sent[i]:
+                unseen = unseen[:-1] + [PENDING_TOKEN]
+            p = SamplingParams(grammar=spec)
+            rows.append(PlanRow(str(i), 1000 + i, [seq[-1]], len(seq) - 1, [0], p, True, (2, 1, 3)[i], unseen, sent[i]))
+            sent[i] = len(seq)
+        idx, got = masks.submit(rows, Prev()).result()
+        assert idx == [0, 1]
+        want = allocate_bitmask(2, 4096)
+        for m in range(2):
+            if step:
+                alone[m].accept(seqs[m][-1])
+            alone[m].fill_bitmask(want, m)
+        assert torch.equal(got, want), step
+        allowed = unpack_bitmask(got, 4096)
+        for m in range(2):
+            seqs[m].append(int(torch.multinomial(allowed[m].float(), 1, generator=g)))
+        seqs[2].append(int(torch.randint(10, 4000, (), generator=g)))
+    assert len(masks) == 2
+    masks.release(1000)
+    assert len(masks) == 1

@@ -129,8 +129,8 @@ def test_a_tiny_positive_temperature_samples_like_greedy(temperature):
 # ---- logits processors and logprobs (engine/sampling_state.py builds their inputs) -------------
 
 from engine.plan import PENDING_TOKEN, PlanRow  # noqa: E402
-from engine.sampler import sample_step, unpack_bitmask  # noqa: E402
-from engine.sampling_state import build_processing  # noqa: E402
+from engine.sampler import process_logits, sample_step, unpack_bitmask  # noqa: E402
+from engine.sampling_state import PenaltySlots, build_processing  # noqa: E402
 
 
 def _rows(params: list[SamplingParams], histories: list[list[int]], prompt_len: int = 3) -> list[PlanRow]:
@@ -141,7 +141,8 @@ def _rows(params: list[SamplingParams], histories: list[list[int]], prompt_len: 
 
 def _step(logits, params, histories, eos=frozenset(), prev_tokens=None, prev_rows=None, gens=None):
     rows = _rows(params, histories)
-    proc = build_processing(rows, logits.shape[-1], eos, logits.device, prev_tokens, prev_rows)
+    proc = build_processing(rows, logits.shape[-1], eos, logits.device, prev_tokens, prev_rows,
+                            penalty_slots=PenaltySlots(logits.shape[-1], logits.device))
     return sample_step(logits, params, gens or [None] * len(params), None, proc), proc
 
 
@@ -213,11 +214,45 @@ def test_penalties_match_a_per_token_reference_with_a_pending_token():
     for i in (0, 2):
         want = _penalized_reference(logits[i], params[i], real[i], 3)
         assert s.tokens[i].item() == want.argmax().item()
-    from engine.sampler import process_logits
     got = process_logits(logits.clone(), proc)
     for i in (0, 2):
         assert torch.allclose(got[i], _penalized_reference(logits[i], params[i], real[i], 3))
     assert torch.equal(got[1], logits[1])             # an unpenalized row is untouched
+
+
+def test_penalty_slots_count_incrementally_grow_and_are_reused():
+    """The runner's penalty state over many steps: each step gives only the unseen tokens (the whole
+    sequence at first sight, then one output, some pending on the device); three requests come and
+    go through two slots' capacity, so the tensors grow and a freed slot is reused and zeroed."""
+    g = torch.Generator().manual_seed(8)
+    slots = PenaltySlots(V, torch.device("cpu"), capacity=2)
+    p = SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.75, repetition_penalty=1.3)
+    seqs = {0: [1, 2, 3, 4, 4], 1: [6, 6, 7], 2: [2, 2, 9]}      # prompt 3, then outputs
+    sent = {0: 0, 1: 0, 2: 0}
+    live = [0, 1, 2]
+    for step in range(12):
+        if step == 6:                               # request 1 ends; request 3 takes its slot
+            slots.release(1)
+            live, seqs[3], sent[3] = [0, 2, 3], [5, 5, 5], 0
+        rows, pend = [], {}
+        for j, k in enumerate(live):
+            h = seqs[k]
+            unseen = h[sent[k]:]
+            if step % 3 == 2 and sent[k]:           # the newest output still on the device
+                unseen, pend[str(k)] = unseen[:-1] + [PENDING_TOKEN], j
+            rows.append(PlanRow(str(k), k, [h[-1]], len(h) - 1, [0], p, True, 3, unseen, sent[k]))
+            sent[k] = len(h)
+        prev = torch.tensor([seqs[k][-1] for k in live])
+        logits = torch.randn(len(live), V, generator=g) * 3
+        proc = build_processing(rows, V, frozenset(), logits.device, prev, pend, penalty_slots=slots)
+        got = process_logits(logits.clone(), proc)
+        for j, k in enumerate(live):
+            assert torch.allclose(got[j], _penalized_reference(logits[j], p, seqs[k], 3)), (step, k)
+            seqs[k].append(int(torch.randint(0, V, (), generator=g)))
+    assert slots.counts.shape[0] == 4 and len(slots) == 3
+    bad = PlanRow("0", 0, [1], 9, [0], p, True, 3, [1], 2)       # tokens from 2, but more were counted
+    with pytest.raises(RuntimeError, match="counted"):
+        build_processing([bad], V, frozenset(), torch.device("cpu"), penalty_slots=slots)
 
 
 def test_min_p_drops_tokens_below_the_fraction_of_the_top():

@@ -121,10 +121,64 @@ def test_penalties_follow_a_per_token_reference_on_hf(engine, hf):
     assert all([o.new_token_ids[0] for o in outs[rid]] != plain for rid in ps), (plain, {r: [o.new_token_ids[0] for o in outs[r]] for r in ps})
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
+def test_penalties_stay_exact_through_preemption(tiny_dir, hf, overlap):
+    """Too few KV blocks for three penalized requests: requests are preempted and recomputed (and
+    wait out steps), and the device-side counts still follow the per-token reference."""
+    eng = Engine(EngineConfig(model=str(tiny_dir), device="cpu", num_blocks=10, max_num_batched_tokens=64,
+                              attention_backend="torch", async_scheduling=overlap))
+    p = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, frequency_penalty=60.0,
+                       presence_penalty=0.5, repetition_penalty=1.5, logit_bias=BIAS)
+    prompts = {f"r{i}": PROMPTS[2][i:] for i in range(3)}
+    outs = _run(eng, {rid: (prompt, p) for rid, prompt in prompts.items()})
+    assert eng.stats().num_preemptions > 0
+    for rid, prompt in prompts.items():
+        seq = list(prompt)
+        toks = [t for o in outs[rid] for t in o.new_token_ids]
+        assert len(toks) == 30
+        for t in toks:
+            with torch.no_grad():
+                logits = hf(torch.tensor([seq])).logits[0, -1].float()
+            logits[1234] += BIAS[0][1]
+            x = _penalized(logits, p, seq, len(prompt))
+            top2 = x.topk(2).values
+            if top2[0] - top2[1] > 1e-3:
+                assert t == x.argmax().item(), (rid, len(seq) - len(prompt))
+            seq.append(t)
+
+
 def test_logit_bias_forces_a_token(engine):
     outs = _run(engine, {"b": (PROMPTS[0], SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True,
                                                           logit_bias=((1234, 100.0),)))})
     assert [o.new_token_ids[0] for o in outs["b"]] == [1234] * 6
+
+
+def test_logit_bias_is_added_not_forced(engine):
+    """A bias is added to the raw logits: it wins exactly when the raw gap to the top token is below
+    it (a +100 bias did not force its token on the H100's dummy 8B-shaped weights, whose logits
+    spread over 100). Each step's token is the argmax of the runner's logits plus the bias."""
+    runner, seen = engine.runner, []
+    bias = 60.0                     # the tiny model's raw gaps to token 1234 here: 34 to 82
+    launch = runner.launch
+
+    def record(launched):
+        seen.append((runner.last_logits.clone(), launched))
+        return launched
+    runner.launch = lambda plan, prev=None: record(launch(plan, prev))
+    try:
+        outs = _run(engine, {"b": (PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                                                              logit_bias=((1234, bias),)))})
+    finally:
+        del runner.launch
+    toks = [o.new_token_ids[0] for o in outs["b"]]
+    assert len(seen) == len(toks) == 16
+    wins = 0
+    for (logits, launched), t in zip(seen, toks):
+        x = logits[launched.rows["b"]].clone()
+        x[1234] += bias
+        assert t == x.argmax().item()
+        wins += t == 1234
+    assert 0 < wins < len(toks), wins          # the bias won some steps and lost others
 
 
 def test_min_tokens_holds_eos_back(engine):
