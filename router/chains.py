@@ -24,8 +24,6 @@ Keeping the masks exact whatever order blocks come and go in:
   empty: the orphan count lets a store skip looking for orphans, and removals find no chained child.
 - Parents and children are kept only for hashes some worker holds (a reference count per hash);
   a child that goes away unlinks itself from its parent.
-- The common store (a run new to its worker, all unknown to the index or all known, no orphans to
-  adopt) is done with whole-run set/dict updates; any other goes block by block, to the same end.
 
 A snapshot entry without a parent takes the one this structure learned, if any; a block whose
 parent is unknown stays an orphan (it is not counted as cached) until an event names its parent.
@@ -39,7 +37,6 @@ It knows nothing of worker names, event ordering or time (router/index.py does).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import repeat
 from typing import Iterable, Sequence
 
 from kvstore.events import Tier
@@ -134,57 +131,6 @@ class ChainIndex:
 
     def store(self, w: Holdings, tier: Tier, block_hashes: Iterable[int], parent: int | None) -> None:
         """``w`` now holds ``block_hashes`` on ``tier``: a chain continuing from ``parent``."""
-        hs = block_hashes if type(block_hashes) is tuple else tuple(block_hashes)
-        if not (hs and self._store_run(w, tier, hs, parent)):
-            self._store_each(w, tier, hs, parent)
-
-    def _store_run(self, w: Holdings, tier: Tier, hs: tuple[int, ...], parent: int | None) -> bool:
-        """The common store, done with whole-run set and dict operations (no per-block Python):
-        every block new to ``w``, and either none known to the index (the first worker to cache
-        them) or all of them (a copy of a cached run), with no orphans of ``w`` to adopt. False,
-        having changed nothing, when the run is not like that."""
-        held = w.blocks[tier]
-        if not held.isdisjoint(hs):
-            return False
-        chain, bit = self._chain[tier], w.bit
-        chained = parent is None or bool(chain.get(parent, 0) & bit)
-        if chained and w.orphans[tier]:
-            return False
-        refs, children = self._refs, self._children
-        inner = hs[:-1]
-        if refs.keys().isdisjoint(hs):
-            if not children.keys().isdisjoint(inner):   # links to orphans stored before them
-                return False
-            size = len(held)
-            held.update(hs)
-            if len(held) != size + len(hs):             # a block twice in one event
-                held.difference_update(hs)
-                return False
-            refs.update(dict.fromkeys(hs, 1))
-            self._parent.update(zip(hs, (parent, *inner)))
-            if parent is not None:
-                self._link(parent, hs[0])
-            children.update(zip(inner, hs[1:]))
-            if chained:
-                chain.update(dict.fromkeys(hs, bit))
-        elif len(refs.keys() & hs) == len(hs):          # their links exist already
-            size = len(held)
-            held.update(hs)
-            if len(held) != size + len(hs):
-                held.difference_update(hs)
-                return False
-            refs.update(zip(hs, map((1).__add__, map(refs.__getitem__, hs))))
-            if chained:
-                chain.update(zip(hs, map(bit.__or__, map(chain.get, hs, repeat(0)))))
-        else:
-            return False
-        if not chained:
-            w.orphans[tier] += len(hs)
-        return True
-
-    def _store_each(self, w: Holdings, tier: Tier, block_hashes: Iterable[int],
-                    parent: int | None) -> None:
-        """Any store, block by block: blocks already held, known or not, adopting orphans."""
         held = w.blocks[tier]
         chain = self._chain[tier]
         bit = w.bit
