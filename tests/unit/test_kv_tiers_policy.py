@@ -104,3 +104,33 @@ def test_a_rate_meter_follows_observed_transfers_and_keeps_totals():
     m.observe(4096, 1.0)                          # small: latency, counted but not fitted
     assert m.rate.bytes_per_s == pytest.approx(4e9, rel=0.01)
     assert m.count == 31 and m.total_bytes == 30 * (10 << 20) + 4096
+
+
+def test_the_prefill_meter_reports_what_one_more_token_costs_not_the_mean_rate():
+    """Steps cost a + b * tokens (the H100 8B: ~11 ms + 27 us a token). A loaded prefix saves
+    only b per token; the mean rate of 1k-token steps (half of 1/b) made a 1k-token disk hit look
+    cheaper to load than to recompute."""
+    from engine.kv_tiers import PrefillMeter
+    a, b = 0.011, 27e-6
+    m = PrefillMeter(40_000)
+    for _ in range(5):                                   # alike steps: no slope yet, the mean rate
+        speed = m.observe(1024, a + b * 1024)
+    assert speed.tokens_per_s == pytest.approx(1024 / (a + b * 1024))
+    for n in (8192, 2048, 4096, 1024, 8192, 512):
+        speed = m.observe(n, a + b * n)
+    assert speed.tokens_per_s == pytest.approx(1 / b, rel=0.02)
+    assert m.observe(10, 1.0) is None                    # too small to be a prefill step
+    # with the marginal speed, 64 blocks (1k tokens, 2 MiB each) from a 2.1 GB/s disk lose to recomputing
+    rates = TierRates(PathRate(38.9e9), PathRate(2.1e9))
+    hit = [Tier.DISK] * 64
+    assert decide_onboard(hit, 0, 2 << 20, 16, rates, speed, OnboardMode.AUTO).num_load == 0
+    mean = PrefillSpeed(13_246)        # the mean rate the H100 meter held then (ae45720's record) loaded it
+    assert decide_onboard(hit, 0, 2 << 20, 16, rates, mean, OnboardMode.AUTO).num_load == 64
+
+
+def test_the_prefill_meter_keeps_the_mean_rate_when_the_fit_is_not_a_cost():
+    from engine.kv_tiers import PrefillMeter
+    m = PrefillMeter(40_000)
+    for n, t in ((1024, 0.05), (8192, 0.04), (2048, 0.05), (4096, 0.045)):   # bigger steps faster: noise
+        speed = m.observe(n, t)
+    assert speed.tokens_per_s == pytest.approx(m._mean_rate)
