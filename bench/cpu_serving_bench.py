@@ -23,15 +23,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from splitserve.bench.records import git_sha  # noqa: E402
 from splitserve.models import resolve_model  # noqa: E402
 from tests.integration.cluster import own_cluster  # noqa: E402
-
-
-def git_sha() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except Exception:
-        return "unknown"
 
 
 def hf_tokens_per_s(model_dir: str, batch: int, isl: int, osl: int, seed: int) -> float:

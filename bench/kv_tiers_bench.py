@@ -34,7 +34,6 @@ import mmap
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,19 +47,11 @@ from kvstore.disk_pool import DiskConfig, DiskPool, ReadItem, WriteItem  # noqa:
 from kvstore.host_copy import make_host_copy  # noqa: E402
 from kvstore.host_pool import HostPool  # noqa: E402
 from kvstore.transfer import nixl_available  # noqa: E402
+from splitserve.bench.records import git_sha  # noqa: E402
 
 # (layers, block_size, kv_heads, head_dim, dtype): KV bytes per block = layers*2*bs*heads*dim*itemsize
 SHAPES = {"tiny": (4, 16, 2, 32, torch.float32),          # 32 KiB blocks
           "8b": (32, 16, 8, 128, torch.bfloat16)}         # Llama-3.1-8B: 2 MiB blocks, 128 KiB/token
-
-
-def git_sha() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__)), timeout=5)
-        return out.stdout.strip() or os.environ.get("GIT_SHA", "unknown")
-    except (OSError, subprocess.SubprocessError):
-        return os.environ.get("GIT_SHA", "unknown")
 
 
 def median_s(fn, reps: int) -> float:

@@ -18,7 +18,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kvstore.transfer import KvTransferAgent, Strategy, TransferState  # noqa: E402
+from splitserve.bench.records import git_sha  # noqa: E402
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,15 +115,6 @@ def memcpy_s(src: torch.Tensor, dst: torch.Tensor, nbytes: int, reps: int) -> fl
 def sync(t: torch.Tensor) -> None:
     if t.is_cuda:
         torch.cuda.synchronize(t.device)
-
-
-def git_sha() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__)), timeout=5)
-        return out.stdout.strip() or os.environ.get("GIT_SHA", "unknown")
-    except (OSError, subprocess.SubprocessError):
-        return os.environ.get("GIT_SHA", "unknown")
 
 
 def main() -> None:

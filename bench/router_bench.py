@@ -26,7 +26,6 @@ import gc
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 
@@ -35,17 +34,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kvstore.event_codec import decode_batch, encode_batch  # noqa: E402
 from kvstore.events import BlockRemoved, BlockStored, KvEventBatch  # noqa: E402
 from router import Router, RouterConfig, RoutingPolicy, WorkerRole  # noqa: E402
+from splitserve.bench.records import git_sha  # noqa: E402
 
 BLOCK_SIZE = 16
 SYSTEM_BLOCKS = 32
-
-
-def git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def make_docs(rng: random.Random, num_docs: int, doc_blocks: int) -> list[list[int]]:

@@ -15,7 +15,9 @@ import hashlib
 import json
 import logging
 import os
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from kvstore.block_format import BlockFormat
@@ -131,46 +133,41 @@ class PrefillMeter:
     """The engine's prefill speed, for the load-or-recompute choice: what one more token of prefill
     costs. A step takes about `a + b * tokens` (a: the fixed cost of a step, b: per token), and a
     loaded prefix saves only the b part, since the request's tail still takes a step. So the meter
-    fits that line to recent steps of at least `min_tokens` (exponentially weighted sums, weight
-    `alpha` for the newest) and reports 1/b. Until the steps differ enough in size to fit a slope,
-    or where the fit is not a cost (b <= 0), it reports the running mean rate, tokens / seconds, as
-    before: on the H100 that mean, taken over 1k-token steps, was half the marginal speed and made
-    a disk load look faster than recomputing 1k tokens (docs/kv_tiers.md)."""
+    fits that line to the last `window` steps of at least `min_tokens` and reports 1/b.
 
-    def __init__(self, initial_tokens_per_s: float, min_tokens: int = 64, alpha: float = 0.2,
-                 min_spread: float = 0.25) -> None:
+    The fit is Theil-Sen (the median of the pairwise slopes), so one step that also compiled a
+    kernel or waited on something else does not move it; until the steps differ enough in size to
+    have slopes (or where the median slope is not a cost), it reports the median rate, tokens /
+    seconds, of the window. On the H100 a running mean of whole steps, most of them small and the
+    first one compiling fp8 kernels, held 13k tokens/s where one more token cost 1/37k s, and made a
+    disk load look faster than recomputing 1k tokens (docs/kv_tiers.md)."""
+
+    def __init__(self, initial_tokens_per_s: float, min_tokens: int = 64, window: int = 16,
+                 min_ratio: float = 1.25) -> None:
         self.tokens_per_s = initial_tokens_per_s
-        self.min_tokens, self.alpha, self.min_spread = min_tokens, alpha, min_spread
+        self.min_tokens, self.min_ratio = min_tokens, min_ratio
         self.samples = 0
-        self._w = self._n = self._t = self._nn = self._nt = 0.0     # weighted sums for the fit
-        self._mean_rate = initial_tokens_per_s
+        self._steps: deque[tuple[int, float]] = deque(maxlen=window)
 
     def observe(self, num_tokens: int, seconds: float) -> PrefillSpeed | None:
         if num_tokens < self.min_tokens or seconds <= 0:
             return None
-        rate = num_tokens / seconds
-        first = self.samples == 0
-        self._mean_rate = rate if first else (1 - self.alpha) * self._mean_rate + self.alpha * rate
-        keep = 0.0 if first else 1 - self.alpha
-        n, t = float(num_tokens), seconds
-        self._w = keep * self._w + 1.0
-        self._n, self._t = keep * self._n + n, keep * self._t + t
-        self._nn, self._nt = keep * self._nn + n * n, keep * self._nt + n * t
+        self._steps.append((num_tokens, seconds))
         self.samples += 1
-        self.tokens_per_s = self._marginal_rate() or self._mean_rate
+        median_rate = statistics.median(n / t for n, t in self._steps)
+        self.tokens_per_s = max(self._marginal_rate() or 0.0, median_rate)   # never slower than the median: a >= 0
         return PrefillSpeed(self.tokens_per_s)
 
     def _marginal_rate(self) -> float | None:
-        """1/b of the fitted line, or None while the sizes seen are too alike (relative standard
-        deviation below `min_spread`) or the slope is not a positive cost."""
-        mean_n = self._n / self._w
-        var_n = self._nn / self._w - mean_n * mean_n
-        if var_n <= (self.min_spread * mean_n) ** 2:
+        """1/b, b the median slope over pairs of steps whose sizes differ by `min_ratio` or more;
+        None without such pairs or where b is not a positive cost."""
+        steps = list(self._steps)
+        slopes = [(t2 - t1) / (n2 - n1) for i, (n1, t1) in enumerate(steps) for n2, t2 in steps[i + 1:]
+                  if max(n1, n2) >= self.min_ratio * min(n1, n2)]
+        if not slopes:
             return None
-        slope = (self._nt / self._w - mean_n * self._t / self._w) / var_n
-        if slope <= 0:
-            return None
-        return max(1.0 / slope, self._mean_rate)    # never slower than the mean: a >= 0
+        b = statistics.median(slopes)
+        return 1.0 / b if b > 0 else None
 
 
 def build(cfg: EngineConfig, runner, scheduler) -> TierIO:

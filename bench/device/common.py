@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,18 +13,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-
-def git_sha() -> str:
-    if os.environ.get("SPLITSERVE_GIT_SHA"):
-        return os.environ["SPLITSERVE_GIT_SHA"]
-    f = ROOT / "GIT_SHA"
-    if f.is_file():
-        return f.read_text().strip()
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+from splitserve.bench.records import git_sha  # noqa: E402,F401  (re-exported for the device benches)
 
 
 def device_name() -> str:

@@ -21,20 +21,13 @@ import argparse
 import json
 import multiprocessing as mp
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-
-def git_sha() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
+from common import git_sha  # noqa: E402  (sets sys.path)
 
 
 def make_engine(model_dir: str, num_blocks: int, budget: int, device: str = "cuda", load_format: str = "dummy"):

@@ -62,6 +62,7 @@ from pathlib import Path
 import numpy as np
 
 from splitserve.bench.clients import RequestResult, RequestSpec, make_client
+from splitserve.bench.records import git_sha
 
 SCENARIOS = {"1k1k": (1024, 1024), "1k8k": (1024, 8192), "8k1k": (8192, 1024)}
 DEFAULT_CONCURRENCY = "1,4,16,64,256"
@@ -510,18 +511,6 @@ def level_specs(plan: Plan, args: argparse.Namespace, concurrency: int | None,
     if plan.trace_rows:
         return trace_specs(plan.trace_rows[:n], plan.block_size, args.vocab_size, seed)
     return synthetic_specs(plan.isl, plan.osl, n, args.vocab_size, seed, plan.range_ratio, plan.corpus)
-
-
-def git_sha() -> str:
-    """The checkout's commit; SPLITSERVE_GIT_SHA overrides it (copies without .git, e.g. on a GPU box)."""
-    if os.environ.get("SPLITSERVE_GIT_SHA"):
-        return os.environ["SPLITSERVE_GIT_SHA"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=5, cwd=os.path.dirname(os.path.abspath(__file__)))
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def emit(record: dict, output: str | None) -> None:
