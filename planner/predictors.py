@@ -64,8 +64,11 @@ class _Base:
         x = max(float(count), 0.0)
         if self._n:
             err = x - self._point(1)
-            sq = err * err
-            self._sq_err = sq if self._sq_err is None else (1 - ERROR_WEIGHT) * self._sq_err + ERROR_WEIGHT * sq
+            # the running mean of the squared errors until there are 1 / ERROR_WEIGHT of them, then
+            # the EWMA: seeding the EWMA with its first error would give that one error (made by a
+            # smoother with no trend yet) ten times the weight of any later one for ten intervals
+            weight = max(ERROR_WEIGHT, 1 / self._n)
+            self._sq_err = (1 - weight) * (self._sq_err or 0.0) + weight * err * err
         self._update(x)
         self._n += 1
 

@@ -61,3 +61,11 @@ def test_backtest_on_a_known_series():
     step = backtest([100.0] * 10 + [200.0] * 10, ConstantPredictor, horizon=1, warmup=4)
     assert step.points == 16
     assert step.mae_1 == pytest.approx(100.0 / 16 / 150.0)   # one miss of 100 in 16, over the mean
+
+
+def test_the_error_model_starts_as_a_running_mean():
+    """Until there are 1 / ERROR_WEIGHT errors each counts alike: one large error at the start (a
+    trace that ramps up in its first interval) must not dominate the spread for ten intervals."""
+    p = make_predictor("constant")
+    p.warm_start([0.0, 100.0] + [100.0] * 9)        # errors: 100, then nine zeros
+    assert p.forecast(1).sd == pytest.approx(math.sqrt(100.0 * 100.0 / 10))
