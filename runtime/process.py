@@ -10,10 +10,13 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
+T = TypeVar("T")
 
 
 def _resolve_prctl():
@@ -101,3 +104,26 @@ def install_signal_events(first: asyncio.Event, second: asyncio.Event) -> None:
         (second if first.is_set() else first).set()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
+
+
+def run_component(main: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run(main)`, with SIGINT/SIGTERM taken off the loop before it closes.
+
+    The loop closes its signal wake-up socket before it removes its handlers. A signal that lands
+    in between (a pool controller's SIGTERM to a worker already stopping after its drain, or the
+    parent-death signal) printed "Exception ignored ... Bad file descriptor" into the log. Once
+    `main` has returned, the process is past its clean-up: a late SIGINT/SIGTERM is ignored and the
+    process exits on its own (SIGKILL still ends it)."""
+    async def guarded() -> T:
+        try:
+            return await main
+        finally:
+            quiet_late_signals()
+    return asyncio.run(guarded())
+
+
+def quiet_late_signals() -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.remove_signal_handler(sig)       # also drops the wake-up fd once none is left
+        signal.signal(sig, signal.SIG_IGN)

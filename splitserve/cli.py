@@ -12,7 +12,6 @@ cluster's admin API (splitserve/admin_cli.py). Engine code is imported only by t
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import sys
 
@@ -22,7 +21,7 @@ from runtime.config import (ControllerComponentConfig, EngineConfig, FrontendCon
 from runtime.config_fields import ConfigError
 from runtime.errors import InvalidRequest
 from runtime.logging import setup_logging
-from runtime.process import enable_stack_dumps
+from runtime.process import enable_stack_dumps, run_component
 
 # serve's frontend follows the engine: its model is the workers', its block size is learned
 SERVE_SKIPS = ("frontend.model", "frontend.block_size", "frontend.max_model_len")
@@ -132,23 +131,23 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "planner":
         setup_logging("planner")
         from planner.live import run_planner
-        return asyncio.run(run_planner(cfg))
+        return run_component(run_planner(cfg))
     if cmd == "controller":
         setup_logging("controller")
         from planner.k8s_controller import run_controller
-        return asyncio.run(run_controller(cfg))
+        return run_component(run_controller(cfg))
     if cmd == "frontend":
         setup_logging("frontend")
         from frontend.main import serve_frontend
-        asyncio.run(serve_frontend(cfg))
+        run_component(serve_frontend(cfg))
         return 0
     setup_logging(cfg.worker_id or cmd)
     if cmd == "prefill-worker":
         from prefill_worker.main import serve_prefill_worker
-        asyncio.run(serve_prefill_worker(cfg))
+        run_component(serve_prefill_worker(cfg))
     else:
         from decode_worker.main import serve_worker
-        asyncio.run(serve_worker(cfg))
+        run_component(serve_worker(cfg))
     return 0
 
 

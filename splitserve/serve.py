@@ -49,7 +49,7 @@ from runtime.config import FrontendConfig, ServeConfig, WorkerConfig
 from runtime.config_file import write_config
 from runtime.errors import InvalidRequest
 from runtime.metrics import PoolMetrics, start_metrics_server
-from runtime.process import bounded, die_with_parent
+from runtime.process import bounded, die_with_parent, run_component
 from runtime.redis_embedded import EmbeddedRedis
 from splitserve.models import resolve_model
 
@@ -148,7 +148,7 @@ def serve(cfg: ServeConfig, launcher: type[Launcher] | None = None, connect=None
         return 2
     runner = launcher(cfg, model_dir, book)
     runner.planner_profile = profile
-    return asyncio.run(runner.run())
+    return run_component(runner.run())
 
 
 def pool_book(cfg: ServeConfig) -> PoolBook:
