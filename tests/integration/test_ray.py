@@ -44,7 +44,7 @@ from tests.integration.streams import failures, prompts, stream_all  # noqa: E40
 pytestmark = pytest.mark.slow
 
 DRAIN_TIMEOUT_S = 1.5
-REPLACED_WITHIN_S = 30.0
+REPLACED_WITHIN_S = 60.0          # a new actor process imports torch and loads the model: generous on a loaded 2-core CI
 N = 24
 PROMPTS = prompts(N, seed=11, lengths=(40, 120))
 MAX_TOKENS = [240 if i % 4 == 0 else 16 for i in range(N)]   # a quarter outlive the drain timeout (mock ITL ~7 ms)
@@ -225,7 +225,10 @@ def test_a_killed_actor_is_replaced(cluster):
     def replaced():
         w = [w for w in ready(cluster) if w.name == survivor.name]
         return w and w[0].worker_id != survivor.worker_id and w[0].restarts == 1
-    until(replaced, REPLACED_WITHIN_S, 0.2, "a replacement actor, ready")
+    try:
+        until(replaced, REPLACED_WITHIN_S, 0.2, "a replacement actor, ready")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{cluster.log()[-6000:]}") from None
     print(f"killed actor replaced and ready in {time.monotonic() - t0:.1f} s")
     assert re.search(rf"{survivor.name} actor died \(ActorDiedError\) after [\d.]+ s; replacing its actor", cluster.log())
     [new_pid] = worker_pids(f"{survivor.name}.json")
