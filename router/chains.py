@@ -68,6 +68,8 @@ class ChainIndex:
             return []
         get = self._chain[tier].get
         m = get(block_hashes[0], 0)
+        if not m:               # nobody holds the first block: no lookup of the last one
+            return []
         out: list[tuple[int, int]] = []
         n = len(block_hashes)
         i = 0

@@ -21,7 +21,12 @@ class CandidatePool:
                  slots_version: int) -> None:
         self.names = list(names)
         self.position = {w: i for i, w in enumerate(self.names)}
-        self.rows = np.array(rows, dtype=np.intp)
+        # the candidates' rows in the queue arrays: a slice where they are consecutive (a fleet of
+        # one role, in registration order), which reads a view instead of gathering a copy
+        first = rows[0] if len(rows) else 0
+        self.rows: slice | np.ndarray = (slice(first, first + len(rows))
+                                         if list(rows) == list(range(first, first + len(rows)))
+                                         else np.array(rows, dtype=np.intp))
         self.slots = list(slots)            # position -> index slot (None: no events seen yet)
         self.slots_version = slots_version
         num_slots = 1 + max((s for s in slots if s is not None), default=-1)
