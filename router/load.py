@@ -92,10 +92,13 @@ class LoadTracker:
         """Take one routing's load off its worker, unless a report has counted it since."""
         wid, decode_blocks, prefill_blocks, epoch = routed
         w = self._workers.get(wid)
-        if w is not None and w.epoch == epoch:
-            w.routed_decode = max(0.0, w.routed_decode - decode_blocks)
-            w.routed_prefill = max(0.0, w.routed_prefill - prefill_blocks)
-            self._refresh(wid, w)
+        if w is not None and w.epoch == epoch:     # a load of 0 changes nothing: not rewritten
+            if decode_blocks:
+                w.routed_decode = max(0.0, w.routed_decode - decode_blocks)
+                self.decode[wid] = w.reported_decode + w.routed_decode
+            if prefill_blocks:
+                w.routed_prefill = max(0.0, w.routed_prefill - prefill_blocks)
+                self.prefill[wid] = w.reported_prefill + w.routed_prefill
 
     def report(self, worker_id: str, active_blocks: int, waiting_prefill_tokens: int) -> None:
         w = self._workers[worker_id]
