@@ -11,7 +11,7 @@ this thread's CPU time, not wall time, which discards time the process was not r
 Each tree must hold a ``router`` package; the bench and the rest of the code (kvstore) come from
 this repository. The same decisions are asserted (``same_choices``): a speed-up must not move one.
 
-    git archive main | tar -x -C /tmp/base
+    mkdir -p /tmp/base && git archive main | tar -x -C /tmp/base
     python bench/router_ab.py /tmp/base . --cpu 1
 """
 
@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.router_bench import (BLOCK_SIZE, bench_churn, fleet_batches, make_docs,  # noqa: E402
                                 make_prompts)
+from splitserve.bench.records import git_sha  # noqa: E402
 
 
 def load_router(tree: str) -> ModuleType:
@@ -107,7 +108,7 @@ def main() -> None:
                 finished(prefix + str(i - in_flight))
         return (hi - lo) / (clock() - t0)
 
-    record = {"bench": "router_ab", "a": args.a, "b": args.b, "clock": args.clock,
+    record = {"bench": "router_ab", "git_sha": git_sha(), "a": args.a, "b": args.b, "clock": args.clock,
               "workers": args.workers, "decisions": args.decisions, "rounds": args.rounds,
               "host_load_avg_1m": round(os.getloadavg()[0], 2)}
     for run, in_flight in (("idle", 0), ("decoding", args.in_flight)):
