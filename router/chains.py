@@ -42,6 +42,7 @@ from typing import Iterable, Sequence
 from kvstore.events import Tier
 
 _TIERS = tuple(Tier)
+_GALLOP = tuple(1 << k for k in range(63))     # a lookup's probe offsets (prompts of < 2**63 blocks)
 
 
 @dataclass(slots=True)
@@ -68,6 +69,8 @@ class ChainIndex:
             return []
         get = self._chain[tier].get
         m = get(block_hashes[0], 0)
+        if not m:               # nobody holds the first block: no lookup of the last one
+            return []
         out: list[tuple[int, int]] = []
         n = len(block_hashes)
         i = 0
@@ -76,19 +79,19 @@ class ChainIndex:
             if m == last:       # the run goes to the end: a whole hit costs no gallop
                 out.append((m, n))
                 break
-            # Masks only shrink along the prompt: gallop from i to a position whose mask differs
-            # (n counts as the empty mask), then bisect for the last position still equal to m.
-            lo, step = i, 1
-            while True:
-                probe = lo + step
+            # Masks only shrink along the prompt: gallop from i (i+1, i+2, i+4, ...) to a position
+            # whose mask differs (n counts as the empty mask), then bisect for the last position
+            # still equal to m. A for loop over fixed steps: fewer bytecodes than a while loop.
+            lo, hi, m_hi = i, n, 0
+            for step in _GALLOP:
+                probe = i + step
                 if probe >= n:
-                    hi, m_hi = n, 0
                     break
                 mp = get(block_hashes[probe], 0)
                 if mp != m:
                     hi, m_hi = probe, mp
                     break
-                lo, step = probe, step << 1
+                lo = probe
             while hi - lo > 1:
                 mid = (lo + hi) >> 1
                 mm = get(block_hashes[mid], 0)

@@ -18,6 +18,10 @@ class WorkerRole(Enum):
     PREFILL = "prefill"
     AGGREGATED = "aggregated"
 
+    # Members are singletons that compare by identity, so identity can hash them: Enum's own
+    # __hash__ is a Python-level call, and the router looks a role up on every decision.
+    __hash__ = object.__hash__
+
 
 class RoutingPolicy(Enum):
     KV = "kv"                    # lowest predicted time to first token: queue wait + uncached prefill

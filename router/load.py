@@ -53,9 +53,12 @@ class LoadTracker:
     def route(self, request_id: str, worker_id: str, decode_blocks: float,
               prefill_blocks: float) -> None:
         w = self._workers[worker_id]
-        w.routed_decode += decode_blocks
-        w.routed_prefill += prefill_blocks
-        self._refresh(worker_id, w)
+        if decode_blocks:
+            w.routed_decode += decode_blocks
+            self.decode[worker_id] = w.reported_decode + w.routed_decode
+        if prefill_blocks:
+            w.routed_prefill += prefill_blocks
+            self.prefill[worker_id] = w.reported_prefill + w.routed_prefill
         routed = (worker_id, decode_blocks, prefill_blocks, w.epoch)
         earlier = self._requests.get(request_id)
         if earlier is None:
@@ -68,23 +71,34 @@ class LoadTracker:
         routed = self._requests.get(request_id)
         if not routed:
             return False
-        keep = [r for r in routed if worker_id is not None and r[0] != worker_id]
+        if worker_id is None:       # the usual end: everything it held, no list to rebuild
+            del self._requests[request_id]
+            for r in routed:
+                self._release(r)
+            return True
+        keep = [r for r in routed if r[0] != worker_id]
         if len(keep) == len(routed):
             return False
         for r in routed:
-            if r in keep:
-                continue
-            wid, decode_blocks, prefill_blocks, epoch = r
-            w = self._workers.get(wid)
-            if w is not None and w.epoch == epoch:
-                w.routed_decode = max(0.0, w.routed_decode - decode_blocks)
-                w.routed_prefill = max(0.0, w.routed_prefill - prefill_blocks)
-                self._refresh(wid, w)
+            if r[0] == worker_id:
+                self._release(r)
         if keep:
             self._requests[request_id] = keep
         else:
             del self._requests[request_id]
         return True
+
+    def _release(self, routed: _Routed) -> None:
+        """Take one routing's load off its worker, unless a report has counted it since."""
+        wid, decode_blocks, prefill_blocks, epoch = routed
+        w = self._workers.get(wid)
+        if w is not None and w.epoch == epoch:     # a load of 0 changes nothing: not rewritten
+            if decode_blocks:
+                w.routed_decode = max(0.0, w.routed_decode - decode_blocks)
+                self.decode[wid] = w.reported_decode + w.routed_decode
+            if prefill_blocks:
+                w.routed_prefill = max(0.0, w.routed_prefill - prefill_blocks)
+                self.prefill[wid] = w.reported_prefill + w.routed_prefill
 
     def report(self, worker_id: str, active_blocks: int, waiting_prefill_tokens: int) -> None:
         w = self._workers[worker_id]

@@ -21,7 +21,12 @@ class CandidatePool:
                  slots_version: int) -> None:
         self.names = list(names)
         self.position = {w: i for i, w in enumerate(self.names)}
-        self.rows = np.array(rows, dtype=np.intp)
+        # the candidates' rows in the queue arrays: a slice where they are consecutive (a fleet of
+        # one role, in registration order), which reads a view instead of gathering a copy
+        first = rows[0] if len(rows) else 0
+        self.rows: slice | np.ndarray = (slice(first, first + len(rows))
+                                         if list(rows) == list(range(first, first + len(rows)))
+                                         else np.array(rows, dtype=np.intp))
         self.slots = list(slots)            # position -> index slot (None: no events seen yet)
         self.slots_version = slots_version
         num_slots = 1 + max((s for s in slots if s is not None), default=-1)
@@ -31,6 +36,7 @@ class CandidatePool:
             if s is not None:
                 self._slot_pos[s] = i
                 self._bits |= 1 << s
+        self._slot_pos_array = np.array(self._slot_pos, dtype=np.intp)
         self._cache: dict[int, np.ndarray] = {}
 
     def positions(self, bits: int) -> np.ndarray:
@@ -39,13 +45,13 @@ class CandidatePool:
         if found is None:
             if len(self._cache) >= _CACHE_MAX:
                 self._cache.clear()
-            slot_pos, out = self._slot_pos, []
-            b = bits & self._bits
-            while b:
-                low = b & -b
-                out.append(slot_pos[low.bit_length() - 1])
-                b ^= low
-            found = self._cache[bits] = np.array(sorted(out), dtype=np.intp)
+            # the mask's bits as a 0/1 array by slot, in a few array operations rather than a
+            # Python step per bit (a group of holders may be most of the fleet)
+            num_slots = len(self._slot_pos)
+            raw = (bits & self._bits).to_bytes((num_slots + 7) // 8, "little")
+            held = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), count=num_slots,
+                                 bitorder="little")
+            found = self._cache[bits] = np.sort(self._slot_pos_array[held.nonzero()[0]])
         return found
 
     def position_of_slot(self, slot: int) -> int:

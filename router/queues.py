@@ -123,7 +123,7 @@ class PrefillQueues:
         row = self.row[worker_id]
         self.decoding[row] += done
         self.decoding_total += done
-        self.busy_until[row] = self._clock() + sum(s for s, _ in q.items.values())
+        self.busy_until[row] = self._clock() + (sum(s for s, _ in q.items.values()) if q.items else 0)
 
     def finished(self, request_id: str, worker_id: str | None = None) -> None:
         """The request ended (on ``worker_id`` only, if given); if it never got a first token, its

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from kvstore.events import KvEventBatch, Tier
 from router.affinity import SessionAffinity
@@ -39,8 +38,9 @@ _SERVES: dict[WorkerRole, frozenset[WorkerRole]] = {
 }
 
 
-@dataclass(slots=True, frozen=True)
-class RouteDecision:
+class RouteDecision(NamedTuple):
+    """Immutable; a named tuple because one is built per decision (a frozen dataclass's
+    constructor costs twice as much)."""
     worker_id: str
     overlap_blocks: int        # leading prompt blocks already cached on the worker (config.tiers)
     cost: float                # the policy's cost of this worker (KV: predicted TTFT in seconds)

@@ -96,24 +96,30 @@ class Selector:
         cold = prefill_weight * cold_s
         # cost - (cold - now): when the worker would start the prompt, corrected below for what
         # it holds and for the requests it is decoding; the constant is added back to the winner
-        costs = np.maximum(busy_until[pool.rows], now)
+        rows = pool.rows
+        costs = np.maximum(busy_until[rows], now)
         dec = None
         if decoding is not None:   # each running decode waits out the prompt's prefill steps too
-            dec = decoding[pool.rows]
+            dec = decoding[rows]
             costs += dec * cold_s
         for pos, blocks, _ in holders:      # one prefill estimate per group
             if blocks:
                 d = prefill.seconds(cached_tokens(blocks, num_tokens, block_size), num_tokens) - cold_s
-                costs[pos] += d * prefill_weight if dec is None else d * (prefill_weight + dec[pos])
+                if type(pos) is int:        # one worker: plain floats, no array operations
+                    costs[pos] = costs.item(pos) + (d * prefill_weight if dec is None
+                                                    else d * (prefill_weight + dec.item(pos)))
+                else:
+                    costs[pos] += d * prefill_weight if dec is None else d * (prefill_weight + dec[pos])
         if self._config.temperature > 0:
             w, cost = self._sample(pool.names, [x - now + cold for x in costs.tolist()])
             return pool.position[w], cost
         i = int(costs.argmin())
-        tied = (costs <= costs[i] + _TIE_EPS).nonzero()[0]
+        best = costs.item(i)
+        tied = (costs <= best + _TIE_EPS).nonzero()[0]
         if len(tied) > 1:       # the preferred worker if tied, else one at random (in pool order)
             p = pool.position.get(prefer, -1) if prefer is not None else -1
-            i = p if p >= 0 and costs[p] <= costs[i] + _TIE_EPS else int(self._rng.choice(tied))
-        return i, float(costs[i]) - now + cold
+            i = p if p >= 0 and costs.item(p) <= best + _TIE_EPS else int(self._rng.choice(tied))
+        return i, costs.item(i) - now + cold
 
     def cost(self, worker_id: str, prompt_blocks: int, overlaps: Mapping[str, float],
              load: Mapping[str, float]) -> float:

@@ -1,0 +1,138 @@
+"""Router decision speed, A/B in one process: two source trees' ``router`` packages side by side.
+
+A noisy host (a shared VM, a CI run beside it) moves one `router_bench` run's decisions/s by tens
+of percent, which hides a change of that size. Here both trees' routers live in one process, get
+the same fleet (router_bench's: ``--workers`` workers, their documents, the churn) and route the
+same prompts in alternating chunks (A then B, B then A), so a slow moment hits both; each chunk's
+B/A speed ratio is paired, and the medians are printed. Two runs as in router_bench: an idle fleet
+(each request finished at once) and ``--in-flight`` requests decoding. ``--clock thread`` counts
+this thread's CPU time, not wall time, which discards time the process was not running.
+
+Each tree must hold a ``router`` package; the bench and the rest of the code (kvstore) come from
+this repository. The same decisions are asserted (``same_choices``): a speed-up must not move one.
+
+    mkdir -p /tmp/base && git archive main | tar -x -C /tmp/base
+    python bench/router_ab.py /tmp/base . --cpu 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from types import ModuleType
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.router_bench import (BLOCK_SIZE, bench_churn, fleet_batches, make_docs,  # noqa: E402
+                                make_prompts)
+from splitserve.bench.records import git_sha  # noqa: E402
+
+
+def load_router(tree: str) -> ModuleType:
+    """Import ``tree``'s router package as a fresh set of modules (the other tree's stay alive
+    through the objects built from them)."""
+    for name in [m for m in sys.modules if m == "router" or m.startswith("router.")]:
+        del sys.modules[name]
+    sys.path.insert(0, os.path.abspath(tree))
+    try:
+        module = importlib.import_module("router")
+    finally:
+        sys.path.pop(0)
+    if not os.path.abspath(module.__file__).startswith(os.path.abspath(tree) + os.sep):
+        raise SystemExit(f"{tree}: no router package there")
+    return module
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("a", help="source tree A (the baseline)")
+    ap.add_argument("b", help="source tree B")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workers", type=int, default=64)
+    ap.add_argument("--docs", type=int, default=4096)
+    ap.add_argument("--doc-blocks", type=int, default=256)
+    ap.add_argument("--docs-per-worker", type=int, default=72)
+    ap.add_argument("--churn-blocks", type=int, default=1_000_000)
+    ap.add_argument("--decisions", type=int, default=20_000)
+    ap.add_argument("--in-flight", type=int, default=512)
+    ap.add_argument("--chunk", type=int, default=500, help="decisions per timed chunk")
+    ap.add_argument("--rounds", type=int, default=2, help="passes over the prompts per run")
+    ap.add_argument("--clock", choices=("wall", "thread"), default="wall")
+    ap.add_argument("--cpu", type=int, default=-1, help="core to pin to (-1: don't pin)")
+    args = ap.parse_args()
+    if args.cpu >= 0 and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {args.cpu})
+    clock = time.perf_counter if args.clock == "wall" else time.thread_time
+
+    rng = random.Random(args.seed)
+    workers = [f"decode-{i}" for i in range(args.workers)]
+    docs = make_docs(rng, args.docs, args.doc_blocks)
+    batches, placement = fleet_batches(rng, docs, workers, args.docs_per_worker, 16)
+    prompts = [hs for _, hs in make_prompts(rng, docs, placement, args.decisions, args.doc_blocks)]
+    routers = {}
+    for tag, tree in (("A", args.a), ("B", args.b)):
+        m = load_router(tree)
+        r = m.Router(m.RouterConfig(policy=m.RoutingPolicy.KV), block_size=BLOCK_SIZE,
+                     seed=args.seed)
+        for w in workers:
+            r.add_worker(w, m.WorkerRole.DECODE)
+        for b in batches:
+            r.apply_events(b)
+        bench_churn(r, placement, docs, 16, random.Random(args.seed + 1), args.churn_blocks)
+        routers[tag] = (r, m.WorkerRole.DECODE)
+    del batches
+    gc.collect()
+    gc.freeze()
+    num_tokens = args.doc_blocks * BLOCK_SIZE
+    chosen: dict[str, list[str]] = {"A": [], "B": []}
+
+    def chunk(tag: str, lo: int, hi: int, in_flight: int, prefix: str) -> float:
+        r, role = routers[tag]
+        route, finished, first_token, out = r.route, r.finished, r.first_token, chosen[tag]
+        t0 = clock()
+        for i in range(lo, hi):
+            rid = prefix + str(i)
+            out.append(route(rid, prompts[i], num_tokens, role).worker_id)
+            if not in_flight:
+                finished(rid)
+                continue
+            first_token(rid)
+            if i >= in_flight:
+                finished(prefix + str(i - in_flight))
+        return (hi - lo) / (clock() - t0)
+
+    record = {"bench": "router_ab", "git_sha": git_sha(), "a": args.a, "b": args.b, "clock": args.clock,
+              "workers": args.workers, "decisions": args.decisions, "rounds": args.rounds,
+              "host_load_avg_1m": round(os.getloadavg()[0], 2)}
+    for run, in_flight in (("idle", 0), ("decoding", args.in_flight)):
+        speed: dict[str, list[float]] = {"A": [], "B": []}
+        for rnd in range(args.rounds):
+            prefix = f"{run}{rnd}-"
+            for k, lo in enumerate(range(0, args.decisions, args.chunk)):
+                hi = min(lo + args.chunk, args.decisions)
+                for tag in ("A", "B") if k % 2 == 0 else ("B", "A"):
+                    speed[tag].append(chunk(tag, lo, hi, in_flight, prefix))
+            if in_flight:                       # the requests still decoding end
+                for r, _ in routers.values():
+                    for i in range(max(0, args.decisions - in_flight), args.decisions):
+                        r.finished(prefix + str(i))
+        ratios = sorted(b / a for a, b in zip(speed["A"], speed["B"]))
+        record[run] = {"a_decisions_per_s": round(statistics.median(speed["A"])),
+                       "b_decisions_per_s": round(statistics.median(speed["B"])),
+                       "b_over_a_paired_median": round(statistics.median(ratios), 3),
+                       "b_over_a_quartiles": [round(ratios[len(ratios) // 4], 3),
+                                              round(ratios[3 * len(ratios) // 4], 3)],
+                       "chunks": len(ratios)}
+    record["same_choices"] = chosen["A"] == chosen["B"]
+    print(json.dumps(record), flush=True)
+
+
+if __name__ == "__main__":
+    main()
