@@ -212,21 +212,11 @@ class RayLauncher(Launcher):
         if p is not None and p.poll() is not None:
             self.planner = None
             self.controller.planner_metrics_url = None
-            uptime = time.monotonic() - self.planner_started
-            delay = self.planner_history.crashed(uptime)
-            if delay is None:
+            if not self._restart_later("planner", p.returncode, self.planner_started, self.planner_history,
+                                       self._start_planner, "a new actor; the pools keep their sizes meanwhile"):
                 log.error("the SLA planner keeps crashing (%s); not restarting it: the pools keep their sizes "
                           "(`splitserve pools scale` still works)", describe_exit(p.returncode))
-                return True
-            log.warning("the SLA planner %s after %.0f s; restarting its actor in %.1f s", describe_exit(p.returncode),
-                        uptime, delay)
-            asyncio.get_running_loop().call_later(delay, self._restart_planner)
         return True
-
-    def _restart_planner(self) -> None:
-        if not self.stop.is_set():
-            self._start_planner()
-            self.metrics.component_restarts.labels("planner").inc()
 
     async def _stop_planner(self) -> None:
         p, self.planner = self.planner, None

@@ -323,21 +323,30 @@ class Launcher:
                 log.warning("restarting Redis failed (%s); trying again", e)
         f = self.frontend
         if f is not None and f.poll() is not None:
-            uptime = time.monotonic() - self.frontend_started
-            delay = self.frontend_history.crashed(uptime)
-            if delay is None:
+            self.frontend = None
+            if not self._restart_later("frontend", f.returncode, self.frontend_started, self.frontend_history,
+                                       self._start_frontend, "the workers keep running"):
                 log.error("the frontend keeps crashing (%s); stopping", describe_exit(f.returncode))
                 return False
-            log.warning("the frontend %s after %.0f s; restarting it in %.1f s (the workers keep running)",
-                        describe_exit(f.returncode), uptime, delay)
-            self.frontend = None
-            asyncio.get_running_loop().call_later(delay, self._restart_frontend)
         return True
 
-    def _restart_frontend(self) -> None:
-        if not self.stop.is_set():
-            self._start_frontend()
-            self.metrics.component_restarts.labels("frontend").inc()
+    def _restart_later(self, component: str, returncode: int, started: float, history: CrashHistory,
+                       start, meanwhile: str) -> bool:
+        """A component (the frontend; on Ray the planner) exited: start it again after its backoff,
+        unless serve is stopping by then. False (nothing scheduled) when it crash-loops."""
+        uptime = time.monotonic() - started
+        delay = history.crashed(uptime)
+        if delay is None:
+            return False
+        log.warning("the %s %s after %.0f s; restarting it in %.1f s (%s)", component, describe_exit(returncode),
+                    uptime, delay, meanwhile)
+
+        def restart() -> None:
+            if not self.stop.is_set():
+                start()
+                self.metrics.component_restarts.labels(component).inc()
+        asyncio.get_running_loop().call_later(delay, restart)
+        return True
 
     # ---- stopping ---------------------------------------------------------------------------
     def _start_planner(self) -> None:

@@ -186,7 +186,7 @@ def test_the_sla_planner_runs_as_an_actor_whose_decisions_show_and_which_is_repl
 
     os.kill(actor_pid, signal.SIGKILL)                           # the actor's process: Ray reports it dead
     [new_pid] = until(lambda: [p for p in component_pids("planner") if p != pid], 30, 0.2, "a new planner")
-    assert "the SLA planner killed by SIGKILL" in cluster.log() and actor_of(new_pid)[0] != actor_pid
+    assert "the planner killed by SIGKILL" in cluster.log() and actor_of(new_pid)[0] != actor_pid
 
 
 def test_pools_scale_adds_and_drains_actors_with_no_failed_request(cluster):

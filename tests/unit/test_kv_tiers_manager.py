@@ -60,6 +60,17 @@ class Engine:
         self.tiers.finish_onboard(ob)
         return ob.num_ok
 
+    def hot_on_disk(self, n: int, seed: int) -> list[int]:
+        """n blocks used twice (worth a disk write), offloaded from G1 blocks 0..n-1 and written
+        back to disk; they stay in host RAM too until other blocks push them out."""
+        hot = hashes(n, seed)
+        for _ in range(2):
+            self.tiers.record_use(hot)
+        self.offload(list(range(n)), hot)
+        self.tiers.poll()
+        self.tiers.drain()
+        return hot
+
     def close(self):
         self.mover.close()
         self.tiers.close()
@@ -117,12 +128,7 @@ def test_blocks_used_twice_go_to_disk_before_host_ram_evicts_them_and_come_back(
 
 
 def test_a_corrupted_disk_block_ends_the_usable_prefix_there(eng):
-    hot = hashes(6, seed=4)
-    for _ in range(2):
-        eng.tiers.record_use(hot)
-    eng.offload(list(range(6)), hot)
-    eng.tiers.poll()
-    eng.tiers.drain()
+    hot = eng.hot_on_disk(6, seed=4)
     eng.offload(list(range(10, 18)), hashes(8, seed=5))  # out of host RAM
     disk = eng.tiers.disk
     slab, off = disk._where(disk.slots.find(hot[3]))
@@ -138,12 +144,7 @@ def test_a_corrupted_disk_block_ends_the_usable_prefix_there(eng):
 
 def test_a_restarted_worker_serves_its_disk_blocks(tmp_path):
     e = Engine(tmp_path)
-    hot = hashes(5, seed=6)
-    for _ in range(2):
-        e.tiers.record_use(hot)
-    e.offload(list(range(5)), hot)
-    e.tiers.poll()
-    e.tiers.drain()
+    hot = e.hot_on_disk(5, seed=6)
     e.close()
     e2 = Engine(tmp_path)                               # same directory, new process state
     assert e2.tiers.lookup(hot) == [Tier.DISK] * 5
@@ -157,12 +158,7 @@ def test_auto_loads_host_hits_and_recomputes_disk_hits_a_fast_prefill_beats(tmp_
     e = Engine(tmp_path, mode=OnboardMode.AUTO)
     e.tiers.set_rate(TierPath.G2_TO_G1, PathRate(50e9))
     e.tiers.set_rate(TierPath.G3_TO_G2, PathRate(1e9))
-    hot = hashes(6, seed=7)
-    for _ in range(2):
-        e.tiers.record_use(hot)
-    e.offload(list(range(6)), hot)
-    e.tiers.poll()
-    e.tiers.drain()
+    hot = e.hot_on_disk(6, seed=7)
     e.offload(list(range(10, 16)), hashes(6, seed=8))   # 2 free slots, then 4 of hot leave host RAM
     tiers = e.tiers.lookup(hot)
     assert len(tiers) == 6 and tiers.count(Tier.DISK) == 4 and tiers.count(Tier.HOST) == 2
@@ -179,12 +175,7 @@ def test_a_disk_load_slower_end_to_end_than_its_bandwidth_teaches_auto_to_recomp
     e = Engine(tmp_path, mode=OnboardMode.AUTO)
     e.tiers.set_rate(TierPath.G2_TO_G1, PathRate(50e9))
     e.tiers.set_rate(TierPath.G3_TO_G2, PathRate(1e9))
-    hot = hashes(6, seed=10)
-    for _ in range(2):
-        e.tiers.record_use(hot)
-    e.offload(list(range(6)), hot)
-    e.tiers.poll()
-    e.tiers.drain()
+    hot = e.hot_on_disk(6, seed=10)
     e.offload(list(range(10, 18)), hashes(8, seed=11))  # hot leaves host RAM: on disk only
     assert e.tiers.lookup(hot) == [Tier.DISK] * 6
     fast = PrefillSpeed(1e6)                            # 16 us a block to recompute, 8 us to read
