@@ -25,7 +25,7 @@ from kvstore.disk_pool import DiskConfig
 from kvstore.events import Tier
 from kvstore.host_copy import CopyDirection, CopyHandle, HostCopyError, choose
 from kvstore.tier_policy import OnboardMode, PathRate, PrefillSpeed, TierPath
-from kvstore.tiers import TierConfig, TierManager
+from kvstore.tiers import DEFAULT_RATES, TierConfig, TierManager
 from engine.plan import StepPlan
 from runtime.config import EngineConfig
 
@@ -226,33 +226,44 @@ class ModelledHostCopy:
         pass
 
 
-MOCK_SLOT_BYTES = 8          # the mock's host tier holds no KV: one word per slot, for the bookkeeping
+MOCK_SLOT_BYTES = 8          # the mock's tiers hold no KV: one word per slot, for the bookkeeping
 
 
 def _build_mock(cfg: EngineConfig, scheduler) -> TierIO:
     """The mock engine's tiers: the real tier manager (slots, LRU, events, decisions) over a host
-    tier of --kv-host-gib worth of modelled blocks, and a mover timed by the profile. The disk
-    tier is not modelled."""
+    tier of --kv-host-gib worth of modelled blocks and, with --kv-disk-gib, the real disk tier (slab
+    files, checksums, index, restart survival, admission) of --kv-disk-gib worth of them, each slot
+    MOCK_SLOT_BYTES standing for a block of the profile's size. Copies and disk reads and writes
+    take the time the profile's rates would need for the modelled blocks, and the cost model sees
+    those rates scaled to slot bytes. No probe: the profile is the measurement."""
     from runtime.profile import load_tier_timing
-    if cfg.kv_disk_gib > 0 or cfg.kv_disk_dir:
-        raise TierConfigError("the mock engine models the host tier only: drop --kv-disk-gib/--kv-disk-dir")
     tcfg = tier_config(cfg, pin_memory=False)
     tt = load_tier_timing(cfg.mock_profile)
     block_bytes = tt.kv_bytes_per_token * cfg.block_size
     slots = tcfg.host_bytes // block_bytes
     if slots < 1:
         raise TierConfigError(f"--kv-host-gib {cfg.kv_host_gib} holds no block of {block_bytes} bytes")
+    disk = None
+    if tcfg.disk is not None:
+        disk_slots = tcfg.disk.capacity_bytes // block_bytes
+        if disk_slots < 1:
+            raise TierConfigError(f"--kv-disk-gib {cfg.kv_disk_gib} holds no block of {block_bytes} bytes")
+        # plain pwritev/preadv and one checksum thread: a word per block leaves NIXL nothing to do
+        disk = dataclasses.replace(tcfg.disk, capacity_bytes=disk_slots * MOCK_SLOT_BYTES, file_io="os",
+                                   checksum_threads=1)
     fmt = BlockFormat(f"mock:{model_identity(cfg)}", 1, MOCK_SLOT_BYTES, cfg.block_size, "mock")
-    tiers = TierManager(fmt, dataclasses.replace(tcfg, host_bytes=slots * MOCK_SLOT_BYTES))
-    # the cost model sees slot bytes: scale the link's rate so a slot costs a modelled block's time
-    rate = PathRate(tt.host_gbps * 1e9 * MOCK_SLOT_BYTES / block_bytes, 20e-6)
-    tiers.set_rate(TierPath.G1_TO_G2, rate)
-    tiers.set_rate(TierPath.G2_TO_G1, rate)
+    tiers = TierManager(fmt, dataclasses.replace(tcfg, host_bytes=slots * MOCK_SLOT_BYTES, disk=disk,
+                                                 disk_block_s=block_bytes / (tt.disk_gbps * 1e9)))
+    for path, gbps in ((TierPath.G1_TO_G2, tt.host_gbps), (TierPath.G2_TO_G1, tt.host_gbps),
+                       (TierPath.G2_TO_G3, tt.disk_gbps), (TierPath.G3_TO_G2, tt.disk_gbps)):
+        # the cost model sees slot bytes: scale the rate so a slot costs a modelled block's time
+        tiers.set_rate(path, PathRate(gbps * 1e9 * MOCK_SLOT_BYTES / block_bytes, DEFAULT_RATES[path].latency_s))
     for meter in tiers.meters.values():
         meter.min_bytes = 1 << 62            # modelled copies: keep the profile's rate
     scheduler.tiers = tiers
     io = TierIO(tiers, ModelledHostCopy(block_bytes, tt.host_gbps * 1e9), scheduler)
-    log.info("mock KV host tier: %d modelled blocks of %d bytes at %.0f GB/s", slots, block_bytes, tt.host_gbps)
+    log.info("mock KV tiers: %d host and %d disk modelled blocks of %d bytes, at %.0f and %.1f GB/s", slots,
+             tiers.disk.num_slots if tiers.disk is not None else 0, block_bytes, tt.host_gbps, tt.disk_gbps)
     return io
 
 

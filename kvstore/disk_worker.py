@@ -6,6 +6,11 @@ finished job to a queue that the step loop drains with ``take_done()`` (never bl
 I/O blocks on (NIXL POSIX polling, fdatasync, SQLite commits, xxhash) releases the GIL, so the
 step loop keeps running meanwhile. An unexpected exception fails the job, never the thread.
 
+A modelled disk (the mock engine's, ``block_s`` > 0): a read or write of n blocks is handed back
+no sooner than n * block_s after the modelled disk was free, so jobs queue as on one device and
+the step loop sees the profile's disk time, however fast the real I/O of the mock's small slots
+was. The delay is in ``take_done`` (a job is not handed back early), never a sleep.
+
 Knows nothing of slots' meaning or tiers' tables: the tier manager applies results.
 """
 
@@ -39,12 +44,15 @@ class DiskJob:
     owner: Any = None                # what the submitter needs back (an Onboarding)
     result: Any = None
     seconds: float = 0.0
+    ready_at: float = 0.0            # perf_counter time from which take_done hands it back
     _done: threading.Event = field(default_factory=threading.Event)
 
 
 class DiskWorker:
-    def __init__(self, disk: DiskPool) -> None:
+    def __init__(self, disk: DiskPool, block_s: float = 0.0) -> None:
         self.disk = disk
+        self.block_s = block_s           # modelled seconds per block of a read or write; 0: real time
+        self._free_at = 0.0              # when the modelled disk finishes its last job (the thread's)
         self._jobs: queue.Queue[DiskJob | None] = queue.Queue()
         self._done: collections.deque[DiskJob] = collections.deque()
         self.num_outstanding = 0         # submitted and not yet taken back (step loop's count)
@@ -56,9 +64,11 @@ class DiskWorker:
         self._jobs.put(job)
 
     def take_done(self) -> list[DiskJob]:
-        """Finished jobs in completion order (the step loop's, non-blocking)."""
+        """Finished jobs in completion order whose (modelled) time has come (the step loop's,
+        non-blocking)."""
         out = []
-        while self._done:
+        now = time.perf_counter()
+        while self._done and self._done[0].ready_at <= now:
             out.append(self._done.popleft())
         self.num_outstanding -= len(out)
         return out
@@ -88,6 +98,9 @@ class DiskWorker:
                 error = DiskError.WRITE_ERROR if job.kind == DiskJobKind.WRITE else DiskError.READ_ERROR
                 job.result = e if job.kind == DiskJobKind.PROBE else [error] * len(job.items)
             job.seconds = time.perf_counter() - t0
+            if self.block_s and job.kind != DiskJobKind.PROBE:
+                job.seconds = max(job.seconds, len(job.items) * self.block_s)
+                job.ready_at = self._free_at = max(t0, self._free_at) + job.seconds
             if job.kind != DiskJobKind.PROBE:
                 self._done.append(job)
             job._done.set()

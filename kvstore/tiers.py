@@ -81,6 +81,7 @@ class TierConfig:
     disk_batch_blocks: int = 32              # blocks per disk write
     clean_fraction: float = 0.25             # G2's LRU tail kept written to disk ahead of eviction
     disk_full_retry_s: float = 60.0          # after a write finds the disk full, pause writes this long
+    disk_block_s: float = 0.0                # mock engine: modelled disk seconds per block (disk_worker.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +146,7 @@ class TierManager:
                 self.host.close()
                 raise
             self.admission = SecondHitAdmission(FrequencySketch.for_capacity(self.disk.num_slots), cfg.disk_min_count)
-            self._worker = DiskWorker(self.disk)
+            self._worker = DiskWorker(self.disk, cfg.disk_block_s)
 
     # ---- lookups and decisions (step loop) --------------------------------------------------
     def lookup(self, hashes: Sequence[int]) -> list[Tier]:

@@ -196,11 +196,13 @@ class ProfileTiming:
 
 @dataclass(frozen=True, slots=True)
 class TierTiming:
-    """The mock engine's KV tiers: bytes per token of KV and the G1 <-> G2 copy rate (H100 8B bf16:
-    128 KiB per token, the 55 GB/s pinned-copy ceiling), from a profile's optional "tiers" key:
-    {"tiers": {"kv_bytes_per_token": 131072, "host_gbps": 55}}."""
+    """The mock engine's KV tiers: bytes per token of KV, the G1 <-> G2 copy rate and the G2 <-> G3
+    disk rate (H100 8B bf16: 128 KiB per token, the 55 GB/s pinned-copy ceiling, the H100 machine's
+    1.3 GB/s local disk), from a profile's optional "tiers" key:
+    {"tiers": {"kv_bytes_per_token": 131072, "host_gbps": 55, "disk_gbps": 1.3}}."""
     kv_bytes_per_token: int = 131072
     host_gbps: float = 55.0
+    disk_gbps: float = 1.3
 
 
 def load_tier_timing(path: str | Path | None) -> TierTiming:
@@ -208,7 +210,12 @@ def load_tier_timing(path: str | Path | None) -> TierTiming:
         return TierTiming()
     try:
         spec = json.loads(Path(path).read_text()).get("tiers", {})
-        return TierTiming(int(spec.get("kv_bytes_per_token", 131072)), float(spec.get("host_gbps", 55.0)))
+        d = TierTiming()
+        tt = TierTiming(int(spec.get("kv_bytes_per_token", d.kv_bytes_per_token)),
+                        float(spec.get("host_gbps", d.host_gbps)), float(spec.get("disk_gbps", d.disk_gbps)))
+        if min(tt.kv_bytes_per_token, tt.host_gbps, tt.disk_gbps) <= 0:
+            raise ValueError("kv_bytes_per_token, host_gbps and disk_gbps must be positive")
+        return tt
     except (OSError, ValueError, TypeError, AttributeError) as e:
         raise ValueError(f"mock profile {path}: bad tiers ({e!r})") from None
 

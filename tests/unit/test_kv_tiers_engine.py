@@ -5,13 +5,15 @@ truncated slab turn the damaged blocks into counted misses and the outputs stay 
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import time
 
 import pytest
 
 from engine.engine import Engine
-from engine.kv_tiers import TierConfigError
+from engine.kv_tiers import MOCK_SLOT_BYTES, TierConfigError
 from kvstore.disk_pool import DiskError
 from kvstore.events import Tier
 from runtime.config import EngineConfig
@@ -203,9 +205,100 @@ def test_the_mock_engine_models_the_host_tier(model):
         assert len(dict(eng.tiers.snapshot())[Tier.HOST]) == 9    # A, F1, F2: what a router snapshot lists
     finally:
         eng.close()
-    with pytest.raises(TierConfigError, match="host tier only"):
-        Engine(EngineConfig(model=model, mock=True, num_blocks=8, kv_host_gib=0.1, kv_disk_gib=0.1,
+    with pytest.raises(TierConfigError, match="holds no block"):       # less than one 2 MiB block
+        Engine(EngineConfig(model=model, mock=True, num_blocks=8, kv_host_gib=0.1, kv_disk_gib=1 / 1024,
                             kv_disk_dir="/tmp"))
+
+
+MOCK_BLOCK = 2 << 20                                     # the 8B profile's modelled block
+DISK_BLOCK_S = 0.04                                      # modelled disk time of one block in these tests
+
+
+def mock_tiered(model, disk_dir, profile, onboard="always") -> Engine:
+    """A mock engine with a G1 of 8 blocks, a host tier of 4 modelled blocks and a disk of 64."""
+    return Engine(EngineConfig(model=model, mock=True, num_blocks=8, kv_host_gib=4 * MOCK_BLOCK / 2**30,
+                               kv_disk_gib=64 * MOCK_BLOCK / 2**30, kv_disk_dir=str(disk_dir), mock_profile=str(profile),
+                               kv_onboard=onboard, max_model_len=4096))
+
+
+def mock_profile(tmp_path, disk_gbps: float):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"curve": {}, "tiers": {"disk_gbps": disk_gbps}}))
+    return path
+
+
+def test_the_mock_engine_runs_the_disk_tier_in_modelled_time_and_finds_it_after_a_restart(model, tmp_path):
+    """--mock with --kv-disk-gib: the real disk tier (slab files, index, admission) over the mock's
+    slots. A prefix used twice is written back to disk once fillers push it out of G1 and host RAM;
+    it comes back as a disk hit no sooner than the profile's disk needs for its 3 modelled blocks,
+    while the step loop keeps stepping; a new mock engine on the same directory still finds it."""
+    from kvstore.tier_policy import TierPath
+    profile = mock_profile(tmp_path, MOCK_BLOCK / DISK_BLOCK_S / 1e9)
+    disk = tmp_path / "kv"
+    disk.mkdir()
+    a, f1, f2, f3 = prompts(4, seed=7)
+    eng = mock_tiered(model, disk, profile)
+    try:
+        assert eng.tiers.disk.num_slots == 64
+        run(eng, [a, a, f1, f2, f3], "m")
+        assert eng.tiers.lookup(_hashes(a)) == [Tier.DISK] * 3          # on disk only, not in G1 or G2
+        assert eng.pool.lookup(_hashes(a)) == []
+        st = eng.stats().tiers
+        assert st.path_seconds[TierPath.G2_TO_G3] >= 3 * DISK_BLOCK_S   # written back in modelled time
+        assert st.blocks[Tier.DISK] == 3                                 # the fillers were seen once
+
+        t0 = time.perf_counter()
+        assert eng.add_request(EngineRequest("again", a, GREEDY)) is None
+        steps, first_token_s = [], None
+        while eng.has_work:
+            s0 = time.perf_counter()
+            outputs = eng.step().outputs
+            steps.append(time.perf_counter() - s0)
+            if outputs and first_token_s is None:
+                first_token_s = time.perf_counter() - t0
+        st = eng.stats().tiers
+        assert st.loaded_blocks[Tier.DISK] == 3
+        assert first_token_s >= 3 * DISK_BLOCK_S                         # not before the modelled read
+        assert st.path_seconds[TierPath.G3_TO_G2] == pytest.approx(3 * DISK_BLOCK_S, rel=0.01)
+        assert max(steps) < 1.5 * DISK_BLOCK_S                           # the read never held a step
+    finally:
+        eng.close()
+    assert (disk / "index.sqlite").exists() and (disk / "slab-000000.kv").stat().st_size == 64 * MOCK_SLOT_BYTES
+
+    eng = mock_tiered(model, disk, profile)                              # a restart: G1 and G2 empty
+    try:
+        assert eng.tiers.lookup(_hashes(a)) == [Tier.DISK] * 3
+        run(eng, [a], "r")
+        assert eng.stats().tiers.loaded_blocks[Tier.DISK] == 3
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("disk_gbps, loads", [(1.3, False), (100.0, True)])
+def test_the_mock_cost_model_weighs_the_profiles_disk_rate(model, tmp_path, disk_gbps, loads):
+    """`auto` on the mock decides from the profile's disk rate scaled to its slots: a 1.3 GB/s disk
+    (1.6 ms a 2 MiB block) loses to recomputing 16 tokens at the engine's first 20k tokens/s (0.8
+    ms), a 100 GB/s one wins."""
+    disk = tmp_path / "kv"
+    disk.mkdir()
+    a, f1, f2, f3 = prompts(4, seed=8)
+    eng = mock_tiered(model, disk, mock_profile(tmp_path, disk_gbps), onboard="auto")
+    try:
+        run(eng, [a, a, f1, f2, f3], "m")
+        assert eng.tiers.lookup(_hashes(a)) == [Tier.DISK] * 3
+        run(eng, [a], "again")
+        st = eng.stats().tiers
+        assert (st.loaded_blocks[Tier.DISK], st.recomputed_blocks[Tier.DISK]) == ((3, 0) if loads else (0, 3))
+    finally:
+        eng.close()
+
+
+def test_a_mock_profile_with_a_bad_disk_rate_is_refused(tmp_path):
+    from runtime.profile import load_tier_timing
+    assert load_tier_timing(mock_profile(tmp_path, 2.5)).disk_gbps == 2.5
+    assert load_tier_timing(None).disk_gbps == 1.3
+    with pytest.raises(ValueError, match="bad tiers"):
+        load_tier_timing(mock_profile(tmp_path, 0))
 
 
 def test_offload_copies_nothing_while_g1_has_room_and_saves_what_eviction_would_lose(model, block_bytes, tmp_path):
