@@ -36,11 +36,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import os
 import platform
 import sys
+import tempfile
 import uuid
 from types import SimpleNamespace
 
@@ -85,6 +87,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=131072)
     p.add_argument("--kv-host-gib", type=float, default=0.0,
                    help="each mock worker's modelled host KV tier (docs/kv_tiers.md); 0: none")
+    p.add_argument("--kv-disk-gib", type=float, default=0.0,
+                   help="each mock worker's disk KV tier, modelled blocks in real files (needs --kv-host-gib "
+                        "and --kv-disk-dir); 0: none")
+    p.add_argument("--kv-disk-dir", default=None,
+                   help="an existing directory; each policy's cluster gets a fresh subdirectory of it, "
+                        "removed after (its workers one each below that)")
     p.add_argument("--lower-tier-weight", type=float, default=0.5,
                    help="the router's weight of a block held only in a lower tier (0: tier-unaware)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -208,8 +216,28 @@ def share_of_oracle(hit_rate: float | None, oracle_hit_rate: float) -> float | N
 # One policy: a fresh cluster, the replay, the workers' statuses
 
 
+def check_tier_args(args: argparse.Namespace) -> None:
+    if args.kv_host_gib < 0 or args.kv_disk_gib < 0:
+        raise BenchInputError("--kv-host-gib and --kv-disk-gib must not be negative")
+    if bool(args.kv_disk_gib) != bool(args.kv_disk_dir):
+        raise BenchInputError("--kv-disk-gib and --kv-disk-dir need each other")
+    if args.kv_disk_gib and not args.kv_host_gib:
+        raise BenchInputError("--kv-disk-gib needs --kv-host-gib")
+    if args.kv_disk_dir and not os.path.isdir(args.kv_disk_dir):
+        raise BenchInputError(f"--kv-disk-dir {args.kv_disk_dir} is not an existing directory")
+
+
+def disk_dir_for(args: argparse.Namespace, policy: str) -> contextlib.AbstractContextManager[str | None]:
+    """A fresh directory under --kv-disk-dir for one policy's cluster, removed after it: every
+    policy starts with empty disks, as with empty device and host tiers (a disk kept from an
+    earlier run would serve hits the policy did not earn). None without a disk tier."""
+    if not args.kv_disk_gib:
+        return contextlib.nullcontext(None)
+    return tempfile.TemporaryDirectory(prefix=f"replay-{policy}-", dir=args.kv_disk_dir)
+
+
 def serve_argv(args: argparse.Namespace, policy: str, redis_url: str, namespace: str,
-               http_port: int, grpc_port: int) -> list[str]:
+               http_port: int, grpc_port: int, disk_dir: str | None = None) -> list[str]:
     argv = ["serve", "--mock", "--model", args.model, "--model-name", MODEL_NAME, "--decode-workers", str(args.workers),
             "--prefill-workers", "0",
             "--redis-url", redis_url, "--namespace", namespace, "--router-policy", policy,
@@ -223,6 +251,8 @@ def serve_argv(args: argparse.Namespace, policy: str, redis_url: str, namespace:
         argv += ["--num-blocks", str(args.num_blocks)]
     if args.kv_host_gib:
         argv += ["--kv-host-gib", str(args.kv_host_gib)]
+    if disk_dir is not None:       # serve gives each worker its own subdirectory (ROLE-INDEX)
+        argv += ["--kv-disk-gib", str(args.kv_disk_gib), "--kv-disk-dir", disk_dir]
     argv += ["--router-lower-tier-weight", str(args.lower_tier_weight)]
     return argv
 
@@ -271,11 +301,11 @@ def run_policy(args: argparse.Namespace, policy: str, specs: list[RequestSpec]) 
 
     namespace = f"replay-{uuid.uuid4().hex[:6]}"
     http_port, grpc_port = free_port(), free_port()
-    with EmbeddedRedis() as redis:
+    with EmbeddedRedis() as redis, disk_dir_for(args, policy) as disk_dir:
         cluster = Cluster()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         # the banner goes to stderr: this command's stdout carries only JSON
-        cluster.spawn("serve", serve_argv(args, policy, redis.url, namespace, http_port, grpc_port),
+        cluster.spawn("serve", serve_argv(args, policy, redis.url, namespace, http_port, grpc_port, disk_dir),
                       env, stdout=sys.stderr)
         try:
             if not wait_ready(cluster, f"http://127.0.0.1:{http_port}/health", args.workers, 0,
@@ -330,6 +360,7 @@ def main(args: argparse.Namespace) -> int:
         policies = [p.strip() for p in args.policy.split(",") if p.strip()]
         if not policies or any(p not in POLICIES for p in policies):
             raise BenchInputError(f"--policy wants a comma list of {', '.join(POLICIES)}")
+        check_tier_args(args)
         from splitserve.models import resolve_model
         args.model = resolve_model(args.model)
         specs, workload = make_specs(args)
@@ -340,7 +371,7 @@ def main(args: argparse.Namespace) -> int:
               f"({os.cpu_count()} CPUs, {platform.machine()})", "label": args.label,
               "workers": args.workers, "block_size": args.block_size, "seed": args.seed,
               "mock_profile": args.mock_profile or "h100-8b-curve", "num_blocks": args.num_blocks,
-              "kv_host_gib": args.kv_host_gib, "lower_tier_weight": args.lower_tier_weight,
+              "kv_host_gib": args.kv_host_gib, "kv_disk_gib": args.kv_disk_gib, "lower_tier_weight": args.lower_tier_weight,
               "max_num_batched_tokens": args.max_num_batched_tokens, **workload,
               "offered_prefill_util": offered_prefill_util(specs, args), **oracle_fields(specs, args)}
     records, ttfts = [], {}

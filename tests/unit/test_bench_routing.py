@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import numpy as np
 import pytest
@@ -94,6 +95,28 @@ def test_offered_util_sets_the_arrival_compression():
         replay.make_specs(replay_args(workload="shared-prefix", offered_util=-1))
     with pytest.raises(BenchInputError):
         replay.make_specs(replay_args(workload="sessions"))     # no --azure-trace
+
+
+def test_replay_gives_each_policys_mock_workers_a_fresh_disk_tier(tmp_path):
+    """--kv-disk-gib/--kv-disk-dir reach `serve` (which gives each worker its own subdirectory), in
+    a directory of its own per policy, gone after the run; inconsistent flags are input errors."""
+    from splitserve.cli import build_parser
+    args = replay_args(kv_host_gib=1.0, kv_disk_gib=4.0, kv_disk_dir=str(tmp_path))
+    replay.check_tier_args(args)
+    with replay.disk_dir_for(args, "kv") as d1, replay.disk_dir_for(args, "kv") as d2:
+        assert d1 != d2 and os.path.dirname(d1) == str(tmp_path) and os.listdir(d1) == []
+        argv = replay.serve_argv(args, "kv", "redis://x", "ns", 1, 2, d1)
+        ns = vars(build_parser().parse_args(argv))
+        assert [ns[f"engine.{k}"] for k in ("kv_disk_gib", "kv_disk_dir", "kv_host_gib", "mock")] == [4.0, d1, 1.0, True]
+    assert os.listdir(tmp_path) == []
+    with replay.disk_dir_for(replay_args(), "kv") as none:
+        assert none is None and "--kv-disk-dir" not in replay.serve_argv(replay_args(), "kv", "r", "n", 1, 2, none)
+    for bad in ({"kv_disk_gib": 4.0}, {"kv_disk_dir": str(tmp_path)},
+                {"kv_disk_gib": 4.0, "kv_disk_dir": str(tmp_path)},                  # no host tier
+                {"kv_host_gib": 1.0, "kv_disk_gib": 4.0, "kv_disk_dir": str(tmp_path / "missing")},
+                {"kv_host_gib": -1.0}):
+        with pytest.raises(BenchInputError):
+            replay.check_tier_args(replay_args(**bad))
 
 
 def test_replay_oracle_fields_match_the_oracle_and_exclude_refused_requests():
