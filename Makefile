@@ -30,7 +30,7 @@ serve: $(STAMP)
 	$(BIN)/splitserve serve $(MODEL_ARGS) $(ARGS)
 
 test: $(TEST_STAMP) helm-check
-	$(BIN)/python -m pytest -q --durations=25 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
 # the chart renders, lints and validates for each value set in helm/splitserve/ci/; the Dockerfiles lint
 helm-check: $(TEST_STAMP)
