@@ -133,6 +133,10 @@ class Generator:
         if n >= self.max_model_len:
             raise InvalidRequest(f"This model's maximum context length is {self.max_model_len} tokens; "
                                  f"the prompt has {n} tokens.", "prompt")
+        held = self.pool.sequence_capacity()
+        if held is not None and n >= held:      # what the engine would refuse in-band, said up front
+            raise InvalidRequest(f"The workers' KV cache holds at most {held} tokens of one sequence; "
+                                 f"the prompt has {n} tokens.", "prompt")
         room = self.max_model_len - n
         if max_tokens is None:
             return min(default_max_tokens or room, room)

@@ -246,6 +246,12 @@ class WorkerPool:
                                          role, hint)
         return Choice(self.workers[wid], overlap)
 
+    def sequence_capacity(self) -> int | None:
+        """The most tokens one sequence can hold on a decode-side worker: its whole KV cache, which
+        caps the engine's context below the model's (None before one joined)."""
+        return max((c.info.num_blocks * c.info.block_size for c in self.workers.values()
+                    if c.routable and c.info.role != "prefill"), default=None)
+
     def num_alive(self, prefill: bool = False) -> int:
         """Workers of one kind that take requests (ready, connected, not draining)."""
         return sum(1 for c in self.workers.values() if c.routable and (c.info.role == "prefill") == prefill)

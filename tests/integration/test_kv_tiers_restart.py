@@ -51,6 +51,12 @@ def test_a_restarted_cluster_serves_a_prompt_seen_before_from_disk(tmp_path):
         assert complete(c) == first
         until(lambda: metric(c, "splitserve_kv_hits_total", "disk") >= 3, 10, 0.2, "disk hits in /metrics")
         assert metric(c, "splitserve_kv_hits_total", "device") == 0
+        # a prompt the workers' 16 blocks cannot hold: a 400 before any stream starts, not an
+        # error inside a 200 stream
+        for stream in (False, True):
+            r = httpx.post(f"{c.url}/v1/completions", json={"model": "tiny", "prompt": [5] * 300, "max_tokens": 2,
+                                                            "stream": stream}, timeout=30)
+            assert r.status_code == 400 and "holds at most 256 tokens" in r.json()["error"]["message"], r.text
     finally:
         assert c.stop() == 0, c.log()[-3000:]
     assert "Traceback" not in c.log(), c.log()[-3000:]
