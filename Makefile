@@ -29,8 +29,10 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/splitserve serve $(MODEL_ARGS) $(ARGS)
 
+# two lanes (pytest-xdist), one torch thread per process: on a 2-core machine the lanes and the
+# clusters' workers would otherwise spin OpenMP threads against each other
 test: $(TEST_STAMP) helm-check
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25 tests
 
 # the chart renders, lints and validates for each value set in helm/splitserve/ci/; the Dockerfiles lint
 helm-check: $(TEST_STAMP)
