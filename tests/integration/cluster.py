@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,6 +45,14 @@ def until(cond, timeout_s: float = 10.0, interval_s: float = 0.05, what: str = "
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not reached within {timeout_s} s (last: {value!r})")
         time.sleep(interval_s)
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples on the frontend's /metrics whose labels include `labels`."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(float(m.group(2)) for m in re.finditer(rf"^{name}(?:{{([^}}]*)}})? (\S+)$", text, re.M)
+               if all(w in (m.group(1) or "") for w in want))
 
 
 def log_problems(text: str, also: tuple[str, ...] = (), context: int = 30) -> str:

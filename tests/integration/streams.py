@@ -1,6 +1,7 @@
-"""Streaming clients for the lifecycle tests: many concurrent `/v1/completions` streams, each one's
-outcome told apart exactly — finished with all its tokens, ended by an in-band error event, or cut
-(the connection closed without either)."""
+"""Clients for the integration tests. Streams for the lifecycle tests: many concurrent
+`/v1/completions` streams, each one's outcome told apart exactly — finished with all its tokens,
+ended by an in-band error event, or cut (the connection closed without either). Plain token-id
+completions for the parity tests."""
 
 from __future__ import annotations
 
@@ -76,3 +77,27 @@ async def stream_all(url: str, prompt_list: list[list[int]], max_tokens: int | l
 def failures(streams: list[Stream], max_tokens: int | list[int]) -> list[tuple[int, Stream]]:
     counts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(streams)
     return [(i, s) for i, (s, m) in enumerate(zip(streams, counts)) if not s.ok or len(s.tokens) != m]
+
+
+# Non-streaming token-id completions, greedy: the parity tests compare these exactly.
+async def _complete(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> list[int]:
+    r = await client.post(f"{url}/v1/completions", json={
+        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+async def complete_all(url: str, prompts: list[list[int]], max_tokens: int,
+                       during=None) -> list[list[int]]:
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=len(prompts))) as client:
+        tasks = [asyncio.create_task(_complete(client, url, p, max_tokens)) for p in prompts]
+        if during is not None:
+            await during()
+        return await asyncio.gather(*tasks)
+
+
+async def complete_each(url: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """One request at a time: every step's batch has the same shape on both sides of a comparison."""
+    async with httpx.AsyncClient() as client:
+        return [await _complete(client, url, p, max_tokens) for p in prompts]

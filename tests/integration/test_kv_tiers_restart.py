@@ -4,12 +4,11 @@ with identical tokens, and a tiny --num-blocks makes the first one offload and o
 
 from __future__ import annotations
 
-import re
 
 import httpx
 import pytest
 
-from .conftest import start_cluster, until
+from .cluster import metric, start_cluster, until
 
 pytestmark = pytest.mark.slow
 
@@ -29,11 +28,6 @@ def complete(c) -> list[int]:
     return r.json()["choices"][0]["text"]
 
 
-def metric(c, name: str, tier: str) -> float:
-    text = httpx.get(f"{c.url}/metrics", timeout=10).text
-    return sum(float(v) for v in re.findall(rf'^{name}\{{[^}}]*tier="{tier}"[^}}]*\}} (\S+)$', text, re.M))
-
-
 def test_a_restarted_cluster_serves_a_prompt_seen_before_from_disk(tmp_path):
     disk = tmp_path / "kv"
     disk.mkdir()
@@ -41,7 +35,7 @@ def test_a_restarted_cluster_serves_a_prompt_seen_before_from_disk(tmp_path):
     try:
         first = complete(c)
         assert complete(c) == first                       # a second use: worth a disk write
-        until(lambda: metric(c, "splitserve_kv_tier_blocks", "disk") >= 3, 20, 0.2, "blocks written to disk")
+        until(lambda: metric(c.url, "splitserve_kv_tier_blocks", tier="disk") >= 3, 20, 0.2, "blocks written to disk")
     finally:
         assert c.stop() == 0, c.log()[-3000:]
     assert (disk / "aggregated-0" / "index.sqlite").exists()         # the worker's own subdirectory
@@ -49,8 +43,8 @@ def test_a_restarted_cluster_serves_a_prompt_seen_before_from_disk(tmp_path):
     c = tiered(tmp_path / "two", disk)
     try:
         assert complete(c) == first
-        until(lambda: metric(c, "splitserve_kv_hits_total", "disk") >= 3, 10, 0.2, "disk hits in /metrics")
-        assert metric(c, "splitserve_kv_hits_total", "device") == 0
+        until(lambda: metric(c.url, "splitserve_kv_hits_total", tier="disk") >= 3, 10, 0.2, "disk hits in /metrics")
+        assert metric(c.url, "splitserve_kv_hits_total", tier="device") == 0
         # a prompt the workers' 16 blocks cannot hold: a 400 before any stream starts, not an
         # error inside a 200 stream
         for stream in (False, True):

@@ -14,7 +14,6 @@ import asyncio
 import json
 import time
 
-import re
 
 import grpc
 import httpx
@@ -22,7 +21,7 @@ import pytest
 
 from proto.splitserve.v1 import admin_pb2, admin_pb2_grpc
 from runtime.admin_auth import read_token_file
-from tests.integration.cluster import assert_clean_log, own_cluster, until
+from tests.integration.cluster import assert_clean_log, metric, own_cluster, until
 from tests.integration.streams import prompts, stream_one
 
 pytestmark = pytest.mark.slow
@@ -38,13 +37,6 @@ def pool(cluster, name: str) -> admin_pb2.PoolStatus:
         md = [("authorization", f"Bearer {read_token_file(cluster.admin_port)}")]
         r = admin_pb2_grpc.AdminStub(ch).GetStatus(admin_pb2.GetStatusRequest(), metadata=md, timeout=10)
     return next(p for p in r.pools if p.pool == name)
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(float(m.group(2)) for m in re.finditer(rf"^{name}(?:{{([^}}]*)}})? (\S+)$", text, re.M)
-               if all(w in (m.group(1) or "") for w in want))
 
 
 async def load(url: str, rate_rps: float, duration_s: float) -> list:

@@ -31,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from proto.splitserve.v1 import admin_pb2, admin_pb2_grpc  # noqa: E402
 from runtime.admin_auth import read_token_file  # noqa: E402
-from tests.integration.cluster import assert_clean_log, own_cluster, until  # noqa: E402
+from tests.integration.cluster import assert_clean_log, metric, own_cluster, until  # noqa: E402
 from tests.integration.streams import failures, prompts, stream_all  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -87,13 +87,6 @@ def busy(cluster, role: str) -> dict[str, int]:
     """Requests on each worker of a role (running + queued), by worker id."""
     ids = {w.worker_id for w in cluster.workers() if w.role == role}
     return {s.worker_id: s.num_running + s.num_waiting for s in cluster.worker_status() if s.worker_id in ids}
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(float(m.group(2)) for m in re.finditer(rf"^{name}(?:{{([^}}]*)}})? (\S+)$", text, re.M)
-               if all(w in (m.group(1) or "") for w in want))
 
 
 def scale(cluster, **sizes: int) -> None:

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 from runtime.process import awaiting, bounded, with_parent_death
