@@ -30,8 +30,8 @@ from types import ModuleType
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.router_bench import (BLOCK_SIZE, bench_churn, fleet_batches, make_docs,  # noqa: E402
-                                make_prompts)
+from bench.router_bench import (BLOCK_SIZE, add_fleet_arguments, bench_churn, fleet_batches,  # noqa: E402
+                                make_docs, make_prompts, parse_fleet_args)
 from splitserve.bench.records import git_sha  # noqa: E402
 
 
@@ -54,21 +54,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("a", help="source tree A (the baseline)")
     ap.add_argument("b", help="source tree B")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--workers", type=int, default=64)
-    ap.add_argument("--docs", type=int, default=4096)
-    ap.add_argument("--doc-blocks", type=int, default=256)
-    ap.add_argument("--docs-per-worker", type=int, default=72)
+    add_fleet_arguments(ap, decisions=20_000, cpu=-1)
     ap.add_argument("--churn-blocks", type=int, default=1_000_000)
-    ap.add_argument("--decisions", type=int, default=20_000)
-    ap.add_argument("--in-flight", type=int, default=512)
     ap.add_argument("--chunk", type=int, default=500, help="decisions per timed chunk")
     ap.add_argument("--rounds", type=int, default=2, help="passes over the prompts per run")
     ap.add_argument("--clock", choices=("wall", "thread"), default="wall")
-    ap.add_argument("--cpu", type=int, default=-1, help="core to pin to (-1: don't pin)")
-    args = ap.parse_args()
-    if args.cpu >= 0 and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {args.cpu})
+    args = parse_fleet_args(ap)
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
 
     rng = random.Random(args.seed)

@@ -161,22 +161,37 @@ def emit(out: str | None, record: dict) -> None:
             f.write(line + "\n")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_fleet_arguments(ap: argparse.ArgumentParser, decisions: int, cpu: int) -> None:
+    """The fleet, its documents and the decision runs, as this bench and bench/router_ab.py build them."""
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=64)
     ap.add_argument("--docs", type=int, default=4096)
     ap.add_argument("--doc-blocks", type=int, default=256)
     ap.add_argument("--docs-per-worker", type=int, default=72)
-    ap.add_argument("--event-blocks", type=int, default=16)
-    ap.add_argument("--decisions", type=int, default=60_000)
-    ap.add_argument("--cpu", type=int, default=0, help="core to pin to (-1: don't pin)")
+    ap.add_argument("--decisions", type=int, default=decisions)
     ap.add_argument("--in-flight", type=int, default=512,
                     help="requests decoding during the second decision run (first token out)")
-    ap.add_argument("--out", help="also append the JSON lines to this file")
+    ap.add_argument("--cpu", type=int, default=cpu, help="core to pin to (-1: don't pin)")
+
+
+def parse_fleet_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parse, refuse a fleet that cannot be built, and pin to --cpu."""
     args = ap.parse_args()
+    if min(args.workers, args.docs, args.doc_blocks, args.docs_per_worker, args.decisions) < 1 or args.in_flight < 0:
+        ap.error("--workers, --docs, --doc-blocks, --docs-per-worker and --decisions must be >= 1, --in-flight >= 0")
+    if args.docs_per_worker > args.docs:
+        ap.error(f"--docs-per-worker {args.docs_per_worker} exceeds --docs {args.docs}")
     if args.cpu >= 0 and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {args.cpu})
+    return args
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_fleet_arguments(ap, decisions=60_000, cpu=0)
+    ap.add_argument("--event-blocks", type=int, default=16)
+    ap.add_argument("--out", help="also append the JSON lines to this file")
+    args = parse_fleet_args(ap)
 
     rng = random.Random(args.seed)
     workers = [f"decode-{i}" for i in range(args.workers)]
