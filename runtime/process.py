@@ -28,7 +28,7 @@ def _has_prctl() -> bool:
         return False
 
 
-_PRCTL = _has_prctl()
+_HAS_PRCTL = _has_prctl()
 
 # Runs as `python -I -S -c _TRAMPOLINE PARENT_PID ARGV...`: asks for SIGTERM when the parent dies,
 # checks the parent did not die first (then it was re-parented: end as that signal would have),
@@ -50,7 +50,7 @@ def with_parent_death(argv: list[str]) -> list[str]:
     under them and the child died before its exec ("epoll_wait error: Bad file descriptor", seen
     starting the embedded Redis from a process serving gRPC). A short Python trampoline sets the
     signal after a clean spawn instead (about 20 ms)."""
-    if not _PRCTL:
+    if not _HAS_PRCTL:
         return list(argv)
     return [sys.executable, "-I", "-S", "-c", _TRAMPOLINE, str(os.getpid()), *argv]
 
