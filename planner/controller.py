@@ -32,11 +32,13 @@ from runtime.lifecycle import WorkerState
 from runtime.logging import Throttled
 from runtime.metrics import PoolMetrics
 from runtime.pool_record import PoolsRecord, read_latencies, write_pools
+from runtime.process import bounded
 
 log = logging.getLogger(__name__)
 
 STATUS_INTERVAL_S = 1.0
 CLOCK_SLACK_S = 5.0           # a lease started this long before its handle is an older incarnation's
+CLOSE_STEP_S = 5.0            # each step of close(); past it the step is logged and left
 GONE_MEMORY_S = 30.0          # a removed worker's lingering lease is not shown as someone else's
 
 
@@ -137,12 +139,16 @@ class PoolController:
         await self._publish()
 
     async def close(self) -> None:
+        """Stop the loop and close its connections, each step bounded: a step that hangs is logged
+        with what it waits on, and the rest still run. The workers are left as they are."""
         if self._task is not None:
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        for ch in self._channels.values():
-            await ch.close()
-        await self.redis.aclose()
+            await bounded("stopping the pool controller's loop", asyncio.gather(self._task, return_exceptions=True),
+                          CLOSE_STEP_S)
+        for addr, ch in list(self._channels.items()):
+            await bounded(f"closing the status channel to {addr}", ch.close(grace=None), CLOSE_STEP_S)
+        self._channels.clear()
+        await bounded("closing the pool controller's Redis client", self.redis.aclose(), CLOSE_STEP_S)
 
     # ---- what operators and the planner call ------------------------------------------------
     def scale(self, sizes: dict[str, int]) -> None:
