@@ -162,7 +162,14 @@ class Engine:
         if self.tier_io is not None:
             self._last_plan = plan
             if plan.copies:
-                self.tier_io.start(plan)        # before the forward pass that reads onboarded blocks
+                try:
+                    self.tier_io.start(plan)    # before the forward pass that reads onboarded blocks
+                except BaseException:           # an onboard its rows needed failed: the step with it
+                    prev, self._in_flight = self._in_flight, None
+                    for p in (prev[0] if prev else None, plan):
+                        if p is not None:
+                            sched.abandon(p)
+                    raise
         if not self.async_scheduling:
             if not plan:
                 return []

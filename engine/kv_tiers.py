@@ -99,11 +99,18 @@ class TierIO:
                 continue
             try:
                 h = self.mover.offload(blocks, slots) if offload else self.mover.onboard(slots, blocks)
-            except Exception:
+            except Exception as e:
                 log.exception("KV tier copy (%s, %d blocks) failed", "offload" if offload else "onboard", len(blocks))
                 self.copy_errors += 1
                 self.scheduler.copies_landed(plan.step_id, offload, ok=False)
+                if not offload and plan.wait_onboard:
+                    # its requests were admitted on the copy and their prefix registered in G1: the
+                    # cache forgets everything it holds (the blocks hold no KV) and the step fails
+                    self.scheduler.pool.reset_cache()
+                    raise HostCopyError(f"onboarding {len(blocks)} blocks failed: {e}") from e
                 continue
+            if not offload and plan.wait_onboard:
+                self.mover.make_stream_wait(h)      # the step's forward reads these blocks
             self._flight.append(_Flight(plan.step_id, offload, h))
 
     def poll(self) -> None:
@@ -189,6 +196,7 @@ def build(cfg: EngineConfig, runner, scheduler) -> TierIO:
         tiers.close()
         raise
     scheduler.tiers = tiers
+    scheduler.ordered_onboard = mover.ordered
     io = TierIO(tiers, mover, scheduler)
     io.probe_figures = figures
     return io
@@ -198,6 +206,7 @@ class ModelledHostCopy:
     """The mock engine's G1 <-> G2 mover: moves no bytes; a copy lands when the modelled link
     (one per direction, copies queued behind each other) would have finished it."""
     name = "modelled"
+    ordered = False           # a copy lands on the modelled clock: read after done()
 
     def __init__(self, block_bytes: int, bytes_per_s: float, clock=time.perf_counter) -> None:
         self.block_s = block_bytes / bytes_per_s

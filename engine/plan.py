@@ -62,6 +62,7 @@ class StepPlan:
     rows: list[PlanRow] = field(default_factory=list)
     copies: list[BlockCopy] = field(default_factory=list)   # run before the rows' forward pass
     finished: list[int] = field(default_factory=list)   # keys of requests ended since: drop their state
+    wait_onboard: bool = False      # rows read blocks the copies onboard: the compute stream waits for them
 
     def __bool__(self) -> bool:
         return bool(self.rows or self.copies)

@@ -63,6 +63,7 @@ class _Onboard:
     request: Request
     ob: object                       # kvstore.tiers.Onboarding
     blocks: list[int] | None = None  # G1 blocks the copy writes, once allocated
+    admitted: bool = False           # queued with its copy (ordered mover, idle engine): not requeued at landing
 
 
 class Scheduler:
@@ -92,6 +93,9 @@ class Scheduler:
         self.prefill_speed = PrefillSpeed(2e4)      # the engine replaces it with a measured figure
         self.num_gpu_hit_blocks = 0                 # prompt blocks found in G1 (hits per tier: device)
         self.onboarding: dict[str, _Onboard] = {}   # waiting for disk reads / G1 room, then copied
+        # the mover orders the compute stream after an onboard (kvstore/host_copy.py HostCopy.ordered):
+        # with nothing running, a loaded request is admitted in the step that queues its copy
+        self.ordered_onboard = False
         self._abandoned: list[object] = []          # onboardings of requests gone while disk reads run
         self._offloads: list[tuple[int, int, bool]] = []   # (G1 block, host slot, back to the free
         #                                                 queue's head) to copy in the next plan
@@ -505,8 +509,15 @@ class Scheduler:
 
     def _onboard_copies(self, plan: StepPlan) -> bool:
         """Ready onboardings get G1 blocks and their copies go into the plan. False: one waits for
-        G1 room (so new admissions wait too)."""
+        G1 room (so new admissions wait too).
+
+        With an ordered mover and nothing running, the request goes back to the queue at once and
+        the plan asks for the compute stream to wait for the copy (`plan.wait_onboard`): its step
+        is launched while the bytes move, rather than a step after they land, and nothing else is
+        held up by the wait. Otherwise it is requeued when the copy lands (`copies_landed`), and
+        the running requests' steps go on meanwhile."""
         tiers, started, room = self.tiers, [], True
+        early = self.ordered_onboard and not self.running
         for rid, o in list(self.onboarding.items()):
             ob = o.ob
             if not ob.ready:
@@ -536,7 +547,24 @@ class Scheduler:
         if started:
             offloads = self._copies.get(plan.step_id, ([], []))[0]
             self._copies[plan.step_id] = (offloads, started)
+            if early:
+                plan.wait_onboard = True
+                for o in reversed(started):
+                    o.admitted = True
+                    self._loaded(o)
         return room
+
+    def _loaded(self, o: _Onboard) -> None:
+        """The onboarded blocks are the request's prefix (cached in G1 from now): back to the head
+        of the queue, to be admitted as it is."""
+        req, ob = o.request, o.ob
+        self.pool.register(o.blocks, ob.hashes, ob.parents[0])
+        req.block_ids = req.block_ids + o.blocks
+        req.num_registered_blocks = len(req.block_ids)
+        req.num_computed_tokens = len(req.block_ids) * self.block_size
+        req.tier_ready = True
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
 
     def copies_landed(self, step_id: int, offload: bool, ok: bool = True, seconds: float = 0.0) -> None:
         """The engine's report that a plan's offload or onboard copies landed (or failed)."""
@@ -555,20 +583,20 @@ class Scheduler:
         else:
             for o in started:
                 req, ob = o.request, o.ob
+                if o.admitted:                 # the request has had its blocks since the copy was queued
+                    if ok:
+                        tiers.onboard_landed(ob, seconds)
+                    tiers.finish_onboard(ob)
+                    continue
                 if ok:   # the blocks hold the prefix's KV: cached in G1 whatever the request does now
                     tiers.onboard_landed(ob, seconds)
-                    self.pool.register(o.blocks, ob.hashes, ob.parents[0])
                 tiers.finish_onboard(ob)
                 if req.finished:
+                    if ok:
+                        self.pool.register(o.blocks, ob.hashes, ob.parents[0])
                     self.pool.free(o.blocks)
-                    continue
-                if ok:
-                    req.block_ids = req.block_ids + o.blocks
-                    req.num_registered_blocks = len(req.block_ids)
-                    req.num_computed_tokens = len(req.block_ids) * self.block_size
-                    req.tier_ready = True
-                    req.status = RequestStatus.WAITING
-                    self.waiting.appendleft(req)
+                elif ok:
+                    self._loaded(o)
                 else:
                     self.pool.free(o.blocks)
                     self._requeue(req)

@@ -80,6 +80,7 @@ class CopyHandle:
 
 class HostCopy(Protocol):
     name: str
+    ordered: bool           # True: make_stream_wait(handle) orders the compute stream after an onboard
 
     def offload(self, g1_blocks: Sequence[int], g2_slots: Sequence[int]) -> CopyHandle: ...
     def onboard(self, g2_slots: Sequence[int], g1_blocks: Sequence[int]) -> CopyHandle: ...
@@ -100,10 +101,14 @@ def slot_runs(slots: np.ndarray) -> list[tuple[int, int, int]]:
 class TorchHostCopy:
     name = "torch"
 
+    ordered = True          # an onboard can be ordered before the compute stream's next work
+
     def __init__(self, kv_cache: torch.Tensor, host: HostPool, max_staging_blocks: int = 64,
-                 staged: bool | None = None) -> None:
+                 staged: bool | None = None, pipelined: bool = True) -> None:
         """``staged``: gather through a staging buffer (None: on CUDA only; True on the CPU runs the
-        CUDA path's indexing and chunking without streams, for tests)."""
+        CUDA path's indexing and chunking without streams, for tests). ``pipelined``: onboard
+        through the staging buffer's two halves, the host-to-device copy of one chunk (copy
+        engine) overlapping the scatter of the one before (SMs, on a second stream)."""
         import torch
         self._torch = torch
         num_layers, num_blocks = kv_cache.shape[:2]
@@ -120,6 +125,8 @@ class TorchHostCopy:
         self._cuda = kv_cache.is_cuda
         self._device = kv_cache.device
         self._stream = torch.cuda.Stream(self._device) if self._cuda else None
+        self._scatter = torch.cuda.Stream(self._device) if self._cuda else None     # pipelined onboard
+        self.pipelined = pipelined and max_staging_blocks >= 2
         self.staged = self._cuda if staged is None else staged
         assert self.staged or not self._cuda, "a device cache is copied through staging"
         self.max_staging_blocks = max_staging_blocks
@@ -159,6 +166,8 @@ class TorchHostCopy:
             for pos, s0, n in slot_runs(slots):
                 kv[self._rows(blocks[pos:pos + n])] = hst[s0 * L:(s0 + n) * L]
             return self._finish(h)
+        if self.pipelined:
+            return self._onboard_pipelined(h, blocks, slots)
         main = torch.cuda.current_stream(self._device) if self._cuda else None
         with self._on_side_stream():
             for c0 in range(0, blocks.size, self.max_staging_blocks):
@@ -173,9 +182,55 @@ class TorchHostCopy:
                 h._keep.append(idx)
             return self._recorded(h)
 
-    def _on_side_stream(self):
+    def _onboard_pipelined(self, h: CopyHandle, blocks: np.ndarray, slots: np.ndarray) -> CopyHandle:
+        """Chunks of half the staging buffer, alternating halves: the copy stream fills one half
+        while the scatter stream empties the other. Each stream waits on the other's events only
+        (a half is refilled once its last scatter is done); the scatter waits for the compute
+        stream's queued work (the target blocks may still be read by a step in flight)."""
+        torch, L = self._torch, self.num_layers
+        half = self.max_staging_blocks // 2
+        cuda = self._cuda
+        if blocks.size == 0:
+            return self._finish(h)
+        if cuda:
+            self._scatter.wait_stream(torch.cuda.current_stream(self._device))
+        emptied = [None, None]               # per half: the event after its last scatter
+        for k, c0 in enumerate(range(0, blocks.size, half)):
+            cb, cs = blocks[c0:c0 + half], slots[c0:c0 + half]
+            base = (k % 2) * half * L
+            staging = self._staging[base:base + cb.size * L]
+            with self._on(self._stream):
+                if emptied[k % 2] is not None:
+                    self._stream.wait_event(emptied[k % 2])
+                for pos, s0, n in slot_runs(cs):
+                    staging[pos * L:(pos + n) * L].copy_(self._host[s0 * L:(s0 + n) * L], non_blocking=cuda)
+                filled = self._event(self._stream)
+            with self._on(self._scatter):
+                if filled is not None:
+                    self._scatter.wait_event(filled)
+                idx = self._upload(self._rows(cb))
+                self._kv.index_copy_(0, idx, staging)
+                emptied[k % 2] = self._event(self._scatter)
+            h._keep.append(idx)
+        if not cuda:
+            return self._finish(h)
+        self._stream.wait_stream(self._scatter)     # later offloads reuse the staging buffer after it
+        h._pending = emptied[(k % 2)]
+        return h
+
+    def _on(self, stream):
         import contextlib
-        return self._torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext()
+        return self._torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    def _event(self, stream):
+        if stream is None:
+            return None
+        e = self._torch.cuda.Event()
+        e.record(stream)
+        return e
+
+    def _on_side_stream(self):
+        return self._on(self._stream)
 
     def _recorded(self, h: CopyHandle) -> CopyHandle:
         if not self._cuda:
@@ -219,6 +274,7 @@ class TorchHostCopy:
 
 class NixlHostCopy:
     name = "nixl"
+    ordered = False         # NIXL does not see the compute stream: onboarded blocks are read after done()
 
     def __init__(self, kv_cache: torch.Tensor, host: HostPool, backends: Sequence[str] = ("UCX",)) -> None:
         import nixl  # lazily: the module imports without nixl

@@ -27,7 +27,8 @@ def setup(dtype=torch.bfloat16):
 
 
 def movers(kv, host):
-    yield TorchHostCopy(kv, host, max_staging_blocks=3)       # chunks of 3: the chunking runs too
+    yield TorchHostCopy(kv, host, max_staging_blocks=4)       # pipelined chunks of 2: both halves reused
+    yield TorchHostCopy(kv, host, max_staging_blocks=3, pipelined=False)    # chunks of 3 on one stream
     if nixl_available():
         yield NixlHostCopy(kv, host)
 
@@ -48,6 +49,21 @@ def test_offload_then_onboard_moves_exact_bytes(dtype):
         kv[:, dest] = 0
         wait(m, m.onboard(slots, dest))
         assert torch.equal(kv[:, dest].view(torch.uint8), ref[:, blocks].view(torch.uint8)), m.name
+        kv.copy_(ref)
+        m.close()
+
+
+def test_an_offload_queued_behind_an_onboard_copies_what_the_onboard_wrote():
+    kv, host = setup()
+    ref = kv.clone()
+    for m in [m for m in movers(kv, host) if m.ordered]:      # NIXL's copies are ordered by done() only
+        host.data[:] = 0
+        wait(m, m.offload([1, 2, 3, 4, 5], [0, 1, 2, 3, 4]))
+        kv[:, 30:35] = 0
+        m.onboard([0, 1, 2, 3, 4], [30, 31, 32, 33, 34])         # not waited for: the offload is queued behind it
+        wait(m, m.offload([30, 31, 32, 33, 34], [20, 21, 22, 23, 24]))
+        assert torch.equal(torch.from_numpy(host.data[20:25].copy()), torch.from_numpy(host.data[0:5].copy())), m.name
+        assert torch.equal(kv[:, 30:35], ref[:, 1:6]), m.name
         kv.copy_(ref)
         m.close()
 

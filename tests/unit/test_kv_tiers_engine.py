@@ -43,7 +43,7 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 def tiered(model, block_bytes, disk_dir, g1=8, host=10, disk=64, onboard="always") -> Engine:
     return Engine(EngineConfig(model=model, device="cpu", num_blocks=g1, kv_host_gib=host * block_bytes / 2**30,
-                               kv_disk_gib=disk * block_bytes / 2**30, kv_disk_dir=str(disk_dir),
+                               kv_disk_gib=disk * block_bytes / 2**30, kv_disk_dir=str(disk_dir) if disk else None,
                                kv_onboard=onboard, kv_host_copy="torch"))
 
 
@@ -345,3 +345,94 @@ def _hashes(prompt: list[int]) -> list[int]:
     """The chained block hashes the scheduler gives this prompt."""
     from kvstore.hashing import block_hashes
     return block_hashes(prompt, BLOCK)
+
+
+def _in_host_only(eng: Engine, prompt: list[int]) -> None:
+    """The prompt's blocks leave G1 (they stay in G2)."""
+    eng.pool.reset_cache()
+    assert eng.tiers.lookup(_hashes(prompt)) == [Tier.HOST] * 3
+
+
+def _steps_until_onboard(eng: Engine, rid: str) -> tuple:
+    """Step until a plan carries onboard copies; returns it and `rid`'s tokens so far."""
+    out = []
+    for _ in range(50):
+        out += [t for o in eng.step().outputs if o.request_id == rid for t in o.new_token_ids]
+        plan = eng._last_plan
+        if plan is not None and any(c.dst_tier == Tier.GPU for c in plan.copies):
+            return plan, out
+    raise AssertionError("no onboard copy was planned")
+
+
+def test_an_idle_engine_admits_a_loaded_prefix_in_the_step_that_queues_its_copy(model, block_bytes, tmp_path):
+    """With an ordered mover (torch) and nothing running, the request runs in the copy's step (the
+    compute stream waits for the copy); with a request running, it waits for the copy to land and
+    the running one's step is not held up. Same tokens either way, and with the mover treated as
+    unordered (NIXL's case)."""
+    a, = prompts(1, seed=7)
+    want = reference(model, [a])[0]
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for ordered in (True, False):
+        eng = tiered(model, block_bytes, tmp_path / f"o{ordered}", g1=16, disk=0)
+        try:
+            assert eng.scheduler.ordered_onboard is True        # the CPU torch mover copies in order
+            eng.scheduler.ordered_onboard = ordered
+            run(eng, [a], "first")
+            _in_host_only(eng, a)
+            eng.add_request(EngineRequest("idle", a, GREEDY))
+            plan, out = _steps_until_onboard(eng, "idle")
+            assert plan.wait_onboard is ordered
+            assert ("idle" in [r.request_id for r in plan.rows]) is ordered
+            while eng.has_work:
+                out += [t for o in eng.step().outputs if o.request_id == "idle" for t in o.new_token_ids]
+            assert out == want
+
+            _in_host_only(eng, a)
+            eng.add_request(EngineRequest("busy", [5] * 20, long))
+            eng.step()
+            eng.add_request(EngineRequest("loaded", a, GREEDY))
+            plan, out = _steps_until_onboard(eng, "loaded")
+            assert not plan.wait_onboard and [r.request_id for r in plan.rows] == ["busy"]
+            while eng.has_work:
+                out += [t for o in eng.step().outputs if o.request_id == "loaded" for t in o.new_token_ids]
+            assert out == want
+            assert eng.stats().tiers.loaded_blocks[Tier.HOST] == 6
+            assert eng.pool.num_free == eng.pool.num_blocks
+            eng.pool.check_invariants()
+            eng.tiers.host.slots.check_invariants()
+        finally:
+            eng.close()
+
+
+def test_an_onboard_that_fails_after_its_request_was_admitted_fails_the_step_and_empties_g1(model, block_bytes,
+                                                                                             tmp_path):
+    """Admitted on its copy, the request would read blocks the copy never wrote: the step fails,
+    G1 forgets its prefixes (none may be served from those blocks), and the next request computes."""
+    from kvstore.host_copy import HostCopyError
+    a, = prompts(1, seed=8)
+    want = reference(model, [a])[0]
+    eng = tiered(model, block_bytes, tmp_path, g1=16, disk=0)
+    try:
+        run(eng, [a], "first")
+        _in_host_only(eng, a)
+        mover = eng.tier_io.mover
+        real = mover.onboard
+
+        def broken(slots, blocks):
+            mover.onboard = real                 # fails once
+            raise RuntimeError("injected: the copy could not be queued")
+        mover.onboard = broken
+        eng.add_request(EngineRequest("x", a, GREEDY))
+        with pytest.raises(HostCopyError, match="onboarding 3 blocks failed"):
+            for _ in range(50):
+                eng.step()
+        assert eng.tier_io.copy_errors == 1 and eng.pool.num_cached() == 0
+        eng.abort_request("x")                   # what the engine loop does to a failed step's requests
+        while eng.has_work:
+            eng.step()
+        assert eng.pool.num_free == eng.pool.num_blocks
+        eng.pool.check_invariants()
+        assert all(eng.tiers.host.slots.pins(s) == 0 for s in range(eng.tiers.host.slots.num_usable))
+        assert run(eng, [a], "after") == [want]
+    finally:
+        eng.close()
