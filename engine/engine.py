@@ -75,7 +75,8 @@ class Engine:
         if overlap is None:          # on where a device runs steps beside the host (or the mock models one)
             overlap = self.runner.device.type == "cuda" or cfg.mock
         self.async_scheduling = bool(overlap) and hasattr(self.runner, "launch")
-        self._in_flight: tuple[StepPlan, object] | None = None   # launched, not yet updated
+        self._in_flight: tuple[StepPlan, object, float] | None = None   # launched (at), not yet updated
+        self._step_done_at = 0.0                # when the last launched step's result came in
         self.tier_io = None          # KV tiers below G1 (engine/kv_tiers.py); None: off
         if cfg.kv_host_gib > 0 or cfg.kv_disk_gib > 0 or cfg.kv_disk_dir:
             from engine import kv_tiers
@@ -142,16 +143,14 @@ class Engine:
         if self.has_work:
             if not (sched.waiting or sched.running or self._in_flight):
                 time.sleep(5e-4)                # only tier work under way: do not spin the core
-            t0 = time.perf_counter()
             outputs = self._run_step()
-            self._measure_prefill(time.perf_counter() - t0)
         else:
             self.tiers.poll()                   # idle: finish disk write-backs
         return StepResult(outputs, self.pool.take_events() + self.tiers.take_events(), sched.take_reservations())
 
-    def _measure_prefill(self, seconds: float) -> None:
-        plan = self._last_plan
-        if plan is not None:
+    def _measure_prefill(self, plan: StepPlan, seconds: float) -> None:
+        """The KV tiers' prefill-speed meter sees each step's tokens and the wall time it took."""
+        if self.tier_io is not None and plan.rows:
             speed = self._prefill_meter.observe(sum(r.num_tokens for r in plan.rows), seconds)
             if speed is not None:
                 self.scheduler.prefill_speed = speed
@@ -173,12 +172,14 @@ class Engine:
         if not self.async_scheduling:
             if not plan:
                 return []
+            t0 = time.perf_counter()
             try:
                 sampled = self.runner.execute(plan)
                 logprobs = getattr(self.runner, "last_logprobs", None)
             except BaseException:
                 sched.abandon(plan)
                 raise
+            self._measure_prefill(plan, time.perf_counter() - t0)
             sched.commit(plan)
             return sched.update(plan, sampled, logprobs)
         prev, self._in_flight = self._in_flight, None
@@ -186,10 +187,19 @@ class Engine:
         try:
             if plan:
                 launched_plan = plan
+                launched_at = time.perf_counter()
                 launched = self.runner.launch(plan, prev[1] if prev else None)
                 sched.commit(plan)
-                self._in_flight = (plan, launched)
-            return sched.update(prev[0], prev[1].result(), _logprobs(prev[1])) if prev else []
+                self._in_flight = (plan, launched, launched_at)
+            if not prev:
+                return []
+            sampled = prev[1].result()
+            # the step's own time: from its launch, or from the previous step's end where it was
+            # queued behind that one (it is measured where its result comes in, a call later)
+            done = time.perf_counter()
+            self._measure_prefill(prev[0], done - max(prev[2], self._step_done_at))
+            self._step_done_at = done
+            return sched.update(prev[0], sampled, _logprobs(prev[1]))
         except BaseException:
             self._in_flight = None
             for p in (prev[0] if prev else None, launched_plan):

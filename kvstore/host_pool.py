@@ -80,7 +80,11 @@ def _allocate(nbytes: int, pin_memory: bool):
     """(torch tensor or None, mmap or None, flat uint8 numpy view), page-aligned."""
     if pin_memory:
         import torch
-        t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        # torch's pinned allocator rounds small requests up inside its own blocks, which need not
+        # start on a page (seen on torch 2.11 for buffers of a few MiB): one page more, sliced to one
+        t = torch.empty(nbytes + PAGE_BYTES, dtype=torch.uint8, pin_memory=True)
+        skip = -t.data_ptr() % PAGE_BYTES
+        t = t[skip:skip + nbytes]
         flat = t.numpy()
         assert flat.ctypes.data % PAGE_BYTES == 0, "pinned host buffer is not page-aligned"
         return t, None, flat

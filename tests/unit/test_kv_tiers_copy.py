@@ -15,6 +15,7 @@ from kvstore.host_copy import (
     CopyDirection,
     NixlHostCopy,
     TorchHostCopy,
+    _by_slot,
     choose,
     slot_runs,
     wait,
@@ -161,3 +162,20 @@ def test_choose_probes_every_mover_keeps_one_and_leaves_the_blocks_as_they_were(
     assert all(off > 0 and on > 0 for off, on in seen.values())
     assert mover.name in seen and torch.equal(kv, ref)
     mover.close()
+
+
+def test_a_prefix_held_in_reverse_slot_order_moves_as_one_host_copy_with_exact_bytes():
+    """G1 frees a request's blocks tail first, so a prefix reaches G2 in descending slots: taken in
+    slot order, the whole prefix is one host range (one copy), not one copy per block."""
+    kv = cache(torch.bfloat16)
+    ref = kv.clone()
+    host = HostPool(BlockFormat.of(kv, "m"), 12 * BlockFormat.of(kv, "m").block_bytes)
+    blocks, slots = [3, 4, 5, 6, 7, 8], [9, 8, 7, 6, 5, 4]
+    b, s = _by_slot(np.array(blocks), np.array(slots))
+    assert len(slot_runs(s)) == 1 and sorted(zip(b, s)) == sorted(zip(blocks, slots))
+    for m in movers(kv, host):
+        wait(m, m.offload(blocks, slots))
+        kv[:, 12:18] = 0
+        wait(m, m.onboard(slots, list(range(12, 18))))
+        assert torch.equal(kv[:, 12:18].view(torch.uint8), ref[:, 3:9].view(torch.uint8)), m.name
+        kv.copy_(ref)
