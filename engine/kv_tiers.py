@@ -98,7 +98,12 @@ class TierIO:
             if not blocks:
                 continue
             try:
-                h = self.mover.offload(blocks, slots) if offload else self.mover.onboard(slots, blocks)
+                if offload:
+                    h = self.mover.offload(blocks, slots)
+                elif plan.wait_onboard and hasattr(self.mover, "onboard_layers"):
+                    h, plan.layer_waits = self.mover.onboard_layers(slots, blocks)
+                else:
+                    h = self.mover.onboard(slots, blocks)
             except Exception as e:
                 log.exception("KV tier copy (%s, %d blocks) failed", "offload" if offload else "onboard", len(blocks))
                 self.copy_errors += 1
@@ -109,8 +114,8 @@ class TierIO:
                     self.scheduler.pool.reset_cache()
                     raise HostCopyError(f"onboarding {len(blocks)} blocks failed: {e}") from e
                 continue
-            if not offload and plan.wait_onboard:
-                self.mover.make_stream_wait(h)      # the step's forward reads these blocks
+            if not offload and plan.wait_onboard and plan.layer_waits is None:
+                self.mover.make_stream_wait(h)      # the step's forward reads these blocks (per layer: the runner waits)
             self._flight.append(_Flight(plan.step_id, offload, h))
 
     def poll(self) -> None:
@@ -161,7 +166,11 @@ class PrefillMeter:
             return None
         self._steps.append((num_tokens, seconds))
         self.samples += 1
-        median_rate = statistics.median(n / t for n, t in self._steps)
+        rates = [n / t for n, t in self._steps]
+        # with one or two steps seen the median is their mean, and a first step that also compiled
+        # kernels halves it (the H100's first 1k-token disk hit was then loaded, 2-3x slower than
+        # recomputing): until a third, the fastest, which errs towards recomputing
+        median_rate = statistics.median(rates) if len(rates) >= 3 else max(rates)
         self.tokens_per_s = max(self._marginal_rate() or 0.0, median_rate)   # never slower than the median: a >= 0
         return PrefillSpeed(self.tokens_per_s)
 

@@ -154,6 +154,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope: RotaryEmbedding | None = None
         self.cos_sin_cache: torch.Tensor | None = None   # (P, D) float32: FlashInfer's RoPE table
+        self.layer_waits: list | None = None    # per-layer CUDA events for one step (KV tiers' layered onboard)
 
     def setup_rope(self, max_positions: int, device: torch.device) -> None:
         c = self.cfg
@@ -184,7 +185,10 @@ class CausalLM(nn.Module):
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: (T,); kv_cache: (L, N, 2, bs, Hkv, D). Returns hidden (T, E)."""
         x, residual = self.embed_tokens(input_ids), None
+        waits = self.layer_waits
         for i, layer in enumerate(self.layers):
+            if waits is not None:           # this layer's KV is being onboarded: read it once it landed
+                torch.cuda.current_stream(x.device).wait_event(waits[i])
             x, residual = layer(x, residual, positions, self.rope, backend, kv_cache[i], self.cos_sin_cache)
         return self.norm(x, residual)[0]
 

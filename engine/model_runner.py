@@ -215,13 +215,17 @@ class ModelRunner:
         if not rows:
             return LaunchedStep({}, None)
         pending = self._pending_sources(step, plan, prev)
-        if self.use_cuda_graphs and step.is_decode_only and self.graphs.fits(len(rows)):
+        if self.use_cuda_graphs and step.is_decode_only and self.graphs.fits(len(rows)) and plan.layer_waits is None:
             logits = self.graphs.run(step, pending)
             self.last_prepare_s = time.perf_counter() - t0
             if len(step.sample_rows) < len(rows):
                 logits = logits[torch.from_numpy(step.sample_rows).pin_memory().to(self.device, non_blocking=True)]
         else:
-            logits = self._run_eager(step, t0, pending)
+            self.model.layer_waits = plan.layer_waits        # KV onboarded layer by layer under this step
+            try:
+                logits = self._run_eager(step, t0, pending)
+            finally:
+                self.model.layer_waits = None
         sampling_rows = [r for r in rows if r.samples]
         if not sampling_rows:
             return LaunchedStep({}, None)

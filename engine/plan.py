@@ -63,6 +63,7 @@ class StepPlan:
     copies: list[BlockCopy] = field(default_factory=list)   # run before the rows' forward pass
     finished: list[int] = field(default_factory=list)   # keys of requests ended since: drop their state
     wait_onboard: bool = False      # rows read blocks the copies onboard: the compute stream waits for them
+    layer_waits: list | None = None     # ... layer by layer: one CUDA event per layer, waited on before it
 
     def __bool__(self) -> bool:
         return bool(self.rows or self.copies)

@@ -132,6 +132,7 @@ class TorchHostCopy:
         self.max_staging_blocks = max_staging_blocks
         # one buffer, allocated once (the engine budgets it beside the cache): every use is queued
         # on the side stream, so a chunk never overwrites one that is still being copied
+        self._copy2d = _load_copy2d() if self._cuda else None      # onboard_layers' strided copies
         self._staging = torch.empty((max_staging_blocks * num_layers, width), dtype=word,
                                     device=self._device) if self.staged else None
 
@@ -217,6 +218,53 @@ class TorchHostCopy:
         self._stream.wait_stream(self._scatter)     # later offloads reuse the staging buffer after it
         h._pending = emptied[(k % 2)]
         return h
+
+    def onboard_layers(self, g2_slots: Sequence[int], g1_blocks: Sequence[int]) -> tuple[CopyHandle, list | None]:
+        """Onboard layer by layer: (handle, one CUDA event per layer, recorded once that layer of
+        every block is in the cache), so that a forward pass can start on the compute stream while
+        the copy runs and wait for each layer just before it reads it. Each layer is one strided
+        host-to-device copy per run of slots (kvstore/cuda_copy2d.py) into a staging half, then one
+        scatter, the halves alternating between the copy and scatter streams as in ``onboard``.
+        Events None (a whole-block ``onboard``): on the CPU, or without the driver's 2D copy."""
+        if not self._cuda or self._copy2d is None:
+            return self.onboard(g2_slots, g1_blocks), None
+        torch, L = self._torch, self.num_layers
+        blocks, slots = _by_slot(*_pairs(g1_blocks, g2_slots))
+        h = CopyHandle(CopyDirection.ONBOARD, blocks.size * L * self.layer_bytes, time.perf_counter())
+        if blocks.size == 0:
+            return self._finish(h), None
+        n, row = blocks.size, self.layer_bytes
+        half = self._staging.shape[0] // 2
+        rows = self._upload((np.arange(L, dtype=np.int64)[:, None] * self.num_blocks + blocks[None, :]).reshape(-1))
+        runs = slot_runs(slots)
+        host0, stage0 = self._host.data_ptr(), self._staging.data_ptr()
+        copy_stream = self._stream.cuda_stream
+        self._scatter.wait_stream(torch.cuda.current_stream(self._device))   # targets may be read by a step in flight
+        emptied, events, k = [None, None], [], 0
+        for layer in range(L):
+            for c0 in range(0, n, half):
+                c1, buf = min(n, c0 + half), k % 2
+                with self._on(self._stream):
+                    if emptied[buf] is not None:
+                        self._stream.wait_event(emptied[buf])
+                    for pos, s0, cnt in runs:
+                        a, b = max(pos, c0), min(pos + cnt, c1)
+                        if a < b:
+                            self._copy2d.h2d(stage0 + (buf * half + a - c0) * row, row,
+                                             host0 + ((s0 + a - pos) * L + layer) * row, L * row,
+                                             row, b - a, copy_stream)
+                    filled = self._event(self._stream)
+                with self._on(self._scatter):
+                    self._scatter.wait_event(filled)
+                    self._kv.index_copy_(0, rows[layer * n + c0:layer * n + c1],
+                                         self._staging[buf * half:buf * half + c1 - c0])
+                    emptied[buf] = self._event(self._scatter)
+                k += 1
+            events.append(emptied[(k - 1) % 2])
+        self._stream.wait_stream(self._scatter)      # later offloads reuse the staging buffer after it
+        h._keep.append(rows)
+        h._pending = events[-1]
+        return h, events
 
     def _on(self, stream):
         import contextlib
@@ -434,6 +482,11 @@ def probe(mover: HostCopy, g1_blocks: Sequence[int], g2_slots: Sequence[int]) ->
     t1 = time.perf_counter()
     wait(mover, mover.onboard(g2_slots, g1_blocks))
     return t1 - t0, time.perf_counter() - t1
+
+
+def _load_copy2d():
+    from kvstore.cuda_copy2d import Copy2D
+    return Copy2D.load()
 
 
 def _by_slot(blocks: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -68,6 +68,25 @@ def test_an_offload_queued_behind_an_onboard_copies_what_the_onboard_wrote():
         m.close()
 
 
+def test_a_layered_onboard_moves_exact_bytes_and_signals_each_layer():
+    """Strided 2D copies per layer and run of slots, staging halves of L rows (chunks of 4 of the 7
+    blocks, runs straddling them): every byte lands, and a layer's event covers that layer."""
+    kv, host = setup()
+    ref = kv.clone()
+    m = TorchHostCopy(kv, host, max_staging_blocks=2)
+    assert m._copy2d is not None, "the driver's 2D copy did not load"
+    blocks, slots, dest = [3, 17, 18, 19, 44, 0, 7], [10, 11, 12, 13, 2, 30, 31], [20, 21, 22, 23, 24, 25, 26]
+    wait(m, m.offload(blocks, slots))
+    kv[:, dest] = 0
+    h, events = m.onboard_layers(slots, dest)
+    assert len(events) == L
+    torch.cuda.current_stream().wait_event(events[0])
+    first = kv[0, dest].clone()                       # on the compute stream, after layer 0's event only
+    wait(m, h)
+    assert torch.equal(first, ref[0, blocks])
+    assert torch.equal(kv[:, dest].view(torch.uint8), ref[:, blocks].view(torch.uint8))
+
+
 def test_offload_sees_what_the_compute_stream_wrote_just_before():
     kv, host = setup()
     for m in movers(kv, host):

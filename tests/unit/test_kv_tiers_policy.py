@@ -142,6 +142,18 @@ def test_the_prefill_meter_is_not_moved_by_a_step_that_compiled_kernels():
     assert speed.tokens_per_s == pytest.approx(1 / b, rel=0.02)
 
 
+def test_the_prefill_meter_takes_the_faster_of_its_first_two_steps():
+    """A fresh engine's first prefill may also compile kernels: with two steps seen, the rate is not
+    their mean (half the true rate) but the faster one's, so a first short disk hit is recomputed."""
+    from engine.kv_tiers import PrefillMeter
+    m = PrefillMeter(40_000)
+    m.observe(512, 4.0)                                  # warm-up step that compiled
+    speed = m.observe(1024, 0.038)
+    assert speed.tokens_per_s == pytest.approx(1024 / 0.038)
+    rates = TierRates(PathRate(38.9e9), PathRate(1.9e9))
+    assert decide_onboard([Tier.DISK] * 64, 0, 2 << 20, 16, rates, speed, OnboardMode.AUTO).num_load == 0
+
+
 def test_the_prefill_meter_keeps_the_median_rate_when_the_fit_is_not_a_cost():
     from engine.kv_tiers import PrefillMeter
     m = PrefillMeter(40_000)
