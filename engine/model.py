@@ -155,6 +155,7 @@ class CausalLM(nn.Module):
         self.rope: RotaryEmbedding | None = None
         self.cos_sin_cache: torch.Tensor | None = None   # (P, D) float32: FlashInfer's RoPE table
         self.layer_waits: list | None = None    # per-layer CUDA events for one step (KV tiers' layered onboard)
+        self.layer_driver = None                # runtime.cuda_driver.Driver: the waits inside a graph capture
 
     def setup_rope(self, max_positions: int, device: torch.device) -> None:
         c = self.cfg
@@ -188,9 +189,16 @@ class CausalLM(nn.Module):
         waits = self.layer_waits
         for i, layer in enumerate(self.layers):
             if waits is not None:           # this layer's KV is being onboarded: read it once it landed
-                torch.cuda.current_stream(x.device).wait_event(waits[i])
+                self._wait_layer(waits[i], x.device)
             x, residual = layer(x, residual, positions, self.rope, backend, kv_cache[i], self.cos_sin_cache)
         return self.norm(x, residual)[0]
+
+    def _wait_layer(self, event, device) -> None:
+        stream = torch.cuda.current_stream(device)
+        if torch.cuda.is_current_stream_capturing():      # an external-event node: waited on at each replay
+            self.layer_driver.wait_external(stream.cuda_stream, event.cuda_event)
+        else:
+            stream.wait_event(event)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(R, E) → (R, V) float32. On CUDA the bf16/fp16 matmul writes float32 directly: rounding

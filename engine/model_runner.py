@@ -149,6 +149,17 @@ class ModelRunner:
         self._pinned = self.device.type == "cuda"
         self._staging = torch.zeros(0, dtype=torch.int64)
         self._staging_free = torch.cuda.Event() if self._pinned else None   # the last H2D copy is done
+        # KV tiers on the GPU onboard layer by layer: one event per layer, recorded as it lands, that
+        # a step's forward waits on before the layer (decode graphs are captured with those waits)
+        self.layer_events = None
+        if self.device.type == "cuda" and cfg.kv_host_gib > 0:
+            from runtime.cuda_driver import Driver
+            driver = Driver.load()
+            if driver is not None:
+                self.layer_events = [torch.cuda.Event() for _ in range(mc.num_layers)]
+                for e in self.layer_events:
+                    e.record()                       # created now: a wait before the first onboard passes
+                self.model.layer_driver = driver
         self.graphs = None
         self.use_cuda_graphs = False
         if cfg.cuda_graphs and self.device.type == "cuda" and self.backend.name == "flashinfer":
@@ -156,7 +167,11 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.backend, self.kv_cache, cfg.block_size,
                                        self.scratch_block, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs),
                                        self.device)
-            self.graphs.capture()
+            self.model.layer_waits = self.layer_events
+            try:
+                self.graphs.capture()
+            finally:
+                self.model.layer_waits = None
             self.use_cuda_graphs = True
             phase("cuda_graphs")
             self.startup_s["first_graph"] = round(self.graphs.first_capture_s, 3)
@@ -215,7 +230,7 @@ class ModelRunner:
         if not rows:
             return LaunchedStep({}, None)
         pending = self._pending_sources(step, plan, prev)
-        if self.use_cuda_graphs and step.is_decode_only and self.graphs.fits(len(rows)) and plan.layer_waits is None:
+        if self.use_cuda_graphs and step.is_decode_only and self.graphs.fits(len(rows)):   # waits captured in
             logits = self.graphs.run(step, pending)
             self.last_prepare_s = time.perf_counter() - t0
             if len(step.sample_rows) < len(rows):

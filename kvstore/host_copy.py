@@ -104,11 +104,13 @@ class TorchHostCopy:
     ordered = True          # an onboard can be ordered before the compute stream's next work
 
     def __init__(self, kv_cache: torch.Tensor, host: HostPool, max_staging_blocks: int = 64,
-                 staged: bool | None = None, pipelined: bool = True) -> None:
+                 staged: bool | None = None, pipelined: bool = True, layer_events: list | None = None) -> None:
         """``staged``: gather through a staging buffer (None: on CUDA only; True on the CPU runs the
         CUDA path's indexing and chunking without streams, for tests). ``pipelined``: onboard
         through the staging buffer's two halves, the host-to-device copy of one chunk (copy
-        engine) overlapping the scatter of the one before (SMs, on a second stream)."""
+        engine) overlapping the scatter of the one before (SMs, on a second stream).
+        ``layer_events``: one CUDA event per layer, recorded by ``onboard_layers`` as each layer
+        lands (the model runner's: its decode graphs were captured waiting on them)."""
         import torch
         self._torch = torch
         num_layers, num_blocks = kv_cache.shape[:2]
@@ -132,7 +134,8 @@ class TorchHostCopy:
         self.max_staging_blocks = max_staging_blocks
         # one buffer, allocated once (the engine budgets it beside the cache): every use is queued
         # on the side stream, so a chunk never overwrites one that is still being copied
-        self._copy2d = _load_copy2d() if self._cuda else None      # onboard_layers' strided copies
+        self._driver = _load_driver() if self._cuda and layer_events else None   # onboard_layers' 2D copies
+        self.layer_events = layer_events if self._driver is not None else None
         self._staging = torch.empty((max_staging_blocks * num_layers, width), dtype=word,
                                     device=self._device) if self.staged else None
 
@@ -223,10 +226,11 @@ class TorchHostCopy:
         """Onboard layer by layer: (handle, one CUDA event per layer, recorded once that layer of
         every block is in the cache), so that a forward pass can start on the compute stream while
         the copy runs and wait for each layer just before it reads it. Each layer is one strided
-        host-to-device copy per run of slots (kvstore/cuda_copy2d.py) into a staging half, then one
+        host-to-device copy per run of slots (runtime/cuda_driver.py) into a staging half, then one
         scatter, the halves alternating between the copy and scatter streams as in ``onboard``.
-        Events None (a whole-block ``onboard``): on the CPU, or without the driver's 2D copy."""
-        if not self._cuda or self._copy2d is None:
+        The events are ``layer_events``, recorded anew. None (a whole-block ``onboard``): on the
+        CPU, without layer events, or without the driver's calls."""
+        if self.layer_events is None:
             return self.onboard(g2_slots, g1_blocks), None
         torch, L = self._torch, self.num_layers
         blocks, slots = _by_slot(*_pairs(g1_blocks, g2_slots))
@@ -240,7 +244,7 @@ class TorchHostCopy:
         host0, stage0 = self._host.data_ptr(), self._staging.data_ptr()
         copy_stream = self._stream.cuda_stream
         self._scatter.wait_stream(torch.cuda.current_stream(self._device))   # targets may be read by a step in flight
-        emptied, events, k = [None, None], [], 0
+        emptied, k = [None, None], 0
         for layer in range(L):
             for c0 in range(0, n, half):
                 c1, buf = min(n, c0 + half), k % 2
@@ -250,7 +254,7 @@ class TorchHostCopy:
                     for pos, s0, cnt in runs:
                         a, b = max(pos, c0), min(pos + cnt, c1)
                         if a < b:
-                            self._copy2d.h2d(stage0 + (buf * half + a - c0) * row, row,
+                            self._driver.h2d(stage0 + (buf * half + a - c0) * row, row,
                                              host0 + ((s0 + a - pos) * L + layer) * row, L * row,
                                              row, b - a, copy_stream)
                     filled = self._event(self._stream)
@@ -260,11 +264,11 @@ class TorchHostCopy:
                                          self._staging[buf * half:buf * half + c1 - c0])
                     emptied[buf] = self._event(self._scatter)
                 k += 1
-            events.append(emptied[(k - 1) % 2])
+            self.layer_events[layer].record(self._scatter)     # this layer of every block has landed
         self._stream.wait_stream(self._scatter)      # later offloads reuse the staging buffer after it
         h._keep.append(rows)
-        h._pending = events[-1]
-        return h, events
+        h._pending = self._event(self._scatter)
+        return h, self.layer_events
 
     def _on(self, stream):
         import contextlib
@@ -433,17 +437,18 @@ class NixlHostCopy:
         return (slots[:, None] * self.num_layers + np.arange(self.num_layers)[None, :]).reshape(-1).astype(np.int32)
 
 
-def make_host_copy(kind: str, kv_cache: torch.Tensor, host: HostPool) -> HostCopy:
-    """``torch`` | ``nixl`` (UCX loopback)."""
+def make_host_copy(kind: str, kv_cache: torch.Tensor, host: HostPool, layer_events: list | None = None) -> HostCopy:
+    """``torch`` | ``nixl`` (UCX loopback). ``layer_events``: see ``TorchHostCopy``."""
     if kind == "torch":
-        return TorchHostCopy(kv_cache, host)
+        return TorchHostCopy(kv_cache, host, layer_events=layer_events)
     if kind == "nixl":
         return NixlHostCopy(kv_cache, host)
     raise ValueError(f"host copy must be torch or nixl, got {kind!r}")
 
 
 def choose(kv_cache: torch.Tensor, host: HostPool, g1_blocks: Sequence[int], g2_slots: Sequence[int],
-           kinds: Sequence[str] = ("torch", "nixl")) -> tuple[HostCopy, dict[str, tuple[float, float]]]:
+           kinds: Sequence[str] = ("torch", "nixl"),
+           layer_events: list | None = None) -> tuple[HostCopy, dict[str, tuple[float, float]]]:
     """Probe each mover on these blocks (start-up: it blocks) and keep the fastest over both
     directions; returns it and every mover's (offload_s, onboard_s), which the worker exports.
     Use scratch host slots (FILLING) and blocks no request owns yet."""
@@ -452,7 +457,7 @@ def choose(kv_cache: torch.Tensor, host: HostPool, g1_blocks: Sequence[int], g2_
     for kind in kinds:
         if kind == "nixl" and not nixl_available():
             continue
-        mover = make_host_copy(kind, kv_cache, host)
+        mover = make_host_copy(kind, kv_cache, host, layer_events)
         probe(mover, g1_blocks, g2_slots)                 # warm-up: first-use costs are not bandwidth
         seen[kind] = probe(mover, g1_blocks, g2_slots)
         if sum(seen[kind]) < best_s:
@@ -484,9 +489,9 @@ def probe(mover: HostCopy, g1_blocks: Sequence[int], g2_slots: Sequence[int]) ->
     return t1 - t0, time.perf_counter() - t1
 
 
-def _load_copy2d():
-    from kvstore.cuda_copy2d import Copy2D
-    return Copy2D.load()
+def _load_driver():
+    from runtime.cuda_driver import Driver
+    return Driver.load()
 
 
 def _by_slot(blocks: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -73,8 +73,8 @@ def test_a_layered_onboard_moves_exact_bytes_and_signals_each_layer():
     blocks, runs straddling them): every byte lands, and a layer's event covers that layer."""
     kv, host = setup()
     ref = kv.clone()
-    m = TorchHostCopy(kv, host, max_staging_blocks=2)
-    assert m._copy2d is not None, "the driver's 2D copy did not load"
+    m = TorchHostCopy(kv, host, max_staging_blocks=2, layer_events=[torch.cuda.Event() for _ in range(L)])
+    assert m._driver is not None, "the driver's calls did not load"
     blocks, slots, dest = [3, 17, 18, 19, 44, 0, 7], [10, 11, 12, 13, 2, 30, 31], [20, 21, 22, 23, 24, 25, 26]
     wait(m, m.offload(blocks, slots))
     kv[:, dest] = 0
@@ -85,6 +85,28 @@ def test_a_layered_onboard_moves_exact_bytes_and_signals_each_layer():
     wait(m, h)
     assert torch.equal(first, ref[0, blocks])
     assert torch.equal(kv[:, dest].view(torch.uint8), ref[:, blocks].view(torch.uint8))
+
+
+def test_a_graph_captured_with_an_external_event_wait_waits_for_the_events_latest_record():
+    """What a decode graph does before each layer when the KV tiers onboard layer by layer."""
+    from runtime.cuda_driver import Driver
+    driver = Driver.load()
+    ev = torch.cuda.Event()
+    ev.record()
+    x, y = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        driver.wait_external(torch.cuda.current_stream().cuda_stream, ev.cuda_event)
+        y.copy_(x)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)         # tens of ms before the value is written ...
+        x.fill_(7.0)
+        ev.record(side)                        # ... and the event recorded after it
+    g.replay()
+    torch.cuda.synchronize()
+    assert y.item() == 7.0
 
 
 def test_offload_sees_what_the_compute_stream_wrote_just_before():
