@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kvstore.block_format import BlockFormat  # noqa: E402
 from kvstore.disk_pool import DiskConfig, DiskPool, ReadItem, WriteItem  # noqa: E402
-from kvstore.host_copy import TorchHostCopy, make_host_copy  # noqa: E402
+from kvstore.host_copy import make_host_copy  # noqa: E402
 from kvstore.host_pool import HostPool  # noqa: E402
 from kvstore.transfer import nixl_available  # noqa: E402
 from splitserve.bench.records import git_sha  # noqa: E402
@@ -136,8 +136,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--disk-mib", type=int, default=256, help="bytes of the sequential disk ceiling")
-    ap.add_argument("--movers", default="torch,torch-serial,nixl",
-                    help="torch (pipelined onboard), torch-serial (one stream: the earlier onboard), nixl")
+    ap.add_argument("--movers", default="torch,nixl")
     ap.add_argument("--file-ios", default="nixl,nixl-uring,os")
     args = ap.parse_args()
     if nixl_available():        # NIXL's logger prints INFO on stdout, among our JSON lines
@@ -175,7 +174,7 @@ def main() -> None:
     for name in args.movers.split(","):
         if name == "nixl" and not nixl_available():
             continue
-        mover = TorchHostCopy(kv, host, pipelined=False) if name == "torch-serial" else make_host_copy(name, kv, host)
+        mover = make_host_copy(name, kv, host)
         for n in sizes:
             blocks = rng.choice(num_g1, n, replace=False)
             slots = np.arange(n)

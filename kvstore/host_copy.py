@@ -15,7 +15,13 @@ both and the worker picks the faster (NIXL where it measures at least as fast; d
   G1 is host memory and both directions go straight between the cache and the host rows, done
   when the call returns: ``index_select`` out, numpy row assignment in (measured on the CPU
   machine, 128 MiB in 64 KiB rows: torch's CPU ``index_copy_`` 0.19 GB/s on bytes, 0.74 on
-  words; numpy 3.2 GB/s; a plain copy 2.3).
+  words; numpy 3.2 GB/s; a plain copy 2.3). Pairs are taken in host-slot order, so a run of
+  consecutive slots is one host copy whatever the blocks' order.
+  ``onboard_layers`` (an idle engine's onboard, see engine/kv_tiers.py) moves one layer of every
+  block at a time instead, each layer one strided 2D copy per run of slots
+  (runtime/cuda_driver.py) into a staging half and one scatter on a second stream, and records
+  one event per layer, which the step's forward waits on just before that layer: the forward
+  runs under the copy.
 - ``NixlHostCopy``: one NIXL agent (UCX) with the cache and the host buffer registered, each side
   prepared once as per-(layer, block) / per-(slot, layer) descriptor lists, and transfers as
   loopback WRITEs (the agent is its own target: ``prep_xfer_dlist(agent.name, ...)``; no remote
@@ -29,9 +35,9 @@ Both are asynchronous: ``offload``/``onboard`` return a CopyHandle at once (afte
 GPU); ``done(handle)`` polls without blocking; ``wait`` is for tests and probes. The caller keeps
 the G1 blocks referenced and the G2 slots pinned (offload) or FILLING (onboard) until ``done``.
 
-Intended integration (phase 2): the scheduler's step plan carries BlockCopy operations (tiers.py);
-the model runner owns one of these movers and executes the plan's copies before launching the
-step; the engine polls handles once per step and reports landed copies back to the tier manager.
+The scheduler's step plan carries the copies (engine/plan.py ``BlockCopy``); the engine's TierIO
+(engine/kv_tiers.py) queues them with one of these movers before the step's forward pass, polls
+the handles once per step and reports landed copies to the scheduler and the tier manager.
 """
 
 from __future__ import annotations
@@ -104,12 +110,9 @@ class TorchHostCopy:
     ordered = True          # an onboard can be ordered before the compute stream's next work
 
     def __init__(self, kv_cache: torch.Tensor, host: HostPool, max_staging_blocks: int = 64,
-                 staged: bool | None = None, pipelined: bool = True, layer_events: list | None = None) -> None:
+                 staged: bool | None = None, layer_events: list | None = None) -> None:
         """``staged``: gather through a staging buffer (None: on CUDA only; True on the CPU runs the
-        CUDA path's indexing and chunking without streams, for tests). ``pipelined``: onboard
-        through the staging buffer's two halves, the host-to-device copy of one chunk (copy
-        engine) overlapping the scatter of the one before (SMs, on a second stream).
-        ``layer_events``: one CUDA event per layer, recorded by ``onboard_layers`` as each layer
+        CUDA path's indexing and chunking without streams, for tests). ``layer_events``: one CUDA event per layer, recorded by ``onboard_layers`` as each layer
         lands (the model runner's: its decode graphs were captured waiting on them)."""
         import torch
         self._torch = torch
@@ -127,8 +130,7 @@ class TorchHostCopy:
         self._cuda = kv_cache.is_cuda
         self._device = kv_cache.device
         self._stream = torch.cuda.Stream(self._device) if self._cuda else None
-        self._scatter = torch.cuda.Stream(self._device) if self._cuda else None     # pipelined onboard
-        self.pipelined = pipelined and max_staging_blocks >= 2
+        self._scatter = torch.cuda.Stream(self._device) if self._cuda else None     # onboard_layers
         self.staged = self._cuda if staged is None else staged
         assert self.staged or not self._cuda, "a device cache is copied through staging"
         self.max_staging_blocks = max_staging_blocks
@@ -170,8 +172,6 @@ class TorchHostCopy:
             for pos, s0, n in slot_runs(slots):
                 kv[self._rows(blocks[pos:pos + n])] = hst[s0 * L:(s0 + n) * L]
             return self._finish(h)
-        if self.pipelined:
-            return self._onboard_pipelined(h, blocks, slots)
         main = torch.cuda.current_stream(self._device) if self._cuda else None
         with self._on_side_stream():
             for c0 in range(0, blocks.size, self.max_staging_blocks):
@@ -185,42 +185,6 @@ class TorchHostCopy:
                 self._kv.index_copy_(0, idx, staging)
                 h._keep.append(idx)
             return self._recorded(h)
-
-    def _onboard_pipelined(self, h: CopyHandle, blocks: np.ndarray, slots: np.ndarray) -> CopyHandle:
-        """Chunks of half the staging buffer, alternating halves: the copy stream fills one half
-        while the scatter stream empties the other. Each stream waits on the other's events only
-        (a half is refilled once its last scatter is done); the scatter waits for the compute
-        stream's queued work (the target blocks may still be read by a step in flight)."""
-        torch, L = self._torch, self.num_layers
-        half = self.max_staging_blocks // 2
-        cuda = self._cuda
-        if blocks.size == 0:
-            return self._finish(h)
-        if cuda:
-            self._scatter.wait_stream(torch.cuda.current_stream(self._device))
-        emptied = [None, None]               # per half: the event after its last scatter
-        for k, c0 in enumerate(range(0, blocks.size, half)):
-            cb, cs = blocks[c0:c0 + half], slots[c0:c0 + half]
-            base = (k % 2) * half * L
-            staging = self._staging[base:base + cb.size * L]
-            with self._on(self._stream):
-                if emptied[k % 2] is not None:
-                    self._stream.wait_event(emptied[k % 2])
-                for pos, s0, n in slot_runs(cs):
-                    staging[pos * L:(pos + n) * L].copy_(self._host[s0 * L:(s0 + n) * L], non_blocking=cuda)
-                filled = self._event(self._stream)
-            with self._on(self._scatter):
-                if filled is not None:
-                    self._scatter.wait_event(filled)
-                idx = self._upload(self._rows(cb))
-                self._kv.index_copy_(0, idx, staging)
-                emptied[k % 2] = self._event(self._scatter)
-            h._keep.append(idx)
-        if not cuda:
-            return self._finish(h)
-        self._stream.wait_stream(self._scatter)     # later offloads reuse the staging buffer after it
-        h._pending = emptied[(k % 2)]
-        return h
 
     def onboard_layers(self, g2_slots: Sequence[int], g1_blocks: Sequence[int]) -> tuple[CopyHandle, list | None]:
         """Onboard layer by layer: (handle, one CUDA event per layer, recorded once that layer of

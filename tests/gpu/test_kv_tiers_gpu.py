@@ -27,8 +27,7 @@ def setup(dtype=torch.bfloat16):
 
 
 def movers(kv, host):
-    yield TorchHostCopy(kv, host, max_staging_blocks=4)       # pipelined chunks of 2: both halves reused
-    yield TorchHostCopy(kv, host, max_staging_blocks=3, pipelined=False)    # chunks of 3 on one stream
+    yield TorchHostCopy(kv, host, max_staging_blocks=3)       # chunks of 3: the chunking runs too
     if nixl_available():
         yield NixlHostCopy(kv, host)
 

@@ -36,8 +36,7 @@ def cache(dtype=torch.float32) -> torch.Tensor:
 
 def movers(kv, host):
     yield TorchHostCopy(kv, host)
-    yield TorchHostCopy(kv, host, max_staging_blocks=2, staged=True)   # the CUDA path's indexing, pipelined
-    yield TorchHostCopy(kv, host, max_staging_blocks=3, staged=True, pipelined=False)
+    yield TorchHostCopy(kv, host, max_staging_blocks=2, staged=True)   # the CUDA path's indexing
     if nixl_available():
         yield NixlHostCopy(kv, host)
 
