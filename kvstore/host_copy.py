@@ -19,7 +19,7 @@ both and the worker picks the faster (NIXL where it measures at least as fast; d
   consecutive slots is one host copy whatever the blocks' order.
   ``onboard_layers`` (an idle engine's onboard, see engine/kv_tiers.py) moves one layer of every
   block at a time instead, each layer one strided 2D copy per run of slots
-  (runtime/cuda_driver.py) into a staging half and one scatter on a second stream, and records
+  (kvstore/cuda_driver.py) into a staging half and one scatter on a second stream, and records
   one event per layer, which the step's forward waits on just before that layer: the forward
   runs under the copy.
 - ``NixlHostCopy``: one NIXL agent (UCX) with the cache and the host buffer registered, each side
@@ -190,7 +190,7 @@ class TorchHostCopy:
         """Onboard layer by layer: (handle, one CUDA event per layer, recorded once that layer of
         every block is in the cache), so that a forward pass can start on the compute stream while
         the copy runs and wait for each layer just before it reads it. Each layer is one strided
-        host-to-device copy per run of slots (runtime/cuda_driver.py) into a staging half, then one
+        host-to-device copy per run of slots (kvstore/cuda_driver.py) into a staging half, then one
         scatter, the halves alternating between the copy and scatter streams as in ``onboard``.
         The events are ``layer_events``, recorded anew. None (a whole-block ``onboard``): on the
         CPU, without layer events, or without the driver's calls."""
@@ -454,7 +454,7 @@ def probe(mover: HostCopy, g1_blocks: Sequence[int], g2_slots: Sequence[int]) ->
 
 
 def _load_driver():
-    from runtime.cuda_driver import Driver
+    from kvstore.cuda_driver import Driver
     return Driver.load()
 
 

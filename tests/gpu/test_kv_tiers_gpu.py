@@ -88,7 +88,7 @@ def test_a_layered_onboard_moves_exact_bytes_and_signals_each_layer():
 
 def test_a_graph_captured_with_an_external_event_wait_waits_for_the_events_latest_record():
     """What a decode graph does before each layer when the KV tiers onboard layer by layer."""
-    from runtime.cuda_driver import Driver
+    from kvstore.cuda_driver import Driver
     driver = Driver.load()
     ev = torch.cuda.Event()
     ev.record()
