@@ -127,6 +127,7 @@ def bench_ttft(emit, cfg: EngineConfig, lengths: list[int], common: dict, disk_d
             t_g2 = run_one(eng, prompt)                           # G2 -> G1
             forget_g1(eng)
             set_mode(eng, OnboardMode.AUTO)
+            speed_auto_g2 = eng.scheduler.prefill_speed.tokens_per_s
             t_auto_g2 = run_one(eng, prompt)
             settle(eng)
             forget_g1(eng)
@@ -137,6 +138,7 @@ def bench_ttft(emit, cfg: EngineConfig, lengths: list[int], common: dict, disk_d
             forget_g1(eng)
             forget_host(eng, prompt)
             set_mode(eng, OnboardMode.AUTO)
+            speed_auto_g3 = eng.scheduler.prefill_speed.tokens_per_s
             t_auto_g3 = run_one(eng, prompt)
             settle(eng)
             forget_g1(eng)
@@ -145,7 +147,9 @@ def bench_ttft(emit, cfg: EngineConfig, lengths: list[int], common: dict, disk_d
                  auto_g2_ms=round(t_auto_g2 * 1e3, 2), auto_g3_ms=round(t_auto_g3 * 1e3, 2),
                  g2_speedup=round(t_rec / t_g2, 2), g3_speedup=round(t_rec / t_g3, 2),
                  auto_g2_vs_recompute=round(t_auto_g2 / t_rec, 3), auto_g3_vs_recompute=round(t_auto_g3 / t_rec, 3),
-                 prefill_tok_s=round(eng.scheduler.prefill_speed.tokens_per_s))
+                 prefill_tok_s=round(eng.scheduler.prefill_speed.tokens_per_s),
+                 prefill_tok_s_at_auto=[round(speed_auto_g2), round(speed_auto_g3)],
+                 meter_steps=[(n, round(t * 1e3, 2)) for n, t in eng._prefill_meter._steps])
     st = eng.stats().tiers
     emit(**common, metric="ttft_counts", loaded={t.name: v for t, v in st.loaded_blocks.items()},
          recomputed={t.name: v for t, v in st.recomputed_blocks.items()},
