@@ -44,7 +44,6 @@ class MockModelRunner:
         self._sleep, self._clock = sleep, clock
         self._never = frozenset(self.model_config.eos_token_ids)
         self.num_steps = 0
-        self.last_launch: MockLaunch | None = None       # the last `execute`'s step
         self.busy_s = 0.0            # modelled device time so far
         self._device_free_at = 0.0   # when the last queued step ends (clock time)
         log.info("mock model runner (%s): %d KV blocks of %d tokens, max_model_len %d, vocab %d",
@@ -53,8 +52,7 @@ class MockModelRunner:
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
         """Wait as long as the step would run on the device; return the sampled tokens."""
-        self.last_launch = self.launch(plan)
-        return self.last_launch.result()
+        return self.launch(plan).result()
 
     def launch(self, plan: StepPlan, prev=None) -> "MockLaunch":
         """Queue the step behind the previous one on the modelled device. Tokens depend on
@@ -68,7 +66,7 @@ class MockModelRunner:
         self.num_steps += 1
         self.busy_s += step_s
         self._device_free_at = start + step_s
-        return MockLaunch(out, self._device_free_at, self._sleep, self._clock, step_s)
+        return MockLaunch(out, self._device_free_at, self._sleep, self._clock)
 
     def token(self, request_id: str, position: int, stop_ids: frozenset[int] = frozenset()) -> int:
         """The token sampled at `position`: a pure function of (request, position), never a stop."""
@@ -84,15 +82,10 @@ class MockModelRunner:
 class MockLaunch:
     """A queued mock step: its tokens become readable when the modelled device finishes it."""
 
-    __slots__ = ("_out", "_ready_at", "_sleep", "_clock", "_step_s")
+    __slots__ = ("_out", "_ready_at", "_sleep", "_clock")
 
-    def __init__(self, out: dict[str, int], ready_at: float, sleep, clock, step_s: float = 0.0) -> None:
+    def __init__(self, out: dict[str, int], ready_at: float, sleep, clock) -> None:
         self._out, self._ready_at, self._sleep, self._clock = out, ready_at, sleep, clock
-        self._step_s = step_s
-
-    def device_seconds(self) -> float:
-        """The modelled device time of the step."""
-        return self._step_s
 
     def result(self) -> dict[str, int]:
         remaining = self._ready_at - self._clock()

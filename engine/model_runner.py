@@ -178,8 +178,6 @@ class ModelRunner:
         self.last_logits: torch.Tensor | None = None   # the last step's sampled rows (graph output: copy it)
         self.last_prepare_s = 0.0                      # host time of the last step before the launch
         self.last_logprobs: dict[str, TokenLogprobs] | None = None   # of the last `execute`
-        self.last_launch: LaunchedStep | None = None                   # ... and its step
-        self.time_steps = False        # steps carry their device time (the KV tiers' prefill meter)
         self._generators: dict[int, torch.Generator] = {}   # seeded requests' generators, by PlanRow.key
         self._eos = frozenset(self.model_config.eos_token_ids)
         self._grammars = None                               # engine/grammar.py, built at the first grammar request
@@ -208,34 +206,14 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> dict[str, int]:
         """Run one step; return the sampled token of every row that samples (and keep their
         logprobs, where asked for, in `last_logprobs`)."""
-        launched = self.last_launch = self.launch(plan)
+        launched = self.launch(plan)
         sampled = launched.result()
         self.last_logprobs = launched.logprobs()
         return sampled
 
-    def launch(self, plan: StepPlan, prev: "LaunchedStep | None" = None) -> "LaunchedStep":
-        """Queue one step and its sampling on the device; read the ids with .result(). With
-        `time_steps` on, the step carries its device time (`LaunchedStep.device_seconds`): CUDA
-        events around its work (the previous step's deferred sampling queued before), or the
-        wall time of a CPU step, which runs here."""
-        if not self.time_steps or not plan.rows:
-            return self._launch(plan, prev)
-        if prev is not None:
-            prev.finish()
-        start = self._mark()
-        launched = self._launch(plan, prev)
-        launched.timer = (start, self._mark())
-        return launched
-
-    def _mark(self):
-        if self.device.type != "cuda":
-            return time.perf_counter()
-        e = torch.cuda.Event(enable_timing=True)
-        e.record()
-        return e
-
     @torch.inference_mode()
-    def _launch(self, plan: StepPlan, prev: "LaunchedStep | None" = None) -> "LaunchedStep":
+    def launch(self, plan: StepPlan, prev: "LaunchedStep | None" = None) -> "LaunchedStep":
+        """Queue one step and its sampling on the device; read the ids with .result()."""
         t0 = time.perf_counter()
         # plan.copies (KV tier moves) are run by the engine's TierIO (engine/kv_tiers.py), not here:
         # a request reads onboarded blocks only in a step scheduled after their copy is done
@@ -402,11 +380,11 @@ class LaunchedStep:
     `lp`: (request ids, top-k each asked for, the step's `Sampled`) when some row wants logprobs.
     `deferred`: its sampling is not queued yet; `finish()` queues it (returns `tokens, lp`)."""
 
-    __slots__ = ("rows", "tokens", "_host", "_ready", "_lp", "_lp_host", "_deferred", "timer")
+    __slots__ = ("rows", "tokens", "_host", "_ready", "_lp", "_lp_host", "_deferred")
 
     def __init__(self, rows: dict[str, int], tokens: torch.Tensor | None,
                  lp: tuple[list[str], list[int], Sampled] | None = None, deferred=None) -> None:
-        self.rows, self._deferred, self.timer = rows, deferred, None
+        self.rows, self._deferred = rows, deferred
         if deferred is None:
             self._queued(tokens, lp)
 
@@ -428,18 +406,6 @@ class LaunchedStep:
                 self._lp_host = [None if t is None else _to_host(t) for t in self._lp_host]
             self._ready = torch.cuda.Event()
             self._ready.record()
-
-    def device_seconds(self) -> float | None:
-        """The step's time on the device once it is done (None: not yet; 0.0: not timed). A step
-        that samples nothing is never waited for, so its time is known only from here."""
-        if self.timer is None:
-            return 0.0
-        start, end = self.timer
-        if isinstance(start, float):
-            return end - start
-        if not end.query():
-            return None
-        return start.elapsed_time(end) / 1e3
 
     def result(self) -> dict[str, int]:
         """Wait for the step; the sampled id of each sampling request."""

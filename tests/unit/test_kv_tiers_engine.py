@@ -436,24 +436,3 @@ def test_an_onboard_that_fails_after_its_request_was_admitted_fails_the_step_and
         assert run(eng, [a], "after") == [want]
     finally:
         eng.close()
-
-
-def test_the_prefill_meter_reads_each_steps_device_time_chunks_included(model):
-    """A prompt's chunks before its last sample nothing, so nothing waits for them; the meter takes
-    each step's own device time from the step (on the mock: its modelled time, exactly)."""
-    eng = Engine(EngineConfig(model=model, mock=True, num_blocks=256, kv_host_gib=8 * (2 << 20) / 2**30,
-                              max_model_len=4096, max_num_batched_tokens=256))
-    try:
-        timing = eng.runner.timing
-        rid = "chunked"
-        eng.add_request(EngineRequest(rid, list(range(1, 1001)), GREEDY))
-        while eng.has_work:
-            eng.step()
-        eng.step()
-        want = [(256, timing.step_s([(start, 256)])) for start in (0, 256, 512)] + \
-            [(232, timing.step_s([(768, 232)]))]
-        got = list(eng._prefill_meter._steps)
-        assert [n for n, _ in got] == [n for n, _ in want]
-        assert [t for _, t in got] == pytest.approx([t for _, t in want], rel=1e-9)
-    finally:
-        eng.close()
