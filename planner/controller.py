@@ -108,13 +108,14 @@ class PoolController:
         self._warn = Throttled(log)
         self._task: asyncio.Task | None = None
         self.acting = True                          # off while serve shuts down: no starts, no drains
+        self._closing = False
 
     # ---- the loop ----------------------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="pool-controller")
 
     async def _run(self) -> None:
-        while True:
+        while not self._closing:            # besides the cancel, which a gRPC call may swallow
             try:
                 await self.tick()
             except asyncio.CancelledError:
@@ -141,14 +142,17 @@ class PoolController:
     async def close(self) -> None:
         """Stop the loop and close its connections, each step bounded: a step that hangs is logged
         with what it waits on, and the rest still run. The workers are left as they are."""
+        self._closing = True
         if self._task is not None:
             self._task.cancel()
-            await bounded("stopping the pool controller's loop", asyncio.gather(self._task, return_exceptions=True),
-                          CLOSE_STEP_S)
+            await bounded("stopping the pool controller's loop", self._loop_stopped(), CLOSE_STEP_S)
         for addr, ch in list(self._channels.items()):
             await bounded(f"closing the status channel to {addr}", ch.close(grace=None), CLOSE_STEP_S)
         self._channels.clear()
         await bounded("closing the pool controller's Redis client", self.redis.aclose(), CLOSE_STEP_S)
+
+    async def _loop_stopped(self) -> None:
+        await asyncio.gather(self._task, return_exceptions=True)
 
     # ---- what operators and the planner call ------------------------------------------------
     def scale(self, sizes: dict[str, int]) -> None:
@@ -247,6 +251,10 @@ class PoolController:
         try:
             return await worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.WorkerStatusRequest(), timeout=1.0)
         except grpc.aio.AioRpcError:
+            # a cancel of this task can come back as the call's CANCELLED error: it stays a cancel
+            # (swallowed, the controller's loop went on and close() waited for it: a CI hang)
+            if asyncio.current_task().cancelling():
+                raise asyncio.CancelledError from None
             return None
 
     def _join(self, handles: list[WorkerHandle], now_wall: float) -> list[WorkerRow]:

@@ -67,8 +67,12 @@ def enable_stack_dumps() -> None:
 
 
 def awaiting(task: asyncio.Task) -> str:
-    """Where a task is suspended: its chain of awaits, outermost first (file:line function)."""
-    steps, coro = [], task.get_coro()
+    """Where a task is suspended: its chain of awaits, outermost first (file:line function). A
+    future that is not a task (a gather's) has no coroutine: its repr."""
+    get_coro = getattr(task, "get_coro", None)
+    if get_coro is None:
+        return repr(task)
+    steps, coro = [], get_coro()
     while coro is not None:
         frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
         if frame is None:

@@ -39,6 +39,22 @@ def test_bounded_leaves_a_stuck_step_and_names_where_it_waits(caplog):
     assert "_stuck_outer -> " in text and "_stuck_inner" in text and "test_process.py:" in text
 
 
+def test_bounded_names_a_stuck_future_that_is_not_a_task(caplog):
+    """A gather's future has no coroutine to follow (the CI run that first hit this crashed in the
+    report instead of printing it)."""
+    async def go():
+        gate = asyncio.Event()
+        stuck = asyncio.create_task(_stuck_outer(gate), name="the-loop")
+        ok = await bounded("stopping the loop", asyncio.gather(stuck), 0.2)
+        gate.set()
+        await stuck
+        return ok
+    with caplog.at_level(logging.WARNING, logger="runtime.process"):
+        assert asyncio.run(go()) is False
+    assert "stopping the loop did not finish within 0 s" in caplog.text and "_GatheringFuture" in caplog.text
+    assert "task the-loop: " in caplog.text and "_stuck_inner" in caplog.text
+
+
 def test_bounded_reports_a_failed_step_without_raising(caplog):
     async def boom():
         raise RuntimeError("no such channel")
