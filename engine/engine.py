@@ -83,7 +83,6 @@ class Engine:
             self.tier_io = kv_tiers.build(cfg, self.runner, self.scheduler)
             self.tiers = self.tier_io.tiers
             self._prefill_meter = kv_tiers.PrefillMeter(self.scheduler.prefill_speed.tokens_per_s)
-            self._last_plan: StepPlan | None = None
 
     def add_request(self, spec: EngineRequest) -> RequestOutput | None:
         """Queue a request; returns an immediate error output if it can never run here."""
@@ -158,17 +157,12 @@ class Engine:
     def _run_step(self) -> list[RequestOutput]:
         sched = self.scheduler
         plan = sched.schedule()
-        if self.tier_io is not None:
-            self._last_plan = plan
-            if plan.copies:
-                try:
-                    self.tier_io.start(plan)    # before the forward pass that reads onboarded blocks
-                except BaseException:           # an onboard its rows needed failed: the step with it
-                    prev, self._in_flight = self._in_flight, None
-                    for p in (prev[0] if prev else None, plan):
-                        if p is not None:
-                            sched.abandon(p)
-                    raise
+        if self.tier_io is not None and plan.copies:
+            try:
+                self.tier_io.start(plan)        # before the forward pass that reads onboarded blocks
+            except BaseException:               # an onboard its rows needed failed: the step with it
+                self._abandon(self._in_flight, plan)
+                raise
         if not self.async_scheduling:
             if not plan:
                 return []
@@ -201,12 +195,17 @@ class Engine:
             self._step_done_at = done
             return sched.update(prev[0], sampled, _logprobs(prev[1]))
         except BaseException:
-            self._in_flight = None
-            for p in (prev[0] if prev else None, launched_plan):
-                if p is not None:
-                    sched.abandon(p)
-            sched.release_deferred()
+            self._abandon(prev, launched_plan)
             raise
+
+    def _abandon(self, prev: tuple | None, plan: StepPlan | None) -> None:
+        """A step failed: forget it and the one launched before it, if any (their requests are
+        failed by the caller)."""
+        self._in_flight = None
+        for p in (prev[0] if prev else None, plan):
+            if p is not None:
+                self.scheduler.abandon(p)
+        self.scheduler.release_deferred()
 
     def stats(self) -> EngineStats:
         s = self.scheduler

@@ -100,7 +100,7 @@ class TierIO:
             try:
                 if offload:
                     h = self.mover.offload(blocks, slots)
-                elif plan.wait_onboard and hasattr(self.mover, "onboard_layers"):
+                elif plan.wait_onboard:         # an ordered mover: the step's forward reads these blocks
                     h, plan.layer_waits = self.mover.onboard_layers(slots, blocks)
                 else:
                     h = self.mover.onboard(slots, blocks)
@@ -114,8 +114,6 @@ class TierIO:
                     self.scheduler.pool.reset_cache()
                     raise HostCopyError(f"onboarding {len(blocks)} blocks failed: {e}") from e
                 continue
-            if not offload and plan.wait_onboard and plan.layer_waits is None:
-                self.mover.make_stream_wait(h)      # the step's forward reads these blocks (per layer: the runner waits)
             self._flight.append(_Flight(plan.step_id, offload, h))
 
     def poll(self) -> None:

@@ -230,7 +230,8 @@ class ModelRunner:
         if not rows:
             return LaunchedStep({}, None)
         pending = self._pending_sources(step, plan, prev)
-        if self.use_cuda_graphs and step.is_decode_only and self.graphs.fits(len(rows)):   # waits captured in
+        # a decode graph waits for layer-by-layer onboards itself: captured with `layer_events`
+        if self.use_cuda_graphs and step.is_decode_only and self.graphs.fits(len(rows)):
             logits = self.graphs.run(step, pending)
             self.last_prepare_s = time.perf_counter() - t0
             if len(step.sample_rows) < len(rows):

@@ -583,15 +583,12 @@ class Scheduler:
         else:
             for o in started:
                 req, ob = o.request, o.ob
-                if o.admitted:                 # the request has had its blocks since the copy was queued
-                    if ok:
-                        tiers.onboard_landed(ob, seconds)
-                    tiers.finish_onboard(ob)
-                    continue
-                if ok:   # the blocks hold the prefix's KV: cached in G1 whatever the request does now
+                if ok:
                     tiers.onboard_landed(ob, seconds)
                 tiers.finish_onboard(ob)
-                if req.finished:
+                if o.admitted:                 # the request has had its blocks since the copy was queued
+                    continue
+                if req.finished:               # the blocks hold the prefix's KV: cached in G1 anyway
                     if ok:
                         self.pool.register(o.blocks, ob.hashes, ob.parents[0])
                     self.pool.free(o.blocks)

@@ -86,7 +86,7 @@ class CopyHandle:
 
 class HostCopy(Protocol):
     name: str
-    ordered: bool           # True: make_stream_wait(handle) orders the compute stream after an onboard
+    ordered: bool           # True: onboard_layers(...) orders the compute stream after the copy
 
     def offload(self, g1_blocks: Sequence[int], g2_slots: Sequence[int]) -> CopyHandle: ...
     def onboard(self, g2_slots: Sequence[int], g1_blocks: Sequence[int]) -> CopyHandle: ...
@@ -112,8 +112,9 @@ class TorchHostCopy:
     def __init__(self, kv_cache: torch.Tensor, host: HostPool, max_staging_blocks: int = 64,
                  staged: bool | None = None, layer_events: list | None = None) -> None:
         """``staged``: gather through a staging buffer (None: on CUDA only; True on the CPU runs the
-        CUDA path's indexing and chunking without streams, for tests). ``layer_events``: one CUDA event per layer, recorded by ``onboard_layers`` as each layer
-        lands (the model runner's: its decode graphs were captured waiting on them)."""
+        CUDA path's indexing and chunking without streams, for tests). ``layer_events``: one CUDA
+        event per layer, recorded by ``onboard_layers`` as each layer lands (the model runner's: its
+        decode graphs were captured waiting on them)."""
         import torch
         self._torch = torch
         num_layers, num_blocks = kv_cache.shape[:2]
@@ -134,15 +135,15 @@ class TorchHostCopy:
         self.staged = self._cuda if staged is None else staged
         assert self.staged or not self._cuda, "a device cache is copied through staging"
         self.max_staging_blocks = max_staging_blocks
-        # one buffer, allocated once (the engine budgets it beside the cache): every use is queued
-        # on the side stream, so a chunk never overwrites one that is still being copied
         self._driver = _load_driver() if self._cuda and layer_events else None   # onboard_layers' 2D copies
         self.layer_events = layer_events if self._driver is not None else None
+        # one buffer, allocated once (the engine budgets it beside the cache): every use is queued
+        # on the side stream, so a chunk never overwrites one that is still being copied
         self._staging = torch.empty((max_staging_blocks * num_layers, width), dtype=word,
                                     device=self._device) if self.staged else None
 
     def offload(self, g1_blocks: Sequence[int], g2_slots: Sequence[int]) -> CopyHandle:
-        blocks, slots = _by_slot(*_pairs(g1_blocks, g2_slots))
+        blocks, slots = _pairs(g1_blocks, g2_slots)
         h = CopyHandle(CopyDirection.OFFLOAD, blocks.size * self.num_layers * self.layer_bytes, time.perf_counter())
         torch, L = self._torch, self.num_layers
         if not self.staged:            # CPU: straight from the cache rows into the host rows
@@ -152,7 +153,7 @@ class TorchHostCopy:
             return self._finish(h)
         if self._cuda:
             self._stream.wait_stream(torch.cuda.current_stream(self._device))   # after the step that wrote them
-        with self._on_side_stream():
+        with self._on(self._stream):
             for c0 in range(0, blocks.size, self.max_staging_blocks):
                 cb, cs = blocks[c0:c0 + self.max_staging_blocks], slots[c0:c0 + self.max_staging_blocks]
                 idx = self._upload(self._rows(cb))
@@ -164,7 +165,7 @@ class TorchHostCopy:
             return self._recorded(h)
 
     def onboard(self, g2_slots: Sequence[int], g1_blocks: Sequence[int]) -> CopyHandle:
-        blocks, slots = _by_slot(*_pairs(g1_blocks, g2_slots))
+        blocks, slots = _pairs(g1_blocks, g2_slots)
         h = CopyHandle(CopyDirection.ONBOARD, blocks.size * self.num_layers * self.layer_bytes, time.perf_counter())
         torch, L = self._torch, self.num_layers
         if not self.staged:            # numpy's row assignment is a memcpy per row; CPU index_copy_ is not
@@ -173,7 +174,7 @@ class TorchHostCopy:
                 kv[self._rows(blocks[pos:pos + n])] = hst[s0 * L:(s0 + n) * L]
             return self._finish(h)
         main = torch.cuda.current_stream(self._device) if self._cuda else None
-        with self._on_side_stream():
+        with self._on(self._stream):
             for c0 in range(0, blocks.size, self.max_staging_blocks):
                 cb, cs = blocks[c0:c0 + self.max_staging_blocks], slots[c0:c0 + self.max_staging_blocks]
                 staging = self._staging[:cb.size * L]
@@ -192,12 +193,15 @@ class TorchHostCopy:
         the copy runs and wait for each layer just before it reads it. Each layer is one strided
         host-to-device copy per run of slots (kvstore/cuda_driver.py) into a staging half, then one
         scatter, the halves alternating between the copy and scatter streams as in ``onboard``.
-        The events are ``layer_events``, recorded anew. None (a whole-block ``onboard``): on the
-        CPU, without layer events, or without the driver's calls."""
+        The events are ``layer_events``, recorded anew. None: on the CPU, without layer events or
+        without the driver's calls, a whole-block ``onboard`` that the compute stream waits for.
+        Either way the step queued next on the compute stream reads the blocks safely."""
         if self.layer_events is None:
-            return self.onboard(g2_slots, g1_blocks), None
+            h = self.onboard(g2_slots, g1_blocks)
+            self.make_stream_wait(h)
+            return h, None
         torch, L = self._torch, self.num_layers
-        blocks, slots = _by_slot(*_pairs(g1_blocks, g2_slots))
+        blocks, slots = _pairs(g1_blocks, g2_slots)
         h = CopyHandle(CopyDirection.ONBOARD, blocks.size * L * self.layer_bytes, time.perf_counter())
         if blocks.size == 0:
             return self._finish(h), None
@@ -245,14 +249,10 @@ class TorchHostCopy:
         e.record(stream)
         return e
 
-    def _on_side_stream(self):
-        return self._on(self._stream)
-
     def _recorded(self, h: CopyHandle) -> CopyHandle:
         if not self._cuda:
             return self._finish(h)
-        h._pending = self._torch.cuda.Event()
-        h._pending.record(self._stream)
+        h._pending = self._event(self._stream)
         return h
 
     def done(self, handle: CopyHandle) -> bool:
@@ -316,7 +316,7 @@ class NixlHostCopy:
         self._g2_loop = a.prep_xfer_dlist(a.name, g2, "DRAM")
 
     def offload(self, g1_blocks: Sequence[int], g2_slots: Sequence[int]) -> CopyHandle:
-        blocks, slots = _by_slot(*_pairs(g1_blocks, g2_slots))
+        blocks, slots = _pairs(g1_blocks, g2_slots)
         h = CopyHandle(CopyDirection.OFFLOAD, blocks.size * self.num_layers * self.layer_bytes, time.perf_counter())
         args = (self._g1_local, self._g1_idx(blocks), self._g2_loop, self._g2_idx(slots))
         if self._cuda:     # NIXL does not see the compute stream: post once the last step has run
@@ -329,7 +329,7 @@ class NixlHostCopy:
         return self._post_xfer(h, args)
 
     def onboard(self, g2_slots: Sequence[int], g1_blocks: Sequence[int]) -> CopyHandle:
-        blocks, slots = _by_slot(*_pairs(g1_blocks, g2_slots))
+        blocks, slots = _pairs(g1_blocks, g2_slots)
         h = CopyHandle(CopyDirection.ONBOARD, blocks.size * self.num_layers * self.layer_bytes, time.perf_counter())
         args = (self._g2_local, self._g2_idx(slots), self._g1_loop, self._g1_idx(blocks))
         if self._cuda:     # freshly allocated blocks may still be written by a step in flight: post after it
@@ -458,20 +458,17 @@ def _load_driver():
     return Driver.load()
 
 
-def _by_slot(blocks: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The pairs in host-slot order: each run of consecutive slots is one host copy whatever the
-    blocks' order. (A prefix's blocks usually sit in G2 in reverse: G1 frees a request's blocks
-    tail first, offload takes them in that order, and the slots are handed out ascending; in
-    block order every slot was a run of its own, a 2 MiB copy each: 512 copies for 8k tokens.)"""
-    if slots.size > 1 and np.any(np.diff(slots) < 0):
-        order = np.argsort(slots, kind="stable")
-        return blocks[order], slots[order]
-    return blocks, slots
-
-
 def _pairs(g1_blocks: Sequence[int], g2_slots: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The (block, slot) pairs as arrays, in host-slot order: each run of consecutive slots is one
+    host copy whatever the blocks' order. (A prefix's blocks usually sit in G2 in reverse: G1 frees
+    a request's blocks tail first, offload takes them in that order, and the slots are handed out
+    ascending; in block order every slot was a run of its own, a 2 MiB copy each: 512 copies for
+    8k tokens.)"""
     blocks = np.asarray(g1_blocks, dtype=np.int64)
     slots = np.asarray(g2_slots, dtype=np.int64)
     if blocks.shape != slots.shape or blocks.ndim != 1:
         raise HostCopyError("g1_blocks and g2_slots must be equally long lists")
+    if slots.size > 1 and np.any(np.diff(slots) < 0):
+        order = np.argsort(slots, kind="stable")
+        return blocks[order], slots[order]
     return blocks, slots

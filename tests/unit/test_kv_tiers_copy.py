@@ -15,7 +15,7 @@ from kvstore.host_copy import (
     CopyDirection,
     NixlHostCopy,
     TorchHostCopy,
-    _by_slot,
+    _pairs,
     choose,
     slot_runs,
     wait,
@@ -170,7 +170,7 @@ def test_a_prefix_held_in_reverse_slot_order_moves_as_one_host_copy_with_exact_b
     ref = kv.clone()
     host = HostPool(BlockFormat.of(kv, "m"), 12 * BlockFormat.of(kv, "m").block_bytes)
     blocks, slots = [3, 4, 5, 6, 7, 8], [9, 8, 7, 6, 5, 4]
-    b, s = _by_slot(np.array(blocks), np.array(slots))
+    b, s = _pairs(blocks, slots)
     assert len(slot_runs(s)) == 1 and sorted(zip(b, s)) == sorted(zip(blocks, slots))
     for m in movers(kv, host):
         wait(m, m.offload(blocks, slots))

@@ -355,12 +355,15 @@ def _in_host_only(eng: Engine, prompt: list[int]) -> None:
 
 def _steps_until_onboard(eng: Engine, rid: str) -> tuple:
     """Step until a plan carries onboard copies; returns it and `rid`'s tokens so far."""
-    out = []
-    for _ in range(50):
-        out += [t for o in eng.step().outputs if o.request_id == rid for t in o.new_token_ids]
-        plan = eng._last_plan
-        if plan is not None and any(c.dst_tier == Tier.GPU for c in plan.copies):
-            return plan, out
+    out, plans, schedule = [], [], eng.scheduler.schedule
+    eng.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]     # keep each step's plan
+    try:
+        for _ in range(50):
+            out += [t for o in eng.step().outputs if o.request_id == rid for t in o.new_token_ids]
+            if plans and any(c.dst_tier == Tier.GPU for c in plans[-1].copies):
+                return plans[-1], out
+    finally:
+        del eng.scheduler.schedule
     raise AssertionError("no onboard copy was planned")
 
 
