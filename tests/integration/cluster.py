@@ -183,9 +183,11 @@ class Cluster:
 
 def start_cluster(tmp_dir: Path, *args: str, redis_url: str | None = None, env: dict | None = None,
                   min_workers: int = 1) -> Cluster:
-    http_port, grpc_port, admin_port = free_port(), free_port(), free_port()
+    http_port, grpc_port = free_port(), free_port()
+    # the admin API binds last, after the workers and Redis took their ports: a port picked here
+    # was taken by then in one CI run ("Address already in use"); serve picks it and prints it
     argv = [sys.executable, "-m", "splitserve", "serve", "--http-port", str(http_port),
-            "--grpc-port", str(grpc_port), "--admin-port", str(admin_port), "--device", "cpu", *args]
+            "--grpc-port", str(grpc_port), "--admin-port", "0", "--device", "cpu", *args]
     if redis_url:
         argv += ["--redis-url", redis_url]
     tmp_dir.mkdir(parents=True, exist_ok=True)
@@ -193,7 +195,7 @@ def start_cluster(tmp_dir: Path, *args: str, redis_url: str | None = None, env: 
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 env=dict(os.environ if env is None else env))
-    cluster = Cluster(proc, http_port, grpc_port, log_path, redis_url, argv=argv, admin_port=admin_port)
+    cluster = Cluster(proc, http_port, grpc_port, log_path, redis_url, argv=argv)
 
     def healthy():
         if proc.poll() is not None:
@@ -207,6 +209,7 @@ def start_cluster(tmp_dir: Path, *args: str, redis_url: str | None = None, env: 
             return False
     try:
         until(healthy, START_TIMEOUT_S, 0.1, "a healthy cluster")
+        cluster.admin_port = int(re.search(r"Admin +127\.0\.0\.1:(\d+)", cluster.log()).group(1))
     except BaseException:
         cluster.stop()
         raise
