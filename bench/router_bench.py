@@ -79,6 +79,16 @@ def bench_ingest(batches: list[KvEventBatch], router: Router) -> float:
 def bench_churn(router: Router, placement: dict, docs: list[list[int]], event_blocks: int,
                 rng: random.Random, num_ops: int) -> tuple[float, int, int]:
     """Remove and re-store random document tails: the steady state of an LRU pool."""
+    batches, blocks = churn_batches(router, placement, docs, event_blocks, rng, num_ops)
+    t0 = time.perf_counter()
+    for b in batches:
+        router.apply_events(b)
+    return time.perf_counter() - t0, 2 * len(batches), blocks
+
+
+def churn_batches(router: Router, placement: dict, docs: list[list[int]], event_blocks: int,
+                  rng: random.Random, num_ops: int) -> tuple[list[KvEventBatch], int]:
+    """``bench_churn``'s batches (one remove + re-store each) and their block count."""
     batches = []
     blocks = 0
     workers = list(placement)
@@ -91,10 +101,7 @@ def bench_churn(router: Router, placement: dict, docs: list[list[int]], event_bl
                                                       BlockStored(tail, doc[-event_blocks - 1])]))
         next_seq[w] += 1
         blocks += 2 * len(tail)
-    t0 = time.perf_counter()
-    for b in batches:
-        router.apply_events(b)
-    return time.perf_counter() - t0, 2 * len(batches), blocks
+    return batches, blocks
 
 
 def make_prompts(rng: random.Random, docs: list[list[int]], placement: dict, n: int,

@@ -22,8 +22,11 @@ Keeping the masks exact whatever order blocks come and go in:
   parent went away first) it adopts the orphans below it. Removing a chained block orphans the
   chained blocks below it. A worker's blocks are LRU-evicted tail first, so both walks are usually
   empty: the orphan count lets a store skip looking for orphans, and removals find no chained child.
-- Parents and children are kept only for hashes some worker holds (a reference count per hash);
-  a child that goes away unlinks itself from its parent.
+- Parents and children are kept only for hashes some worker holds; a child that goes away unlinks
+  itself from its parent. Whether anyone holds a hash is read from the masks (chained holders) and
+  a count of orphan holders per hash (rare), not from a reference count per hash: on a large index
+  every table a store touches is a cache miss, and a new block touches three big tables (its mask,
+  its parent, its parent's children), a block another worker holds already only its mask.
 
 A snapshot entry without a parent takes the one this structure learned, if any; a block whose
 parent is unknown stays an orphan (it is not counted as cached) until an event names its parent.
@@ -57,7 +60,7 @@ class ChainIndex:
     def __init__(self) -> None:
         self._chain: dict[Tier, dict[int, int]] = {t: {} for t in _TIERS}
         self._parent: dict[int, int | None] = {}        # held hashes only
-        self._refs: dict[int, int] = {}                 # (worker, tier) holdings per hash
+        self._orphan_refs: dict[int, int] = {}          # (worker, tier) holdings as an orphan, per hash
         self._children: dict[int, int | set[int]] = {}  # parent -> child, or set of children
 
     # ---- lookups -------------------------------------------------------------------------
@@ -127,8 +130,17 @@ class ChainIndex:
         return out
 
     def num_hashes(self) -> int:
-        """Distinct hashes held by some worker on some tier."""
-        return len(self._refs)
+        """Distinct hashes held by some worker on some tier (a walk over the tables)."""
+        return len(set().union(*self._chain.values(), self._orphan_refs))
+
+    def held_anywhere(self, h: int) -> bool:
+        """Some worker holds ``h`` on some tier."""
+        if h in self._orphan_refs:
+            return True
+        for chain in self._chain.values():
+            if h in chain:
+                return True
+        return False
 
     # ---- changes -------------------------------------------------------------------------
 
@@ -137,7 +149,7 @@ class ChainIndex:
         held = w.blocks[tier]
         chain = self._chain[tier]
         bit = w.bit
-        refs, parents, children = self._refs, self._parent, self._children
+        learn, children = self._parent.setdefault, self._children
         chained = parent is None or bool(chain.get(parent, 0) & bit)
         orphans = w.orphans[tier]
         size = len(held)
@@ -148,32 +160,27 @@ class ChainIndex:
                 parent = h
                 continue
             size += 1
-            r = refs.get(h)
-            if r is None:                       # a hash no worker holds: the common case
-                refs[h] = 1
-                parents[h] = parent
-                if parent is not None:          # _link, inlined
-                    kids = children.get(parent)
-                    if kids is None:
-                        children[parent] = h
-                    elif type(kids) is int:
+            m = chain.get(h, 0)
+            if chained:
+                chain[h] = m | bit
+            else:
+                self._orphan_refs[h] = self._orphan_refs.get(h, 0) + 1
+                orphans += 1
+            # A hash chained on this tier already has its parent recorded; otherwise record it.
+            # A hash keeps the first parent it was given (a chained hash has only one), and one
+            # recorded is linked already: link only if this call recorded it (``is``).
+            if not m and learn(h, parent) is parent and parent is not None:
+                kids = children.setdefault(parent, h)    # _link, inlined
+                if kids is not h:
+                    if type(kids) is int:
                         if kids != h:
                             children[parent] = {kids, h}
                     else:
                         kids.add(h)
-                if chained:
-                    chain[h] = bit              # no worker held it: no mask yet
-            else:
-                refs[h] = r + 1
-                if chained:
-                    chain[h] = chain.get(h, 0) | bit
-            if chained:
-                if orphans:
-                    w.orphans[tier] = orphans
-                    self._adopt(w, tier, h)
-                    orphans = w.orphans[tier]
-            else:
-                orphans += 1
+            if chained and orphans:
+                w.orphans[tier] = orphans
+                self._adopt(w, tier, h)
+                orphans = w.orphans[tier]
             parent = h
         w.orphans[tier] = orphans
 
@@ -185,23 +192,31 @@ class ChainIndex:
             if h not in held:
                 continue
             held.discard(h)
-            if chain.get(h, 0) & bit:
-                self._unchain(chain, h, bit)
+            m = chain.get(h, 0)
+            if m & bit:
+                m = self._unchain(chain, h, bit)
                 if h in self._children:
                     self._orphan_below(w, tier, h)
             else:
                 w.orphans[tier] -= 1
-            self._unref(h)
+                self._unref_orphan(h)
+            if not m:
+                self._forget_if_unheld(h)
 
     def clear(self, w: Holdings, tier: Tier) -> None:
         """``w`` holds nothing on ``tier`` any more."""
         chain = self._chain[tier]
         bit = w.bit
-        for h in w.blocks[tier]:
+        held = w.blocks[tier]
+        for h in held:
             if chain.get(h, 0) & bit:
                 self._unchain(chain, h, bit)
-            self._unref(h)
-        w.blocks[tier].clear()
+            else:
+                self._unref_orphan(h)
+        for h in held:
+            if h not in chain:
+                self._forget_if_unheld(h)
+        held.clear()
         w.orphans[tier] = 0
 
     def replace(self, w: Holdings, tier: Tier, entries: Iterable[int | tuple[int, int | None]]) -> None:
@@ -211,20 +226,13 @@ class ChainIndex:
             if isinstance(e, tuple):
                 given[e[0]] = e[1]
             else:
-                given[e] = self._parent.get(e, _UNKNOWN) if e in self._refs else _UNKNOWN
+                given[e] = self._parent.get(e, _UNKNOWN)
         self.clear(w, tier)
         w.blocks[tier].update(given)
-        refs = self._refs
+        learn = self._parent.setdefault
         for h, p in given.items():
-            r = refs.get(h)
-            if r is not None:
-                refs[h] = r + 1
-                continue
-            refs[h] = 1
-            if p is not _UNKNOWN:
-                self._parent[h] = p     # type: ignore[assignment]
-                if p is not None:
-                    self._link(p, h)    # type: ignore[arg-type]
+            if p is not _UNKNOWN and learn(h, p) is p and p is not None:   # type: ignore[arg-type]
+                self._link(p, h)        # type: ignore[arg-type]
         chained: dict[int, bool] = {}
         for h in given:
             path, x = [], h
@@ -237,10 +245,12 @@ class ChainIndex:
                 x = p                   # type: ignore[assignment]
             for y in path:
                 chained[y] = chained[x]
-        chain, bit = self._chain[tier], w.bit
+        chain, bit, orphan_refs = self._chain[tier], w.bit, self._orphan_refs
         for h, ok in chained.items():
             if ok:
                 chain[h] = chain.get(h, 0) | bit
+            else:
+                orphan_refs[h] = orphan_refs.get(h, 0) + 1
         w.orphans[tier] = len(given) - sum(chained.values())
 
     # ---- internals -----------------------------------------------------------------------
@@ -273,23 +283,30 @@ class ChainIndex:
             return ()
         return (kids,) if type(kids) is int else tuple(kids)
 
-    def _unref(self, h: int) -> None:
-        r = self._refs[h] - 1
+    def _unref_orphan(self, h: int) -> None:
+        r = self._orphan_refs[h] - 1
         if r:
-            self._refs[h] = r
+            self._orphan_refs[h] = r
+        else:
+            del self._orphan_refs[h]
+
+    def _forget_if_unheld(self, h: int) -> None:
+        """Nobody holds ``h`` any more: forget its parent (its children stay, for when it comes back)."""
+        if self.held_anywhere(h):
             return
-        del self._refs[h]
         parent = self._parent.pop(h, None)
         if parent is not None:
             self._unlink(parent, h)
 
     @staticmethod
-    def _unchain(chain: dict[int, int], h: int, bit: int) -> None:
+    def _unchain(chain: dict[int, int], h: int, bit: int) -> int:
+        """Clear ``bit`` from ``h``'s mask; returns what is left of it."""
         m = chain[h] & ~bit
         if m:
             chain[h] = m
         else:
             del chain[h]
+        return m
 
     def _adopt(self, w: Holdings, tier: Tier, h: int) -> None:
         """``h`` just became chained on ``w``: so do the orphans below it that ``w`` holds."""
@@ -300,6 +317,7 @@ class ChainIndex:
                 if c in held and not chain.get(c, 0) & bit:
                     chain[c] = chain.get(c, 0) | bit
                     w.orphans[tier] -= 1
+                    self._unref_orphan(c)
                     stack.append(c)
 
     def _orphan_below(self, w: Holdings, tier: Tier, h: int) -> None:
@@ -311,6 +329,7 @@ class ChainIndex:
                 if chain.get(c, 0) & bit:
                     self._unchain(chain, c, bit)
                     w.orphans[tier] += 1
+                    self._orphan_refs[c] = self._orphan_refs.get(c, 0) + 1
                     stack.append(c)
 
 

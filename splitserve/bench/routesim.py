@@ -296,7 +296,7 @@ class Simulation:
 
 
 def index_tables_bytes(router: Router) -> int:
-    """The prefix index's hash tables (chain masks, parents, children, reference counts, each
+    """The prefix index's hash tables (chain masks, parents, children, orphan counts, each
     worker's block sets), by sys.getsizeof: the tables themselves, not the int objects in them
     (hashes are shared with the event batches; a 64-bit hash is another 32 bytes where unshared)."""
     import sys
@@ -304,7 +304,7 @@ def index_tables_bytes(router: Router) -> int:
     idx = router.index
     chains = idx._chains                                          # noqa: SLF001 (a bench probe)
     total = sum(sys.getsizeof(d) for d in chains._chain.values())  # noqa: SLF001
-    total += sys.getsizeof(chains._parent) + sys.getsizeof(chains._refs) + sys.getsizeof(chains._children)  # noqa: SLF001
+    total += sys.getsizeof(chains._parent) + sys.getsizeof(chains._orphan_refs) + sys.getsizeof(chains._children)  # noqa: SLF001
     total += sum(sys.getsizeof(s) for s in chains._children.values() if type(s) is set)  # noqa: SLF001
     for w in idx._workers.values():                               # noqa: SLF001
         total += sum(sys.getsizeof(s) for s in w.held.blocks.values())

@@ -21,7 +21,10 @@ def test_a_tree_against_itself_routes_alike_in_both_runs():
     done = run_ab(REPO, REPO)
     assert done.returncode == 0, done.stderr
     record = json.loads(done.stdout.splitlines()[-1])
-    assert record["same_choices"] is True
+    assert record["same_choices"] is True and record["same_index"] is True
+    for run in ("ingest", "churn"):
+        assert record[run]["chunks"] >= 1
+        assert record[run]["a_blocks_per_s"] > 0 and record[run]["b_blocks_per_s"] > 0
     for run in ("idle", "decoding"):
         assert record[run]["chunks"] == 6
         assert record[run]["a_decisions_per_s"] > 0 and record[run]["b_decisions_per_s"] > 0

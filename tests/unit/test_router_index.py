@@ -209,6 +209,25 @@ def _leading(held: frozenset[int], prompt: list[int]) -> int:
     return n
 
 
+def _check_tables(idx: PrefixIndex) -> None:
+    """The chain structure's own bookkeeping agrees with the workers' sets: each hash's count of
+    orphan holders, and parents kept only for hashes someone holds."""
+    chains = idx._chains                                                     # noqa: SLF001
+    held: set[int] = set()
+    orphans: dict[int, int] = {}
+    for wid in idx.workers():
+        w = idx._workers[wid].held                                           # noqa: SLF001
+        for tier in Tier:
+            held |= w.blocks[tier]
+            loose = [h for h in w.blocks[tier] if not chains._chain[tier].get(h, 0) & w.bit]  # noqa: SLF001
+            assert w.orphans[tier] == len(loose)
+            for h in loose:
+                orphans[h] = orphans.get(h, 0) + 1
+    assert chains._orphan_refs == orphans                                    # noqa: SLF001
+    assert set(chains._parent) <= held                                       # noqa: SLF001
+    assert idx.num_hashes() == len(held)
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_index_matches_a_brute_force_model_under_loss_duplication_reordering_and_worker_loss(seed):
     rng = random.Random(seed)
@@ -248,6 +267,7 @@ def test_index_matches_a_brute_force_model_under_loss_duplication_reordering_and
             seq = idx.applied_seq(wid)
             for tier in Tier:
                 assert idx.worker_blocks(wid, tier) == p.history[seq][tier], (step, wid, seq)
+        _check_tables(idx)
         prompt = tree.path(rng.randint(1, 24))
         for tiers in ((Tier.GPU,), (Tier.GPU, Tier.HOST)):
             expect = {wid: n for wid, p in pubs.items()
@@ -264,8 +284,7 @@ def test_index_matches_a_brute_force_model_under_loss_duplication_reordering_and
     for wid in idx.workers_needing_resync():
         idx.apply_snapshot(wid, *pubs[wid].snapshot())
     assert set(idx.workers()) <= set(pubs)      # removed workers are gone for good
-    # the index keeps parents and children only for blocks some worker holds
-    assert idx.num_hashes() == len(frozenset().union(*(idx.worker_blocks(w, t) for w in idx.workers() for t in Tier)))
+    _check_tables(idx)
     for wid in idx.workers():                   # (a worker whose every batch was lost is unseen)
         assert idx.applied_seq(wid) == pubs[wid].seq
         for tier in Tier:
