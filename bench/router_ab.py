@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.router_bench import (BLOCK_SIZE, add_fleet_arguments, churn_batches, fleet_batches,  # noqa: E402
                                 make_docs, make_prompts, parse_fleet_args)
-from splitserve.bench.records import git_sha  # noqa: E402
+from splitserve.bench.records import cpu_model, git_sha  # noqa: E402
 
 
 def load_router(tree: str) -> ModuleType:
@@ -129,7 +129,7 @@ def main() -> None:
 
     record = {"bench": "router_ab", "git_sha": git_sha(), "a": args.a, "b": args.b, "clock": args.clock,
               "workers": args.workers, "decisions": args.decisions, "rounds": args.rounds,
-              "host_load_avg_1m": round(os.getloadavg()[0], 2),
+              "host_load_avg_1m": round(os.getloadavg()[0], 2), "cpu_model": cpu_model(),
               "ingest": paired(stored, "blocks_per_s"), "churn": paired(churned, "blocks_per_s"),
               "same_index": len({(r.index.num_entries(), r.index.num_hashes()) for r, _ in routers.values()}) == 1}
     for run, in_flight in (("idle", 0), ("decoding", args.in_flight)):

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kvstore.event_codec import decode_batch, encode_batch  # noqa: E402
 from kvstore.events import BlockRemoved, BlockStored, KvEventBatch  # noqa: E402
 from router import Router, RouterConfig, RoutingPolicy, WorkerRole  # noqa: E402
-from splitserve.bench.records import git_sha  # noqa: E402
+from splitserve.bench.records import cpu_model, git_sha  # noqa: E402
 
 BLOCK_SIZE = 16
 SYSTEM_BLOCKS = 32
@@ -213,7 +213,7 @@ def main() -> None:
     batches, placement = fleet_batches(rng, docs, workers, args.docs_per_worker, args.event_blocks)
     num_events, num_blocks = count_blocks(batches)
     base = {"bench": "router", "git_sha": git_sha(), "device": "cpu", "cores": 1,
-            "host_load_avg_1m": round(os.getloadavg()[0], 2), "host_cpus": os.cpu_count(),
+            "host_load_avg_1m": round(os.getloadavg()[0], 2), "host_cpus": os.cpu_count(), "cpu_model": cpu_model(),
             "python": sys.version.split()[0], "seed": args.seed, "workers": args.workers,
             "block_size": BLOCK_SIZE}
 

@@ -152,14 +152,12 @@ class ChainIndex:
         learn, children = self._parent.setdefault, self._children
         chained = parent is None or bool(chain.get(parent, 0) & bit)
         orphans = w.orphans[tier]
-        size = len(held)
         for h in block_hashes:
-            held.add(h)
-            if len(held) == size:               # already here: the run goes on from it
+            if h in held:                       # already here: the run goes on from it
                 chained = bool(chain.get(h, 0) & bit)
                 parent = h
                 continue
-            size += 1
+            held.add(h)
             m = chain.get(h, 0)
             if chained:
                 chain[h] = m | bit

@@ -15,6 +15,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def cpu_model() -> str | None:
+    """The host CPU's model name (Linux), for records whose figures depend on it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def git_sha() -> str:
     if os.environ.get("SPLITSERVE_GIT_SHA"):
         return os.environ["SPLITSERVE_GIT_SHA"]
