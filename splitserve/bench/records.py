@@ -28,14 +28,18 @@ def cpu_model() -> str | None:
 
 
 def git_sha() -> str:
+    """The commit a record was made at: $SPLITSERVE_GIT_SHA, else the checkout's HEAD, else the
+    GIT_SHA file written beside a tree copied without its .git (the GPU machine's)."""
     if os.environ.get("SPLITSERVE_GIT_SHA"):
         return os.environ["SPLITSERVE_GIT_SHA"]
-    f = ROOT / "GIT_SHA"
-    if f.is_file() and f.read_text().strip():
-        return f.read_text().strip()
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              timeout=5, cwd=ROOT)
-        return out.stdout.strip() or "unknown"
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        pass
+    f = ROOT / "GIT_SHA"
+    if f.is_file() and f.read_text().strip():
+        return f.read_text().strip()
+    return "unknown"

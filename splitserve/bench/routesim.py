@@ -118,6 +118,7 @@ class Simulation:
     def __init__(self, cfg: SimConfig, router_config: RouterConfig, requests: Sequence[SimRequest],
                  timing: StepTiming, seed: int = 0) -> None:
         self.cfg = cfg
+        self.timing = timing
         self.now = 0.0
         self.router = Router(router_config, cfg.block_size, seed=seed, clock=lambda: self.now)
         self.workers = {f"w{i}": SimWorker(f"w{i}", cfg.num_blocks, cfg.block_size, timing,
@@ -135,6 +136,7 @@ class Simulation:
         self._order = 0
         self._next_seq = {wid: 1 for wid in self.workers}
         self._ever_stored: set[int] = set()
+        self._oracle_tokens: dict[int, int] = {}    # request index -> the pooled oracle's hit
         self.rejected = 0
 
     # ---- the event loop ----------------------------------------------------------------------
@@ -168,6 +170,7 @@ class Simulation:
             self.rejected += 1
             return
         oracle_tokens = sum(self.oracle.observe(req.block_hashes, req.prompt_len))
+        self._oracle_tokens[req.index] = oracle_tokens
         held = self.router.index.overlaps(req.block_hashes) if self.cfg.attribute else {}
         t0 = time.perf_counter()
         d = self.router.route(req.request_id, req.block_hashes, req.prompt_len, WorkerRole.DECODE,
@@ -255,6 +258,11 @@ class Simulation:
     def _summary(self, wall_s: float) -> dict:
         seqs = [s for s in self._seqs if s.first_token_s >= 0]
         ttft = np.array([s.first_token_s - s.req.arrival_s for s in seqs])
+        # What no placement can beat: each prompt prefilled alone on an idle worker, with the pooled
+        # oracle's hit (floor) or with the hit this policy got (own prefill).
+        chunk, prefill = self.cfg.max_num_batched_tokens, self.timing.prefill_s
+        floor = np.array([prefill(s.req.prompt_len, self._oracle_tokens.get(s.req.index, 0), chunk) for s in seqs])
+        own = np.array([prefill(s.req.prompt_len, s.cached_tokens, chunk) for s in seqs])
         prompt = sum(s.req.prompt_len for s in seqs)
         cached = sum(s.cached_tokens for s in seqs)
         served = {wid: w.stats.prompt_tokens for wid, w in self.workers.items()}
@@ -271,6 +279,8 @@ class Simulation:
             "oracle_share": round(hit / oracle, 3) if oracle else None,
             "ttft_p50_s": _pct(ttft, 50), "ttft_p90_s": _pct(ttft, 90), "ttft_p99_s": _pct(ttft, 99),
             "ttft_mean_s": round(float(ttft.mean()), 4) if len(ttft) else None,
+            "ttft_floor_p50_s": _pct(floor, 50), "ttft_floor_p90_s": _pct(floor, 90),
+            "ttft_own_prefill_p50_s": _pct(own, 50), "ttft_own_prefill_p90_s": _pct(own, 90),
             "max_over_mean_load": round(max(served.values()) / mean, 3) if mean else None,
             "max_over_mean_computed": round(max(computed.values()) / (sum(computed.values()) / len(computed)), 3)
             if sum(computed.values()) else None,
