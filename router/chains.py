@@ -160,7 +160,7 @@ class ChainIndex:
             held.add(h)
             m = chain.get(h, 0)
             if chained:
-                chain[h] = m | bit
+                chain[h] = m | bit if m else bit    # a new mask shares the worker's bit, unallocated
             else:
                 self._orphan_refs[h] = self._orphan_refs.get(h, 0) + 1
                 orphans += 1

@@ -28,18 +28,17 @@ def cpu_model() -> str | None:
 
 
 def git_sha() -> str:
-    """The commit a record was made at: $SPLITSERVE_GIT_SHA, else the checkout's HEAD, else the
-    GIT_SHA file written beside a tree copied without its .git (the GPU machine's)."""
+    """The commit a record was made at: $SPLITSERVE_GIT_SHA, else the GIT_SHA file written beside a
+    tree copied to the GPU machine (whose own .git, if any, is not this tree's), else the
+    checkout's HEAD. Delete GIT_SHA after a GPU run: a stale one mislabels local records."""
     if os.environ.get("SPLITSERVE_GIT_SHA"):
         return os.environ["SPLITSERVE_GIT_SHA"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=5, cwd=ROOT)
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
     f = ROOT / "GIT_SHA"
     if f.is_file() and f.read_text().strip():
         return f.read_text().strip()
-    return "unknown"
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=5, cwd=ROOT)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
