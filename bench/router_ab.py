@@ -88,6 +88,7 @@ def main() -> None:
         for w in workers:
             r.add_worker(w, m.WorkerRole.DECODE)
         routers[tag] = (r, m.WorkerRole.DECODE)
+
     def ingest(batches: list) -> dict[str, list[float]]:
         """The batches in alternating chunks (A then B, B then A): blocks/s per chunk."""
         speed: dict[str, list[float]] = {"A": [], "B": []}
