@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from kvstore.cuda_driver import Driver
 from kvstore.host_pool import HostPool
 
 if TYPE_CHECKING:
@@ -135,7 +136,7 @@ class TorchHostCopy:
         self.staged = self._cuda if staged is None else staged
         assert self.staged or not self._cuda, "a device cache is copied through staging"
         self.max_staging_blocks = max_staging_blocks
-        self._driver = _load_driver() if self._cuda and layer_events else None   # onboard_layers' 2D copies
+        self._driver = Driver.load() if self._cuda and layer_events else None   # onboard_layers' 2D copies
         self.layer_events = layer_events if self._driver is not None else None
         # one buffer, allocated once (the engine budgets it beside the cache): every use is queued
         # on the side stream, so a chunk never overwrites one that is still being copied
@@ -451,11 +452,6 @@ def probe(mover: HostCopy, g1_blocks: Sequence[int], g2_slots: Sequence[int]) ->
     t1 = time.perf_counter()
     wait(mover, mover.onboard(g2_slots, g1_blocks))
     return t1 - t0, time.perf_counter() - t1
-
-
-def _load_driver():
-    from kvstore.cuda_driver import Driver
-    return Driver.load()
 
 
 def _pairs(g1_blocks: Sequence[int], g2_slots: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:

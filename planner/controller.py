@@ -145,14 +145,12 @@ class PoolController:
         self._closing = True
         if self._task is not None:
             self._task.cancel()
-            await bounded("stopping the pool controller's loop", self._loop_stopped(), CLOSE_STEP_S)
+            await bounded("stopping the pool controller's loop", asyncio.gather(self._task, return_exceptions=True),
+                          CLOSE_STEP_S)
         for addr, ch in list(self._channels.items()):
             await bounded(f"closing the status channel to {addr}", ch.close(grace=None), CLOSE_STEP_S)
         self._channels.clear()
         await bounded("closing the pool controller's Redis client", self.redis.aclose(), CLOSE_STEP_S)
-
-    async def _loop_stopped(self) -> None:
-        await asyncio.gather(self._task, return_exceptions=True)
 
     # ---- what operators and the planner call ------------------------------------------------
     def scale(self, sizes: dict[str, int]) -> None:
