@@ -36,7 +36,9 @@ def test_the_frontend_refuses_workers_that_disagree_and_reaches_advertised_ones(
             worker("big-blocks", "--block-size", "32")
             worker("other-model", "--model", "tiny-qwen2")
             worker("advertised", "--host", "0.0.0.0", "--advertise-host", "127.0.0.1")
-            until(lambda: len(c.workers()) == 4, 90, 0.2, "four workers in Redis")
+            # ready, not only registered: a worker is in Redis while it still loads (three at once
+            # on a loaded CI machine took over 10 s), and the frontend admits or refuses only ready ones
+            until(lambda: sum(w.ready for w in c.workers()) == 4, 90, 0.2, "four ready workers in Redis")
             until(lambda: health()["workers"] == 2, 10, 0.1, "the advertised worker in the pool")
             time.sleep(2.0)                          # four more discovery polls
             assert health()["workers"] == 2
