@@ -25,6 +25,9 @@ each size instead, so queues and batches come in from the interval before as tha
 them: closer to what a resized pool sees after a quiet spell, harsher than the truth after a
 peak (a small pool's backlog from the peak is charged to it). It is an estimate, not a bound.
 
+`one_late_*`: the carried estimate's per-interval choices applied one interval late (a perfect
+report of the last interval instead of foresight): what following the optimum costs.
+
 The static comparator is the cheapest fixed split whose union attainment over those whole-run
 static runs reaches the goal (as `bench plan`'s static search, without its final joint run).
 
@@ -147,7 +150,7 @@ def cheapest_static(ttft, itl, target: float) -> tuple[int, int, float] | None:
 def clairvoyant(runs, n: int, end_s: float, interval_s: float, target: float):
     """Least GPU-seconds over per-interval (P, D) choices with total misses <= the allowance.
     Returns (GPU-seconds, the dual lower bound in GPU-seconds, attainment, time-weighted mean P,
-    mean D), or None if no choice fits."""
+    mean D, the (P, D) picked per interval), or None if no choice fits."""
     n_int = max(len(runs), int(math.ceil(end_s / interval_s)))
     length = np.full(n_int, interval_s)
     length[-1] = end_s - interval_s * (n_int - 1)
@@ -190,7 +193,23 @@ def clairvoyant(runs, n: int, end_s: float, interval_s: float, target: float):
     busy = [(p, d, w) for (p, d), w in zip(picks, length)]
     total = float(length.sum())
     return (gpu_s, min(dual, gpu_s), 1 - missed / n, sum(p * w for p, _, w in busy) / total,
-            sum(d * w for _, d, w in busy) / total)
+            sum(d * w for _, d, w in busy) / total, picks)
+
+
+def lagged(runs, picks, n: int, end_s: float, interval_s: float) -> tuple[float, float]:
+    """GPU-hours and attainment of sizing each interval with the choice made for the interval
+    before it (a perfect report of the last interval, one interval late; the first keeps its own).
+    A size outside what was measured for an interval is read as the nearest measured one."""
+    shifted_picks = picks[:1] + picks[:-1]
+    gpu_s = missed = 0.0
+    for j, ((index, ttft, itl), (p, d)) in enumerate(zip(runs, shifted_picks)):
+        length = min(interval_s, end_s - j * interval_s)
+        gpu_s += (p + d) * length
+        if len(index):
+            p = min(max(p, min(ttft)), max(ttft))
+            d = min(max(d, min(itl)), max(itl))
+            missed += float((~(ttft[p] & itl[d])).sum())
+    return gpu_s / 3600, 1 - missed / n
 
 
 def main() -> int:
@@ -235,7 +254,7 @@ def main() -> int:
                 rec["static_gpu_hours"] = round((static[0] + static[1]) * end_s / 3600, 4)
             c = clairvoyant(runs, len(replay), end_s, interval, target)
             if c:
-                gpu_s, bound_s, att, mp, md = c
+                gpu_s, bound_s, att, mp, md, _ = c
                 rec.update({"clairvoyant_gpu_hours": round(gpu_s / 3600, 4),
                             "lower_bound_gpu_hours": round(bound_s / 3600, 4),
                             "clairvoyant_attainment": round(att, 5),
@@ -245,9 +264,11 @@ def main() -> int:
                     rec["lower_bound_ratio"] = round(bound_s / 3600 / rec["static_gpu_hours"], 4)
             c = clairvoyant(carried[interval], len(replay), end_s, interval, target)
             if c:
-                gpu_s, _, att, mp, md = c
+                gpu_s, _, att, mp, md, picks = c
                 rec.update({"carried_gpu_hours": round(gpu_s / 3600, 4), "carried_attainment": round(att, 5),
                             "carried_mean_prefill": round(mp, 3), "carried_mean_decode": round(md, 3)})
+                late_h, late_att = lagged(carried[interval], picks, len(replay), end_s, interval)
+                rec.update({"one_late_gpu_hours": round(late_h, 4), "one_late_attainment": round(late_att, 5)})
                 if static:
                     rec["carried_ratio"] = round(gpu_s / 3600 / rec["static_gpu_hours"], 4)
             emit(rec, args.output)

@@ -30,13 +30,15 @@ def test_misses_go_where_they_save_a_worker_for_the_fewest_requests():
     # second; two miss nothing; one decode worker always suffices
     runs = [(np.arange(100), {1: ok(100, 30), 2: ok(100, 0)}, {1: ok(100, 0)}),
             (np.arange(100, 200), {1: ok(100, 5), 2: ok(100, 0)}, {1: ok(100, 0)})]
-    gpu_s, bound_s, attainment, mean_p, mean_d = pc.clairvoyant(runs, 200, 20.0, 10.0, 0.97)
+    gpu_s, bound_s, attainment, mean_p, mean_d, picks = pc.clairvoyant(runs, 200, 20.0, 10.0, 0.97)
     # 6 misses allowed: the second interval runs one prefill worker, the first two
     assert gpu_s == (2 + 1) * 10 + (1 + 1) * 10
     assert attainment == 1 - 5 / 200 and mean_p == 1.5 and mean_d == 1.0
-    assert bound_s <= gpu_s
+    assert bound_s <= gpu_s and picks == [(2, 1), (1, 1)]
+    # applied one interval late, the first interval gets its own choice and the second the first's
+    assert pc.lagged(runs, picks, 200, 20.0, 10.0) == ((30 + 30) / 3600, 1.0)
     # no misses allowed: both intervals need two
-    gpu_s, bound_s, attainment, mean_p, _ = pc.clairvoyant(runs, 200, 20.0, 10.0, 0.999)
+    gpu_s, bound_s, attainment, mean_p, _, _ = pc.clairvoyant(runs, 200, 20.0, 10.0, 0.999)
     assert gpu_s == 60 and attainment == 1.0 and mean_p == 2.0 and bound_s <= gpu_s
 
 
@@ -66,6 +68,7 @@ def test_the_script_on_a_small_trace(tmp_path):
         assert r["lower_bound_gpu_hours"] <= r["clairvoyant_gpu_hours"] <= r["static_gpu_hours"]
         assert r["carried_gpu_hours"] <= r["static_gpu_hours"]
         assert r["clairvoyant_mean_prefill"] >= 1 and r["clairvoyant_mean_decode"] >= 1
+        assert 0 < r["one_late_gpu_hours"] and 0 < r["one_late_attainment"] <= 1
 
 
 def test_bad_input_is_refused():
