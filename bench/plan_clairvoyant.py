@@ -13,8 +13,11 @@ the same simulator `bench plan` uses, on that interval's requests alone, from em
   until none misses its ITL target.
 
 A request meets the SLA under (P, D) if it meets both (the union of the two runs' misses; a run of
-both pools together misses a few more). Every simplification errs on the clairvoyant's side: empty
-pools at each interval's start, free resizing, the union. The interval choices are found by
+both pools together misses a few more). Every simplification errs on the clairvoyant's side (empty
+pools at each interval's start, free resizing, the union) except one: each interval also starts
+with empty prefix caches, which on a trace with shared prefixes (Mooncake's hash ids) costs it
+hits. There the bound is not one (`lower_bound_holds` is false); on traces without prefix ids
+(Azure, the synthetic ones) nothing is cached anyway. The interval choices are found by
 Lagrangian relaxation: for a price per miss, each interval takes its cheapest (P, D); the price is
 bisected to the least GPU time whose misses fit the goal. That choice is feasible
 (`clairvoyant_gpu_hours`); the relaxation's dual value at the same price (`lower_bound_gpu_hours`)
@@ -59,6 +62,8 @@ from splitserve.bench.plansim.workload import load_workload, scale_load, split_h
 from splitserve.bench.records import cpu_model  # noqa: E402
 from splitserve.bench.serve import emit, git_sha  # noqa: E402
 
+MAX_WORKERS = 1024      # a pool size past which no trace here goes
+
 
 def shifted(w, index: np.ndarray, start_s: float):
     """The requests at ``index``, their arrivals moved so that ``start_s`` is 0."""
@@ -66,9 +71,25 @@ def shifted(w, index: np.ndarray, start_s: float):
     return replace(sub, arrival_s=sub.arrival_s - start_s)
 
 
+def sizes_up(run, done) -> dict[int, np.ndarray]:
+    """run(n) for n = 1, 2, ... (the requests' met-or-not array) until done(results, n), or until
+    two sizes in a row meet no more requests than the one before them: what is left then no size
+    meets (a prompt whose prefill alone takes longer than the target), and bigger pools change
+    nothing. (An overloaded pool meets more with each worker added, so it does not stop there.)"""
+    out: dict[int, np.ndarray] = {}
+    n = 0
+    while True:
+        n += 1
+        out[n] = run(n)
+        flat = n > 2 and out[n].sum() <= out[n - 1].sum() <= out[n - 2].sum()
+        if done(out, n) or flat or n >= MAX_WORKERS:
+            return out
+
+
 def interval_runs(replay, profile, cfg: SimConfig, interval_s: float, progress: bool):
     """Per interval: TTFT met per request for P = 1, 2, ... and ITL met for D = 1, 2, ..., each
-    size up to the first that misses nothing (a bigger pool is taken to miss nothing either)."""
+    up to the first size that misses nothing it could meet (a bigger pool is taken to do no
+    better)."""
     k = np.floor(replay.arrival_s / interval_s).astype(int)
     out = []
     bar = tqdm(total=len(replay), desc=f"intervals of {interval_s:g} s", unit="req", file=sys.stderr,
@@ -79,18 +100,18 @@ def interval_runs(replay, profile, cfg: SimConfig, interval_s: float, progress: 
             out.append((index, {}, {}))
             continue
         sub = shifted(replay, index, j * interval_s)
-        ttft: dict[int, np.ndarray] = {}
-        p = 0
-        while not ttft or not ttft[p].all():
-            p += 1
+        first: dict[int, np.ndarray] = {}
+
+        def prefill(p: int) -> np.ndarray:
             r = Simulation(sub, profile, cfg, prefill_workers=p, stages=("prefill",)).run()
-            ttft[p], entries = r.ttft_ok(cfg.ttft_target_s), r.first_token_s
-        itl: dict[int, np.ndarray] = {}
-        d = 0
-        while not itl or not itl[d].all():
-            d += 1
-            r = Simulation(sub, profile, cfg, decode_workers=d, stages=("decode",), decode_entry_s=entries).run()
-            itl[d] = r.itl_ok(cfg.itl_target_s)
+            first[p] = r.first_token_s
+            return r.ttft_ok(cfg.ttft_target_s)
+
+        ttft = sizes_up(prefill, lambda got, n: bool(got[n].all()))
+        entries = first[max(ttft)]
+        itl = sizes_up(lambda d: Simulation(sub, profile, cfg, decode_workers=d, stages=("decode",),
+                                            decode_entry_s=entries).run().itl_ok(cfg.itl_target_s),
+                       lambda got, n: bool(got[n].all()))
         out.append((index, ttft, itl))
         bar.update(len(index))
     bar.close()
@@ -100,29 +121,32 @@ def interval_runs(replay, profile, cfg: SimConfig, interval_s: float, progress: 
 def whole_runs(replay, profile, cfg: SimConfig, goal: float, progress: bool):
     """Static runs of the whole replay: TTFT met per request for P = 1, 2, ... up to one past the
     least P that meets the goal alone, then ITL for D likewise (fed the first tokens of that least
-    P's run, as the static search does)."""
-    ttft, first = {}, {}
-    p = 0
-    while True:
-        p += 1
+    P's run, as the static search does; of the largest P's if none meets it)."""
+    first: dict[int, np.ndarray] = {}
+    end_s = [0.0]
+
+    def prefill(p: int) -> np.ndarray:
         r = Simulation(replay, profile, cfg, prefill_workers=p, stages=("prefill",), progress=progress,
                        desc=f"static P={p}").run()
-        ttft[p], first[p] = r.ttft_ok(cfg.ttft_target_s), r.first_token_s
-        met = [q for q in ttft if ttft[q].mean() >= goal]
-        if met and p > min(met):
-            break
-    entries = first[min(met)]
-    itl = {}
-    d = 0
-    while True:
-        d += 1
+        first[p] = r.first_token_s
+        return r.ttft_ok(cfg.ttft_target_s)
+
+    def decode(d: int) -> np.ndarray:
         r = Simulation(replay, profile, cfg, decode_workers=d, stages=("decode",), decode_entry_s=entries,
-                       progress=progress, desc=f"static D={d}").run()
-        itl[d] = r.itl_ok(cfg.itl_target_s)
-        met = [q for q in itl if itl[q].mean() >= goal]
-        if met and d > min(met):
-            break
-    return ttft, itl, r.end_s
+                       progress=progress, desc=f"static D={d}")
+        result = r.run()
+        end_s[0] = result.end_s
+        return result.itl_ok(cfg.itl_target_s)
+
+    def one_past_goal(got: dict[int, np.ndarray], n: int) -> bool:
+        met = [q for q in got if got[q].mean() >= goal]
+        return bool(met) and n > min(met)
+
+    ttft = sizes_up(prefill, one_past_goal)
+    met = [q for q in ttft if ttft[q].mean() >= goal]
+    entries = first[min(met) if met else max(ttft)]
+    itl = sizes_up(decode, one_past_goal)
+    return ttft, itl, end_s[0]
 
 
 def carried_runs(arrival_s: np.ndarray, ttft, itl, interval_s: float):
@@ -246,6 +270,7 @@ def main() -> int:
                    "trace": Path(args.trace).name, "load_scale": args.load_scale, "seed": args.seed,
                    "requests": len(replay), "profile": profile.name, "ttft_ms": args.ttft_ms,
                    "itl_ms": args.itl_ms, "interval_s": interval, "target": target, "end_s": round(end_s, 1),
+                   "lower_bound_holds": not any(replay.hashes or ()),
                    "static_ttft_attainment": {p: round(float(v.mean()), 5) for p, v in sorted(ttft.items())},
                    "static_itl_attainment": {d: round(float(v.mean()), 5) for d, v in sorted(itl.items())}}
             if static:

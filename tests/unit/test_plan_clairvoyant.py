@@ -53,6 +53,23 @@ def test_a_request_must_meet_both_targets():
     assert pc.clairvoyant(runs, 10, 10.0, 10.0, 0.95)[0] == (1 + 2) * 10
 
 
+def test_pool_sizes_grow_until_nothing_more_can_be_met():
+    calls = []
+
+    def run(met_by_size):
+        def f(n):
+            calls.append(n)
+            return ok(10, 10 - met_by_size[min(n, len(met_by_size)) - 1])
+        return f
+
+    every = lambda got, n: bool(got[n].all())  # noqa: E731
+    # an overloaded pool meets more with each worker: no early stop on the way to all met
+    assert sorted(pc.sizes_up(run([1, 3, 3, 6, 10]), every)) == [1, 2, 3, 4, 5]
+    # two requests no size meets: it stops after two sizes in a row gain nothing
+    calls.clear()
+    assert sorted(pc.sizes_up(run([2, 5, 8, 8, 8, 8]), every)) == [1, 2, 3, 4, 5] and calls == [1, 2, 3, 4, 5]
+
+
 def test_the_script_on_a_small_trace(tmp_path):
     trace = tmp_path / "azure.csv"
     small_trace(trace)
@@ -69,6 +86,7 @@ def test_the_script_on_a_small_trace(tmp_path):
         assert r["carried_gpu_hours"] <= r["static_gpu_hours"]
         assert r["clairvoyant_mean_prefill"] >= 1 and r["clairvoyant_mean_decode"] >= 1
         assert 0 < r["one_late_gpu_hours"] and 0 < r["one_late_attainment"] <= 1
+        assert r["lower_bound_holds"] is True          # an Azure-format trace: no prefix ids
 
 
 def test_bad_input_is_refused():
