@@ -255,9 +255,16 @@ def main() -> int:
         ap.error("--ttft-ms, --itl-ms, --interval-s and --load-scale must be > 0")
     if not all(0 < t < 1 for t in args.target):
         ap.error("--target must be in (0, 1)")
-    profile = load_profile(args.profile)
-    workload = scale_load(load_workload(args.trace, args.seed), args.load_scale, args.seed)
+    try:
+        profile = load_profile(args.profile)
+        workload = scale_load(load_workload(args.trace, args.seed), args.load_scale, args.seed)
+    except (OSError, ValueError) as e:          # WorkloadError is a ValueError
+        print(f"plan_clairvoyant: {e}", file=sys.stderr)
+        return 2
     _, replay = split_history(workload, args.warm_start_s)
+    if not len(replay):
+        print(f"plan_clairvoyant: nothing to replay after --warm-start-s {args.warm_start_s}", file=sys.stderr)
+        return 2
     cfg = SimConfig(args.ttft_ms / 1e3, args.itl_ms / 1e3, 30.0, profile.startup_s, args.seed)
     progress = not args.no_progress
     ttft, itl, end_s = whole_runs(replay, profile, cfg, min(args.target), progress)

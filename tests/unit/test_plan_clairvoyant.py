@@ -93,3 +93,6 @@ def test_bad_input_is_refused():
     done = subprocess.run([sys.executable, str(REPO / "bench" / "plan_clairvoyant.py"), "--trace", "x",
                            "--ttft-ms", "0", "--itl-ms", "50"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "must be > 0" in done.stderr
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "plan_clairvoyant.py"), "--trace", "/nonexistent.csv",
+                           "--ttft-ms", "2000", "--itl-ms", "50"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.startswith("plan_clairvoyant: ") and "Traceback" not in done.stderr
