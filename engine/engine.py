@@ -147,8 +147,11 @@ class Engine:
             self.tiers.poll()                   # idle: finish disk write-backs
         return StepResult(outputs, self.pool.take_events() + self.tiers.take_events(), sched.take_reservations())
 
-    def _measure_prefill(self, plan: StepPlan, seconds: float) -> None:
-        """The KV tiers' prefill-speed meter sees each step's tokens and the wall time it took."""
+    def _measure_prefill(self, plan: StepPlan, seconds: float, end: float) -> None:
+        """The KV tiers' prefill-speed meter sees each step's tokens and the wall time it took; a
+        prefill worker's scheduler charges that time to the prompts in the step."""
+        if self.scheduler.track_prefill_time:
+            self.scheduler.charge_prefill(plan, seconds, end)
         if self.tier_io is not None and plan.rows:
             speed = self._prefill_meter.observe(sum(r.num_tokens for r in plan.rows), seconds)
             if speed is not None:
@@ -173,7 +176,8 @@ class Engine:
             except BaseException:
                 sched.abandon(plan)
                 raise
-            self._measure_prefill(plan, time.perf_counter() - t0)
+            end = time.perf_counter()
+            self._measure_prefill(plan, end - t0, end)
             sched.commit(plan)
             return sched.update(plan, sampled, logprobs)
         prev, self._in_flight = self._in_flight, None
@@ -191,7 +195,7 @@ class Engine:
             # the step's own time: from its launch, or from the previous step's end where it was
             # queued behind that one (it is measured where its result comes in, a call later)
             done = time.perf_counter()
-            self._measure_prefill(prev[0], done - max(prev[2], self._step_done_at))
+            self._measure_prefill(prev[0], done - max(prev[2], self._step_done_at), done)
             self._step_done_at = done
             return sched.update(prev[0], sampled, _logprobs(prev[1]))
         except BaseException:

@@ -45,6 +45,11 @@ class Request:
     num_tokens_sent: int = 0            # penalties / grammar: tokens given to the runner (PlanRow.unseen)
     tier_checked: bool = False          # KV tiers: this admission looked below G1 already
     tier_ready: bool = False            # KV tiers: onboarded blocks are in block_ids; admit as they are
+    # prefill timing (Scheduler.track_prefill_time): when it was added, when a step first computed
+    # part of its prompt (-1: not yet), and its token share of the wall time of those steps
+    added_at: float = 0.0
+    prefill_started_at: float = -1.0
+    prefill_busy_s: float = 0.0
 
     @staticmethod
     def new(request_id: str, prompt: list[int], sampling: SamplingParams,

@@ -23,6 +23,7 @@ stop token costs one discarded step, and its blocks are freed only after that st
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -109,12 +110,17 @@ class Scheduler:
         self.offload_window = max(1, min(pool.num_blocks // 2, max_num_batched_tokens // block_size + max_num_seqs))
         self._copies: dict[int, tuple[list[tuple[int, int]], list[_Onboard]]] = {}   # by step_id
         self._remote_seen = False           # a decode worker's: some request came with a remote prefill
+        # a prefill worker's: time each request's prompt (charge_prefill) and report it with its
+        # first token, for the SLA planner's prefill corrections
+        self.track_prefill_time = False
 
     # ---- intake -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
         request.key, request.num_tokens_sent = next(_keys), 0   # a new key: the runner has seen none of it
+        if self.track_prefill_time:
+            request.added_at, request.prefill_started_at, request.prefill_busy_s = time.perf_counter(), -1.0, 0.0
         self._remote_seen = self._remote_seen or request.remote_prefill
         self.waiting.append(request)
 
@@ -302,6 +308,20 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ---- after the model ran -------------------------------------------------------------
+    def charge_prefill(self, plan: StepPlan, seconds: float, end: float) -> None:
+        """A step of `seconds` that ended at `end` (perf_counter) ran: share its time among its rows
+        by tokens, and charge each prompt chunk's share to its request (track_prefill_time only)."""
+        chunks = self._steps.get(plan.step_id)
+        if not chunks:
+            return
+        per_token = seconds / max(sum(c.num_tokens for c in chunks), 1)
+        for c in chunks:
+            req = c.request
+            if c.start < req.num_prompt_tokens:
+                if req.prefill_started_at < 0:
+                    req.prefill_started_at = end - seconds
+                req.prefill_busy_s += per_token * c.num_tokens
+
     def commit(self, plan: StepPlan) -> None:
         """The step is launched: its tokens count as computed; each sampled token is pending."""
         for chunk in self._steps.get(plan.step_id, ()):
@@ -357,6 +377,9 @@ class Scheduler:
         reason = self._stop_reason(req, index)
         first = index + 1 - req.num_prompt_tokens == req.num_initial_output_tokens + 1
         out = RequestOutput(req.request_id, [token], reason, req.num_cached_tokens if first else -1, req.session)
+        if first and self.track_prefill_time and req.prefill_started_at >= 0:
+            out.prefill_wait_s = max(req.prefill_started_at - req.added_at, 0.0)
+            out.prefill_compute_s = req.prefill_busy_s
         if reason is not None:
             del req.token_ids[index + 1:]        # a later step's pending token, now discarded
             if req.hold_blocks:

@@ -20,8 +20,10 @@ API's SetPoolTargets). The controller owns the sizes: an override from `pools sc
 planner's target until `pools release`, and `pools limits` bounds it (the loop reads the limits
 back every interval, so the core plans within them).
 
-Not observed live yet: the prefill pool's per-prompt queue wait and compute time (the core's prefill
-corrections stay at 1 until workers report them).
+- the prefill pool's prompts, from what each prefill worker publishes (prefill_worker/timing.py):
+  each prompt's queue wait and compute time as its engine measured them, taken once by sequence
+  number; they feed the core's two prefill corrections (compute against the profile, wait against
+  the queueing model).
 """
 
 from __future__ import annotations
@@ -36,11 +38,12 @@ import redis.asyncio as aioredis
 
 from planner.config import PlannerConfig, PoolLimits
 from planner.core import Planner
-from planner.decision import DecodeStats, Decision, Observation, PoolDecision, PoolState, RequestSample
+from planner.decision import (DecodeStats, Decision, Observation, PoolDecision, PoolState, PrefillRecord,
+                              RequestSample)
 from runtime.config import SlaConfig
 from runtime.logging import Throttled
 from runtime.metrics import PlannerMetrics
-from runtime.pool_record import LatencyRecord, read_latencies
+from runtime.pool_record import LatencyRecord, PrefillTimingRecord, read_latencies, read_prefill_timings
 from runtime.profile import Profile, load_profile
 
 log = logging.getLogger(__name__)
@@ -117,6 +120,7 @@ class Load:
     arrival_times: list[float] = field(default_factory=list)
     itl_sum_s: float = 0.0
     itl_count: int = 0
+    prefills: list[PrefillRecord] = field(default_factory=list)
 
     def add(self, other: "Load") -> None:
         """Sum two reads; the lists keep their newest MAX_PENDING entries (a planner that cannot
@@ -126,6 +130,7 @@ class Load:
         self.arrival_times = (self.arrival_times + other.arrival_times)[-MAX_PENDING:]
         self.itl_sum_s += other.itl_sum_s
         self.itl_count += other.itl_count
+        self.prefills = (self.prefills + other.prefills)[-MAX_PENDING:]
 
 
 class LoadReader:
@@ -164,6 +169,30 @@ class LoadReader:
         return load
 
 
+class PrefillReader:
+    """The prompts each prefill worker computed since the last read, each taken once by its
+    sequence number. A worker seen for the first time counts from then on; one whose numbers went
+    down restarted and counts from zero."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, int] = {}       # worker id -> the last sequence number taken
+
+    def take(self, records: list[PrefillTimingRecord]) -> list[PrefillRecord]:
+        out: list[PrefillRecord] = []
+        seen = {}
+        for r in records:
+            last = max((int(p[0]) for p in r.prompts), default=0)
+            prev = self._seen.get(r.worker_id)
+            if prev is not None:
+                if last < prev:
+                    prev = 0
+                out += [PrefillRecord(int(p[1]), int(p[2]), max(p[3], 0.0), max(p[4], 0.0))
+                        for p in r.prompts if p[0] > prev]
+            seen[r.worker_id] = last
+        self._seen = seen                     # a worker gone from Redis is forgotten
+        return out
+
+
 def direction(d: PoolDecision) -> str:
     return "up" if d.desired > d.current else "down" if d.desired < d.current else "hold"
 
@@ -185,6 +214,7 @@ class PlannerLoop:
         self.redis = aioredis.Redis.from_url(redis_url)
         self.namespace = namespace
         self.load = LoadReader()
+        self.prefill = PrefillReader()
         self.pending = Load()              # read since the last decision
         self.last: Decision | None = None
         self._last_s: float | None = None
@@ -221,13 +251,17 @@ class PlannerLoop:
         """Take the frontends' counts as they are now: the first interval counts from here."""
         try:
             self.load.take(await read_latencies(self.redis, self.namespace))
+            self.prefill.take(await read_prefill_timings(self.redis, self.namespace))
         except Exception as e:
             self._warn.warning("step", "reading the frontends' load failed: %s", e)
         self._last_s = time.time()
 
     async def collect(self) -> None:
-        """Read the frontends' records (every POLL_S) into the pending interval."""
-        self.pending.add(self.load.take(await read_latencies(self.redis, self.namespace)))
+        """Read the frontends' and the prefill workers' records (every POLL_S) into the pending
+        interval."""
+        load = self.load.take(await read_latencies(self.redis, self.namespace))
+        load.prefills = self.prefill.take(await read_prefill_timings(self.redis, self.namespace))
+        self.pending.add(load)
 
     async def step(self) -> Decision:
         pools = await self.target.pools()
@@ -238,7 +272,8 @@ class PlannerLoop:
         load, self.pending = self.pending, Load()
         arrivals, requests = load.arrivals, load.requests
         obs = Observation(now, interval, arrivals, self._state(pools, "prefill"), self._state(pools, "decode"),
-                          tuple(requests), (), self._decode_stats(pools, requests, load.itl_sum_s, load.itl_count),
+                          tuple(requests), tuple(load.prefills),
+                          self._decode_stats(pools, requests, load.itl_sum_s, load.itl_count),
                           tuple(load.arrival_times))
         self.planner.config = sla_planner_config(self.sla, self.profile, pools)   # limits may have changed
         decision = self.planner.decide(obs)
@@ -255,8 +290,8 @@ class PlannerLoop:
             self.metrics.decisions.labels(pool, direction(d)).inc()
         for name, value in decision.metrics().items():
             self.metrics.estimate.labels(name).set(value)
-        log.info("planner: %s (arrivals %d in %.1f s, %d lengths)", decision.summary(), arrivals, interval,
-                 len(requests))
+        log.info("planner: %s (arrivals %d in %.1f s, %d lengths, %d prefill timings)", decision.summary(), arrivals,
+                 interval, len(requests), len(load.prefills))
         await self.target.set_targets(targets)
         return decision
 

@@ -39,7 +39,9 @@ async def serve_prefill_worker(cfg: WorkerConfig) -> None:
     t0 = time.perf_counter()
     agent = KvTransferAgent(worker_id, engine.runner.kv_cache)
     startup_s["nixl_agent"] = round(time.perf_counter() - t0, 3)
+    engine.scheduler.track_prefill_time = True      # each prompt's wait and compute, for the planner
     loop = EngineLoop(engine, service.on_outputs, on_events=host.events_sink)
+    host.add_task(service.timings.publish(host.redis, cfg.redis.namespace), "prefill-timings")
     service.attach(loop, agent)
     loop.start()
     await host.serve(loop, f"prefill worker {worker_id}", agent, startup_s, drainer=service)

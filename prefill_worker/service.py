@@ -13,7 +13,8 @@ TimeoutError that escaped this servicer made gRPC log `Unexpected [TimeoutError]
 method /splitserve.v1.Prefill/Prefill` on the H100). Draining (runtime/worker_host.py): new prompts
 are refused (UNAVAILABLE, "draining"); prompts and pushes in flight finish. A prompt's accept to
 computed (queue wait plus its steps) is `splitserve_prefill_compute_seconds`, its push
-`splitserve_kv_transfer_seconds`.
+`splitserve_kv_transfer_seconds`. The engine's own split of that time into queue wait and compute
+goes to Redis for the SLA planner (prefill_worker/timing.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from runtime.types import EngineRequest, FinishReason, RequestId, RequestOutput
 from kvstore.transfer import KvTransferAgent, KvTransferError, TransferState
 from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from prefill_worker.admission import PrefillQueue
+from prefill_worker.timing import PrefillTimings
 from runtime.convert import logprob_to_pb, sampling_from_pb
 from runtime.logging import Throttled
 from runtime.metrics import WorkerMetrics
@@ -45,6 +47,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
         self._loop = asyncio.get_running_loop()
         self._waiting: dict[str, asyncio.Future] = {}
         self.queue = PrefillQueue()
+        self.timings = PrefillTimings(worker_id)
         self.draining = False
         self._num_calls = 0             # Prefill calls in progress (computing or pushing)
         self._warn = Throttled(log)
@@ -123,6 +126,9 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
             if out.finish_reason == FinishReason.ERROR:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, out.error)
             self.metrics.prefill_compute_s.labels(self.worker_id).observe(time.perf_counter() - accepted)
+            if out.prefill_wait_s is not None and out.prefill_compute_s is not None:
+                self.timings.record(len(request.prompt_token_ids), out.num_cached_tokens, out.prefill_wait_s,
+                                    out.prefill_compute_s)
             try:
                 return await self._push(request, out, lease_s, context)
             finally:

@@ -7,7 +7,9 @@ the /metrics of an SLA planner it runs as a process of its own: `serve --ray --p
 frontend reads it to say in /health whether a pool is below its desired size (degraded), and to
 merge the controller's and that planner's /metrics into its own. Each frontend writes `{namespace}:latency:{id}`:
 its TTFT and ITL histograms of the last minute per pool (runtime/latency.py), which the controller
-sums for `splitserve pools status`.
+sums for `splitserve pools status`. Each prefill worker writes `{namespace}:prefill_timing:{id}`:
+its last prompts' queue wait and compute time (prefill_worker/timing.py), which the SLA planner
+reads for its prefill corrections.
 """
 
 from __future__ import annotations
@@ -94,4 +96,39 @@ async def read_latencies(client: aioredis.Redis, namespace: str) -> list[Latency
                                      [float(x) for x in d.get("arrival_times", [])[-MAX_ARRIVALS:]]))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             log.warning("ignoring a malformed latency record: %s", e)
+    return out
+
+
+# ---- a prefill worker's prompt timings ---------------------------------------------------------
+
+@dataclass(slots=True)
+class PrefillTimingRecord:
+    """One prefill worker's last prompts, each [seq, prompt tokens, cached tokens, queue wait s,
+    compute s] with a sequence number that only grows while the worker lives (the planner takes
+    each one once)."""
+    worker_id: str
+    prompts: list[list[float]] = field(default_factory=list)
+
+
+def prefill_timing_key(namespace: str, worker_id: str) -> str:
+    return f"{namespace}:prefill_timing:{worker_id}"
+
+
+async def write_prefill_timing(client: aioredis.Redis, namespace: str, record: PrefillTimingRecord) -> None:
+    await client.set(prefill_timing_key(namespace, record.worker_id), json.dumps(asdict(record)),
+                     px=int(RECORD_TTL_S * 1000))
+
+
+async def read_prefill_timings(client: aioredis.Redis, namespace: str) -> list[PrefillTimingRecord]:
+    keys = [k async for k in client.scan_iter(match=prefill_timing_key(namespace, "*"), count=100)]
+    out = []
+    for raw in (await client.mget(keys)) if keys else []:
+        if raw is None:
+            continue
+        try:
+            d = json.loads(raw)
+            prompts = [[float(x) for x in p[:5]] for p in d.get("prompts", [])[:MAX_REQUESTS] if len(p) >= 5]
+            out.append(PrefillTimingRecord(str(d["worker_id"]), prompts))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            log.warning("ignoring a malformed prefill timing record: %s", e)
     return out

@@ -106,6 +106,11 @@ class RequestOutput:
     held_block_ids: list[int] | None = None   # hold_blocks requests: their blocks, still pinned
     logprobs: list[TokenLogprobs] | None = None   # one per new token, when the request asked
     index: int = 0                        # which sample of the request (n > 1), 0 .. n-1
+    # with the first token, where the engine tracks prefill time (a prefill worker's): seconds from
+    # its arrival at the engine to the first step that computed part of its prompt, and its share
+    # (by tokens) of the wall time of the steps that computed its prompt
+    prefill_wait_s: float | None = None
+    prefill_compute_s: float | None = None
 
 
 @dataclass(slots=True)

@@ -211,10 +211,15 @@ class WorkerHost:
         """The engine is loaded: publish the worker as ready (opening it first if `open` was not called)."""
         if self._lease is None:
             await self.open()
-        self._tasks = [asyncio.create_task(self._publish_events(), name="kv-event-publisher"),
-                       asyncio.create_task(self._sample(stats), name="metrics-sampler")]
+        self._tasks += [asyncio.create_task(self._publish_events(), name="kv-event-publisher"),
+                        asyncio.create_task(self._sample(stats), name="metrics-sampler")]
         await self._set_state(WorkerState.READY, num_blocks=num_blocks)
         return self._lease.info
+
+    def add_task(self, coro, name: str) -> None:
+        """Run a role's own background loop for the worker's life (cancelled in `close`, before
+        Redis is)."""
+        self._tasks.append(asyncio.create_task(coro, name=name))
 
     def request_drain(self, why: str) -> None:
         """Start draining (idempotent); a second signal stops at once. A first signal after a

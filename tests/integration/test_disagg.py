@@ -14,7 +14,8 @@ import pytest
 
 pytest.importorskip("nixl")
 
-from tests.integration.cluster import metric, own_cluster  # noqa: E402
+from runtime.pool_record import read_prefill_timings  # noqa: E402
+from tests.integration.cluster import metric, own_cluster, until  # noqa: E402
 from tests.integration.streams import complete_all, complete_each  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -52,7 +53,25 @@ def test_disaggregated_matches_aggregated(reference, prefill, decode, scheduling
         assert metric(c.url, "splitserve_prefill_remote_total") >= 8
         assert metric(c.url, "splitserve_kv_transfer_bytes_total") > 0
         assert metric(c.url, "splitserve_kv_handoffs_total") >= 8
+        # each prompt's engine-measured queue wait and compute reach Redis for the SLA planner
+        prompts = until(lambda: prefill_timings(c), timeout_s=10, what="prefill timings in Redis")
+        assert all(compute > 0 and wait >= 0 and tokens >= 1 for tokens, _, wait, compute in prompts)
         c.wait_idle()
+
+
+def prefill_timings(c) -> list[tuple[int, int, float, float]]:
+    """(prompt tokens, cached, wait s, compute s) of every prompt the prefill workers published;
+    empty until the remote prefills (at least 8) are all there."""
+    import redis.asyncio as aioredis
+
+    async def go():
+        client = aioredis.Redis.from_url(c.redis_url)
+        try:
+            return await read_prefill_timings(client, c.namespace)
+        finally:
+            await client.aclose()
+    got = [(int(p[1]), int(p[2]), p[3], p[4]) for r in asyncio.run(go()) for p in r.prompts]
+    return got if len(got) >= 8 else []
 
 
 def test_fp8_kv_cache_disaggregated_matches_aggregated(reference):
