@@ -39,12 +39,12 @@ class PrefillTimings:
         return PrefillTimingRecord(self.worker_id, [list(p) for p in self._recent])
 
     async def publish(self, redis: aioredis.Redis, namespace: str, interval_s: float = 1.0) -> None:
-        """Write the record every `interval_s` (only once there is something to say) until cancelled."""
+        """Write the record every `interval_s` until cancelled, empty ones too: the planner counts a
+        worker's prompts from the first record it sees, so a worker is seen before its first prompt."""
         while True:
-            if self._recent:
-                try:
-                    await write_prefill_timing(redis, namespace, self.snapshot())
-                    self._warn.clear("publish")
-                except Exception as e:  # Redis away: the planner's corrections wait, serving does not
-                    self._warn.warning("publish", "publishing prefill timings failed: %s", e)
+            try:
+                await write_prefill_timing(redis, namespace, self.snapshot())
+                self._warn.clear("publish")
+            except Exception as e:  # Redis away: the planner's corrections wait, serving does not
+                self._warn.warning("publish", "publishing prefill timings failed: %s", e)
             await asyncio.sleep(interval_s)

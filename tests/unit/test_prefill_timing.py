@@ -93,18 +93,24 @@ def test_records_go_through_redis_and_a_planner_step_corrects_prefill_from_them(
     async def go():
         with EmbeddedRedis() as redis:
             client = aioredis.Redis.from_url(redis.url)
-            timings = PrefillTimings("prefill-a")
-            timings.record(1000, 0, 0.0, 1.0)
-            await write_prefill_timing(client, "t", timings.snapshot())
+            old = PrefillTimings("prefill-old")        # a worker that computed before the planner started
+            old.record(1000, 0, 0.0, 1.0)
+            await write_prefill_timing(client, "t", old.snapshot())
             await client.set(prefill_timing_key("t", "broken"), b"{not json")     # skipped, not fatal
             loop = PlannerLoop(sla, Pools(), redis.url, "t", PlannerMetrics(), profile)
             await loop.prime()                                       # what is there now is the past
+            # a worker started after the planner: its publisher writes an empty record first
+            timings = PrefillTimings("prefill-a")
+            publisher = asyncio.create_task(timings.publish(client, "t", interval_s=0.05))
+            await asyncio.sleep(0.2)
+            await loop.collect()                                     # the planner sees it, empty
             # 40 prompts of 1,000 tokens, each computed in twice the profile's time
             modelled = profile.prefill_s(1000, 0)
             for _ in range(40):
                 timings.record(1000, 0, 0.05, 2 * modelled)
-            await write_prefill_timing(client, "t", timings.snapshot())
-            assert [len(r.prompts) for r in await read_prefill_timings(client, "t")] == [41]
+            await asyncio.sleep(0.2)                                 # published
+            publisher.cancel()
+            assert sorted(len(r.prompts) for r in await read_prefill_timings(client, "t")) == [1, 40]
             before = loop.planner.service_correction.value
             d = await loop.step()
             await client.aclose()
