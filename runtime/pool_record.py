@@ -81,21 +81,28 @@ async def write_latency(client: aioredis.Redis, namespace: str, frontend_id: str
 
 
 async def read_latencies(client: aioredis.Redis, namespace: str) -> list[LatencyRecord]:
-    keys = [k async for k in client.scan_iter(match=latency_key(namespace, "*"), count=100)]
+    def parse(d: dict) -> LatencyRecord:
+        requests = [[float(x) for x in r[:5]] for r in d.get("requests", [])[:MAX_REQUESTS] if len(r) >= 5]
+        return LatencyRecord(d["window_s"], {p: {int(b): n for b, n in c.items()} for p, c in d["ttft"].items()},
+                             {p: {int(b): n for b, n in c.items()} for p, c in d["itl"].items()},
+                             str(d.get("frontend_id", "")), int(d.get("arrivals", 0)),
+                             float(d.get("itl_sum_s", 0.0)), int(d.get("itl_count", 0)), requests,
+                             [float(x) for x in d.get("arrival_times", [])[-MAX_ARRIVALS:]])
+    return await _read_records(client, latency_key(namespace, "*"), parse, "latency")
+
+
+async def _read_records(client: aioredis.Redis, pattern: str, parse, what: str) -> list:
+    """Every record under the keys matching `pattern`, each parsed from its JSON by `parse`; a
+    malformed one is logged and skipped."""
+    keys = [k async for k in client.scan_iter(match=pattern, count=100)]
     out = []
     for raw in (await client.mget(keys)) if keys else []:
         if raw is None:
             continue
         try:
-            d = json.loads(raw)
-            requests = [[float(x) for x in r[:5]] for r in d.get("requests", [])[:MAX_REQUESTS] if len(r) >= 5]
-            out.append(LatencyRecord(d["window_s"], {p: {int(b): n for b, n in c.items()} for p, c in d["ttft"].items()},
-                                     {p: {int(b): n for b, n in c.items()} for p, c in d["itl"].items()},
-                                     str(d.get("frontend_id", "")), int(d.get("arrivals", 0)),
-                                     float(d.get("itl_sum_s", 0.0)), int(d.get("itl_count", 0)), requests,
-                                     [float(x) for x in d.get("arrival_times", [])[-MAX_ARRIVALS:]]))
+            out.append(parse(json.loads(raw)))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            log.warning("ignoring a malformed latency record: %s", e)
+            log.warning("ignoring a malformed %s record: %s", what, e)
     return out
 
 
@@ -120,15 +127,7 @@ async def write_prefill_timing(client: aioredis.Redis, namespace: str, record: P
 
 
 async def read_prefill_timings(client: aioredis.Redis, namespace: str) -> list[PrefillTimingRecord]:
-    keys = [k async for k in client.scan_iter(match=prefill_timing_key(namespace, "*"), count=100)]
-    out = []
-    for raw in (await client.mget(keys)) if keys else []:
-        if raw is None:
-            continue
-        try:
-            d = json.loads(raw)
-            prompts = [[float(x) for x in p[:5]] for p in d.get("prompts", [])[:MAX_REQUESTS] if len(p) >= 5]
-            out.append(PrefillTimingRecord(str(d["worker_id"]), prompts))
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            log.warning("ignoring a malformed prefill timing record: %s", e)
-    return out
+    def parse(d: dict) -> PrefillTimingRecord:
+        prompts = [[float(x) for x in p[:5]] for p in d.get("prompts", [])[:MAX_REQUESTS] if len(p) >= 5]
+        return PrefillTimingRecord(str(d["worker_id"]), prompts)
+    return await _read_records(client, prefill_timing_key(namespace, "*"), parse, "prefill timing")

@@ -136,12 +136,16 @@ class Cluster:
 
     # ---- the workers, as found in Redis -------------------------------------------------
     def workers(self) -> list[WorkerInfo]:
+        return self.read_redis(list_workers)
+
+    def read_redis(self, reader):
+        """`await reader(client, namespace)` on a client of this cluster's Redis, closed after."""
         assert self.redis_url, "this cluster was started without an explicit --redis-url"
 
         async def go():
             client = aioredis.Redis.from_url(self.redis_url)
             try:
-                return await list_workers(client, self.namespace)
+                return await reader(client, self.namespace)
             finally:
                 await client.aclose()
         return asyncio.run(go())

@@ -62,15 +62,7 @@ def test_disaggregated_matches_aggregated(reference, prefill, decode, scheduling
 def prefill_timings(c) -> list[tuple[int, int, float, float]]:
     """(prompt tokens, cached, wait s, compute s) of every prompt the prefill workers published;
     empty until the remote prefills (at least 8) are all there."""
-    import redis.asyncio as aioredis
-
-    async def go():
-        client = aioredis.Redis.from_url(c.redis_url)
-        try:
-            return await read_prefill_timings(client, c.namespace)
-        finally:
-            await client.aclose()
-    got = [(int(p[1]), int(p[2]), p[3], p[4]) for r in asyncio.run(go()) for p in r.prompts]
+    got = [(int(p[1]), int(p[2]), p[3], p[4]) for r in c.read_redis(read_prefill_timings) for p in r.prompts]
     return got if len(got) >= 8 else []
 
 
