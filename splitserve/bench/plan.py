@@ -64,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-decode", type=int, default=1)
     p.add_argument("--max-decode", type=int, default=256)
     p.add_argument("--gpu-budget", type=int, default=None, help="workers of both pools at most")
+    p.add_argument("--prefill-order", choices=("deadline", "fifo"), default="deadline",
+                   help="prefill workers' queue: deadline (the oldest prompt that can still meet the TTFT "
+                        "target first, as `serve --ttft-ms` runs them) or fifo (arrival order)")
     p.add_argument("--no-static", action="store_true", help="skip the static baseline search")
     p.add_argument("--backtest", action="store_true",
                    help="print the predictors' backtest on the trace's per-interval arrivals and exit")
@@ -96,7 +99,9 @@ def _configs(args: argparse.Namespace, startup_s: float):
             hysteresis=args.hysteresis, down_delay_s=args.down_delay_s)
     except ValueError as e:
         raise PlanInputError(str(e)) from None
-    return planner, SimConfig(planner.ttft_target_s, planner.itl_target_s, args.interval_s, startup_s, args.seed)
+    deadline = planner.ttft_target_s if args.prefill_order == "deadline" else None
+    return planner, SimConfig(planner.ttft_target_s, planner.itl_target_s, args.interval_s, startup_s, args.seed,
+                              deadline)
 
 
 def _summary(r, ttft_s: float, itl_s: float, prompt: np.ndarray) -> dict:
@@ -174,6 +179,7 @@ def main(args: argparse.Namespace) -> int:
         "profile": profile.name, "interval_s": args.interval_s, "predictor": planner.predictor.name,
         "attainment_goal": args.attainment_goal, "arrival_quantile": args.arrival_quantile,
         "hysteresis": args.hysteresis, "down_delay_s": planner_cfg.down_delay, "gpu_budget": args.gpu_budget,
+        "prefill_order": args.prefill_order,
         **summary,
         "gpu_hours": round(gpu_hours, 4),
         "static_gpu_hours": round(static_gpu_hours, 4) if static_gpu_hours else None,

@@ -83,12 +83,32 @@ def test_decode_worker_admission_and_draining(ms_profile):
 
 def test_prefill_worker_queue_and_lru_cache():
     w = PrefillWorker("p", 0.0, 0.0, cache_blocks=3)
-    assert w.enqueue(1.0, 0.5) == (1.0, 1.5) and w.enqueue(1.2, 0.5) == (1.5, 2.0)
+    assert w.submit(1.0, 7, 1.0, 0.5) == (7, 1.0, 1.5)             # idle: starts at once
+    assert w.submit(1.2, 8, 1.2, 0.5) is None                      # busy: queued
     assert w.in_flight == 2 and w.state is State.READY
+    assert w.next(1.5) == (8, 1.5, 2.0) and w.next(2.0) is None
     w.store((1, 2))
     events = w.store((1, 3, 4))                                    # 2 is least recently used
     assert [type(e).__name__ for e in events] == ["BlockStored", "BlockRemoved"]
     assert events[0].block_hashes == (3, 4) and events[1].block_hashes == (2,)
+
+
+def test_prefill_worker_deadline_order_serves_the_savable_first():
+    # a 3 s prompt holds the worker; behind it: a prompt that can no longer make its 2 s deadline
+    # when the worker frees up, then two that still can
+    def order(deadline):
+        w = PrefillWorker("p", 0.0, 0.0, cache_blocks=1, deadline_s=deadline)
+        assert w.submit(0.0, 0, 0.0, 3.0) == (0, 0.0, 3.0)
+        for rid, arrival, service in ((1, 0.1, 0.5), (2, 1.5, 0.4), (3, 1.9, 0.4)):
+            assert w.submit(arrival, rid, arrival, service) is None
+        served, t = [], 3.0
+        while (nxt := w.next(t)) is not None:
+            served.append(nxt[0])
+            t = nxt[2]
+        return served, w.backlog_s
+
+    assert order(None) == ([1, 2, 3], 4.3)   # FIFO: TTFT 3.4, 2.4, 2.4 s: all three miss
+    assert order(2.0) == ([2, 3, 1], 4.3)    # 1 is late either way; 2 and 3 make it (1.9, 1.9 s), 1 after
 
 
 def test_workloads_load_scale_and_history(tmp_path):

@@ -3,9 +3,10 @@
 Lifecycle (docs/operations.md): STARTING (costs a GPU, serves nothing) -> READY -> DRAINING (takes no new
 work, finishes what it holds) -> STOPPED. A worker costs GPU time from its start to its stop.
 
-- `PrefillWorker`: one FIFO server. A prompt's service time is the profile's prefill time at its
-  cached prefix, so its completion time is known when it is queued. It keeps an LRU prefix cache
-  of trace blocks (what its KV pool holds) and reports stored / evicted blocks as KV events.
+- `PrefillWorker`: one server, in arrival order or (with a TTFT deadline) in deadline order. A
+  prompt's service time is the profile's prefill time at its cached prefix, fixed when it is
+  queued. It keeps an LRU prefix cache of trace blocks (what its KV pool holds) and reports
+  stored / evicted blocks as KV events.
 - `DecodeWorker`: continuous batching, advanced analytically between events. Every running
   sequence gains one token per step and a step of B sequences with summed context X lasts
   f(B, X / B) (the profile). Between two events (a join or a finish) B is fixed and X grows by B
@@ -55,22 +56,49 @@ class Worker:
 
 
 class PrefillWorker(Worker):
-    __slots__ = ("free_at", "in_flight", "cache", "cache_blocks", "seq")
+    """One prompt at a time, for the profile's time. Queued prompts go in arrival order, or with a
+    `deadline_s` (the TTFT target) in deadline order: the oldest prompt that can still finish
+    within its deadline, and the ones that cannot only when none can (as the engine's prefill
+    workers do with `prefill_deadline_s`, engine/scheduler.py)."""
+    __slots__ = ("free_at", "in_flight", "cache", "cache_blocks", "seq", "deadline_s", "queue", "late")
 
-    def __init__(self, wid: str, start_s: float, ready_s: float, cache_blocks: int) -> None:
+    def __init__(self, wid: str, start_s: float, ready_s: float, cache_blocks: int,
+                 deadline_s: float | None = None) -> None:
         super().__init__(wid, start_s, ready_s)
-        self.free_at = 0.0
-        self.in_flight = 0
+        self.free_at = 0.0                 # when the prompt being computed is done
+        self.in_flight = 0                 # computing + queued
         self.cache: OrderedDict[int, None] = OrderedDict()
         self.cache_blocks = cache_blocks
         self.seq = 0                       # KV event batches published
+        self.deadline_s = deadline_s
+        self.queue: deque[tuple[int, float, float]] = deque()   # (request, arrival, service), arrival order
+        self.late: deque[tuple[int, float, float]] = deque()    # those past saving, arrival order
 
-    def enqueue(self, now_s: float, service_s: float) -> tuple[float, float]:
-        """Queue a prompt; returns (its start, its completion) time."""
-        start = max(now_s, self.free_at)
-        self.free_at = start + service_s
+    def submit(self, now_s: float, rid: int, arrival_s: float, service_s: float) -> tuple[int, float, float] | None:
+        """Queue a prompt; (it, its start, its completion) if it starts at once."""
         self.in_flight += 1
-        return start, self.free_at
+        self.queue.append((rid, arrival_s, service_s))
+        return self.next(now_s) if self.free_at <= now_s and len(self.queue) == 1 and not self.late else None
+
+    def next(self, now_s: float) -> tuple[int, float, float] | None:
+        """The worker is free at now_s: start the next prompt; (it, its start, its completion)."""
+        queue = self.queue
+        if self.deadline_s is not None:
+            while queue and now_s + queue[0][2] > queue[0][1] + self.deadline_s:
+                self.late.append(queue.popleft())      # late now, so late for good
+        if queue:
+            rid, _, service = queue.popleft()
+        elif self.late:
+            rid, _, service = self.late.popleft()
+        else:
+            return None
+        self.free_at = now_s + service
+        return rid, now_s, self.free_at
+
+    @property
+    def backlog_s(self) -> float:
+        """Work left at the last start: for choosing whom to drain."""
+        return self.free_at + sum(s for _, _, s in self.queue) + sum(s for _, _, s in self.late)
 
     def store(self, blocks: tuple[int, ...]) -> list[KvEvent]:
         """The prompt's full blocks are now cached here (LRU); the events that say so."""

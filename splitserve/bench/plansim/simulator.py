@@ -6,8 +6,9 @@ sequence done, a worker ready, a planner tick); nothing is stepped per token (pl
 says how decode advances between events). One request's life:
 
 1. It arrives; the real router (router.Router, KV policy) picks a READY prefill worker by
-   prefix overlap and queued prefill work; it waits there in FIFO order, then prefills the part
-   not cached on that worker for the profile's time. Its first token is out: TTFT = done - arrival.
+   prefix overlap and queued prefill work; it waits there (in arrival order, or with
+   `prefill_deadline_s` in deadline order: plansim/pools.py), then prefills the part not cached
+   on that worker for the profile's time. Its first token is out: TTFT = done - arrival.
 2. The worker caches the prompt's full prefix blocks (LRU, the profile's KV capacity) and tells
    the router's index, as KV events do in production.
 3. The router picks a decode worker (the same cost: with remote prefill no decode worker holds
@@ -62,6 +63,7 @@ class SimConfig:
     interval_s: float = 30.0
     startup_s: float = DEFAULT_STARTUP_S
     seed: int = 0
+    prefill_deadline_s: float | None = None    # prefill workers' queue order: None = arrival, else deadline
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,19 +232,27 @@ class Simulation:
         if service is None:
             service = self._prefill_s[key] = self.profile.prefill_s(prompt, cached)
         w = self.prefill[wid]
-        start, done = w.enqueue(t, service)
         self.cached[rid] = cached
+        if self.planner is not None:
+            self._tick_requests.append(RequestSample(float(self.arrival[rid]), prompt, self.output[rid], cached))
+        started = w.submit(t, rid, float(self.arrival[rid]), service)
+        if started is not None:
+            self._begin_prefill(wid, *started)
+
+    def _begin_prefill(self, wid: str, rid: int, start: float, done: float) -> None:
         self._push(done, _PREFILL_DONE, rid, wid)
         if self.planner is not None:
-            arrival = float(self.arrival[rid])
-            self._tick_requests.append(RequestSample(arrival, prompt, self.output[rid], cached))
-            self._tick_prefills.append(PrefillRecord(prompt, cached, start - arrival, service))
+            self._tick_prefills.append(PrefillRecord(self.prompt[rid], int(self.cached[rid]),
+                                                     start - float(self.arrival[rid]), done - start))
 
     def _prefill_done(self, t: float, rid: int, wid: str) -> None:
         w = self.prefill.get(wid)
         self.router.finished(rid, wid)
         if w is not None:
             w.in_flight -= 1
+            started = w.next(t)
+            if started is not None:
+                self._begin_prefill(wid, *started)
             if self.hashes is not None:
                 full = self.hashes[rid][: self.prompt[rid] // TRACE_BLOCK_TOKENS]
                 events = w.store(full)
@@ -342,7 +352,8 @@ class Simulation:
         self._num_workers += 1
         ready_s = now if ready else now + self.cfg.startup_s
         if role is WorkerRole.PREFILL:
-            w = PrefillWorker(f"p{self._num_workers}", now, ready_s, self._cache_blocks)
+            w = PrefillWorker(f"p{self._num_workers}", now, ready_s, self._cache_blocks,
+                              self.cfg.prefill_deadline_s)
             self.prefill[w.wid] = w
         else:
             w = DecodeWorker(f"d{self._num_workers}", now, ready_s, self._step_fn,
@@ -384,7 +395,7 @@ class Simulation:
             self._stop(w, t)
         surplus -= min(surplus, len(starting))
         ready = [w for w in active if w.state is State.READY]
-        ready.sort(key=(lambda w: w.free_at) if role is WorkerRole.PREFILL else (lambda w: w.load))
+        ready.sort(key=(lambda w: w.backlog_s) if role is WorkerRole.PREFILL else (lambda w: w.load))
         for w in ready[:surplus]:
             self.router.remove_worker(w.wid)
             w.state = State.DRAINING
