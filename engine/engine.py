@@ -53,6 +53,7 @@ class EngineStats:
     tiers: object | None = None         # kvstore.tiers.TierStats with the KV tiers on
     tier_copy_errors: int = 0           # G1 <-> G2 copies that failed
     num_onboarding: int = 0             # requests waiting for their blocks from host or disk
+    num_deadline_deferred: int = 0      # prefill deadline order: prompts put behind savable ones, so far
 
 
 @dataclass(slots=True)
@@ -78,6 +79,7 @@ class Engine:
         self._in_flight: tuple[StepPlan, object, float] | None = None   # launched (at), not yet updated
         self._step_done_at = 0.0                # when the last launched step's result came in
         self.tier_io = None          # KV tiers below G1 (engine/kv_tiers.py); None: off
+        self._prefill_meter = None   # measured prefill speed, for the tiers and the deadline order
         if cfg.kv_host_gib > 0 or cfg.kv_disk_gib > 0 or cfg.kv_disk_dir:
             from engine import kv_tiers
             self.tier_io = kv_tiers.build(cfg, self.runner, self.scheduler)
@@ -148,11 +150,15 @@ class Engine:
         return StepResult(outputs, self.pool.take_events() + self.tiers.take_events(), sched.take_reservations())
 
     def _measure_prefill(self, plan: StepPlan, seconds: float, end: float) -> None:
-        """The KV tiers' prefill-speed meter sees each step's tokens and the wall time it took; a
-        prefill worker's scheduler charges that time to the prompts in the step."""
+        """The prefill-speed meter (for the KV tiers' load-or-recompute choice and a prefill
+        worker's deadline order) sees each step's tokens and the wall time it took; a prefill
+        worker's scheduler charges that time to the prompts in the step."""
         if self.scheduler.track_prefill_time:
             self.scheduler.charge_prefill(plan, seconds, end)
-        if self.tier_io is not None and plan.rows:
+        if (self.tier_io is not None or self.scheduler.prefill_deadline_s is not None) and plan.rows:
+            if self._prefill_meter is None:      # the deadline order's pace, without KV tiers
+                from engine.kv_tiers import PrefillMeter
+                self._prefill_meter = PrefillMeter(self.scheduler.prefill_speed.tokens_per_s)
             speed = self._prefill_meter.observe(sum(r.num_tokens for r in plan.rows), seconds)
             if speed is not None:
                 self.scheduler.prefill_speed = speed
@@ -220,7 +226,7 @@ class Engine:
                            s.num_preemptions, s.num_prompt_tokens, s.num_prefix_hit_tokens, to_prefill,
                            len(s.awaiting_kv), len(s.held), s.num_gpu_hit_blocks,
                            io.tiers.stats() if io is not None else None, io.copy_errors if io is not None else 0,
-                           len(s.onboarding))
+                           len(s.onboarding), s.num_deadline_deferred)
 
     @property
     def has_work(self) -> bool:

@@ -50,6 +50,7 @@ class Request:
     added_at: float = 0.0
     prefill_started_at: float = -1.0
     prefill_busy_s: float = 0.0
+    deadline_late: bool = False         # Scheduler.prefill_deadline_s: put behind the savable prompts
 
     @staticmethod
     def new(request_id: str, prompt: list[int], sampling: SamplingParams,

@@ -1,8 +1,8 @@
 """Continuous batching with chunked prefill, prefix caching and preemption by recompute.
 
 Each step has a token budget. Running requests go first (a decode is one token; an unfinished
-prompt continues with the next chunk), then waiting requests are admitted in arrival order, each
-starting after its longest cached prefix (a decode worker's remote prefills take no budget, so they
+prompt continues with the next chunk), then waiting requests are admitted in arrival order (a
+prefill worker with a TTFT target: in deadline order, `_order_by_deadline`), each starting after its longest cached prefix (a decode worker's remote prefills take no budget, so they
 are reserved even once it is spent). When the pool runs dry, the most recently admitted
 running request is preempted: its blocks are freed (its computed blocks stay cached, so re-admission
 usually hits them) and it returns to the head of the queue. Plain Python; no torch.
@@ -113,13 +113,17 @@ class Scheduler:
         # a prefill worker's: time each request's prompt (charge_prefill) and report it with its
         # first token, for the SLA planner's prefill corrections
         self.track_prefill_time = False
+        # a prefill worker's, with a TTFT target: admit waiting prompts in deadline order (the oldest
+        # that can still meet it first; those past saving only when none can: _order_by_deadline)
+        self.prefill_deadline_s: float | None = None
+        self.num_deadline_deferred = 0              # prompts put behind the savable ones, in all
 
     # ---- intake -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate request id {request.request_id}"
         self.requests[request.request_id] = request
         request.key, request.num_tokens_sent = next(_keys), 0   # a new key: the runner has seen none of it
-        if self.track_prefill_time:
+        if self.track_prefill_time or self.prefill_deadline_s is not None:
             request.added_at, request.prefill_started_at, request.prefill_busy_s = time.perf_counter(), -1.0, 0.0
         self._remote_seen = self._remote_seen or request.remote_prefill
         self.waiting.append(request)
@@ -206,6 +210,8 @@ class Scheduler:
         prompts is reserved, and its prefill sent, now rather than after their prefills (which
         held the prefill worker idle while this worker chunked local prompts). Blocks are still
         taken in order: the first reservation that fails ends admission."""
+        if self.prefill_deadline_s is not None and self.waiting and budget > 0:
+            self._order_by_deadline()
         i = 0
         while i < len(self.waiting) and len(self.running) < self.max_num_seqs:
             req = self.waiting[i]
@@ -253,6 +259,32 @@ class Scheduler:
             chunks.append(ScheduledChunk.of(req, req.num_computed_tokens, n))
             budget -= n
         return budget
+
+    def _order_by_deadline(self) -> None:
+        """Put the waiting prompts that can no longer meet the deadline behind those that can, each
+        group in arrival order. A prompt can still meet it if its age plus its compute at the
+        measured prefill speed (all of its prompt: its cached prefix is not known before admission)
+        stays within the deadline. Under a load above the pool's capacity this keeps the queue's
+        on-time prompts on time instead of letting every prompt in it miss; the late ones run as
+        soon as none can be saved, and a decode worker's prefill lease bounds their wait (it then
+        computes the prompt itself). Requests admitted before (preempted, onboarded) keep their
+        place at the head."""
+        now, deadline = time.perf_counter(), self.prefill_deadline_s
+        pace = max(self.prefill_speed.tokens_per_s, 1.0)
+        keep: list[Request] = []
+        late: list[Request] = []
+        for req in self.waiting:
+            fresh = req.num_cached_tokens < 0 and not (req.num_pending or req.remote_prefill or req.tier_ready)
+            if fresh and now - req.added_at + req.num_prompt_tokens / pace > deadline:
+                late.append(req)
+            else:
+                keep.append(req)
+        if late and keep:
+            for r in late:
+                if not r.deadline_late:
+                    r.deadline_late = True
+                    self.num_deadline_deferred += 1
+            self.waiting = deque(keep + late)
 
     # ---- disaggregation --------------------------------------------------------------------
     def take_reservations(self) -> list[KvReservation]:

@@ -18,6 +18,8 @@ from runtime.worker_host import StatusService, WorkerHost, make_worker_id, worke
 async def serve_prefill_worker(cfg: WorkerConfig) -> None:
     if not nixl_available():
         raise SystemExit("a prefill worker needs NIXL (pip install 'splitserve[nixl]')")
+    if cfg.prefill_deadline_ms is not None and not cfg.prefill_deadline_ms > 0:
+        raise SystemExit(f"--prefill-deadline-ms must be > 0, not {cfg.prefill_deadline_ms}")
     startup_s = {"process_start_to_main": round(process_age_s(), 3)}    # interpreter + imports
     worker_id = make_worker_id(cfg)
     host = WorkerHost(cfg, worker_id)
@@ -40,6 +42,8 @@ async def serve_prefill_worker(cfg: WorkerConfig) -> None:
     agent = KvTransferAgent(worker_id, engine.runner.kv_cache)
     startup_s["nixl_agent"] = round(time.perf_counter() - t0, 3)
     engine.scheduler.track_prefill_time = True      # each prompt's wait and compute, for the planner
+    if cfg.prefill_deadline_ms is not None:
+        engine.scheduler.prefill_deadline_s = cfg.prefill_deadline_ms / 1e3
     loop = EngineLoop(engine, service.on_outputs, on_events=host.events_sink)
     host.add_task(service.timings.publish(host.redis, cfg.redis.namespace), "prefill-timings")
     service.attach(loop, agent)

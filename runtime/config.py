@@ -107,6 +107,10 @@ class WorkerConfig:
     prefill_lease_s: float = arg(15.0, "decode worker: how long a prefill worker may take to compute and push "
                                  "a prompt before this worker computes it itself (a prefill worker that "
                                  "expects to take longer refuses it at once)")
+    prefill_deadline_ms: float | None = arg(None, "prefill worker: the TTFT target its queue is ordered by (the "
+                                            "oldest prompt that can still meet it first; prompts past saving "
+                                            "only when none can); none: arrival order. `serve --planner` sets "
+                                            "it to --ttft-ms")
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,9 @@ class WorkerMetrics:
                                  registry=self.registry)
         self.prefix_hit_tokens = Gauge("splitserve_worker_prefix_hit_tokens", "Prompt tokens served from "
                                        "the prefix cache so far", labels, registry=self.registry)
+        self.deadline_deferred = Gauge("splitserve_worker_prefill_deadline_deferred", "Prefill side, with a "
+                                       "TTFT target: prompts put behind those that could still meet it, so far",
+                                       labels, registry=self.registry)
 
         r = self.registry
         self.kv_handoffs = Counter("splitserve_kv_handoffs", "Prompts whose KV a prefill worker pushed here",
@@ -107,6 +110,7 @@ class WorkerMetrics:
         self.waiting.labels(w).set(stats.num_waiting)
         self.preemptions.labels(w).set(stats.num_preemptions)
         self.prefix_hit_tokens.labels(w).set(stats.num_prefix_hit_tokens)
+        self.deadline_deferred.labels(w).set(getattr(stats, "num_deadline_deferred", 0))
 
 
 class FrontendMetrics:

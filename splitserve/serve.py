@@ -425,10 +425,13 @@ def connect_host(host: str) -> str:
 
 
 def worker_config(cfg: ServeConfig, model_dir: str, role: str, index: int | str) -> WorkerConfig:
-    """Worker ROLE-INDEX's: the cluster's engine, Redis, host and drain timeout; metrics on a free port."""
+    """Worker ROLE-INDEX's: the cluster's engine, Redis, host and drain timeout; metrics on a free port.
+    With the planner, prefill workers order their queues by its TTFT target."""
+    deadline = cfg.planner.ttft_ms if role == "prefill" and cfg.planner.enabled else None
     return WorkerConfig(engine=dataclasses.replace(cfg.engine, model=model_dir), redis=cfg.frontend.redis,
                         role=role, host=cfg.frontend.host, metrics_port=0, worker_id=f"{role}-{index}",
-                        drain_timeout_s=cfg.frontend.drain_timeout_s, prefill_lease_s=cfg.prefill_lease_s)
+                        drain_timeout_s=cfg.frontend.drain_timeout_s, prefill_lease_s=cfg.prefill_lease_s,
+                        prefill_deadline_ms=deadline)
 
 
 def frontend_config(cfg: ServeConfig, model_dir: str) -> FrontendConfig:

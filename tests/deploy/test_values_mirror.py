@@ -104,8 +104,8 @@ def test_worker_values_mirror_worker_config(pool):
            if not p.startswith(("engine.", "redis.")) and p not in CHART_OWNED[WorkerConfig]}
     in_schema = {k for k in schema_leaves(node) if not k.startswith("engine.")}
     assert in_schema <= set(own) | PENDING.get(WorkerConfig, set())
-    if pool == "decode":            # the prefill pool needs no prefill lease
-        assert set(own) <= in_schema
+    # the prefill pool needs no prefill lease, the decode pool no prefill deadline
+    assert set(own) - {"prefill_lease_s" if pool == "prefill" else "prefill_deadline_ms"} <= in_schema
     assert resolve(node["properties"]["engine"]) is SCHEMA["definitions"]["engineOverrides"]
     values = {k: v for k, v in VALUES[pool]["config"].items() if k != "engine"}
     assert set(values) == in_schema
@@ -126,6 +126,9 @@ def test_rendered_configs_build_the_component_configs(value_set):
             w = config_from_dict(WorkerConfig, drop_pending(WorkerConfig, configs[pool]), f"{pool}.json")
             assert w.host == "0.0.0.0" and w.engine.model == fe.model and w.redis == fe.redis
             assert w.metrics_port and w.port
+    if "prefill" in configs:       # the planner's TTFT target orders the prefill queues; none without it
+        want = configs["planner"]["ttft_ms"] if "planner" in configs else None
+        assert configs["prefill"].get("prefill_deadline_ms") == want
 
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)

@@ -32,6 +32,8 @@ SPLITSERVE_ADMIN_TOKEN).
 {{- $_ := set $c "redis" (deepCopy $root.Values.redis.config) }}
 {{- if eq .pool "decode" }}
 {{- $_ := set $c "role" (ternary "decode" "aggregated" $root.Values.prefill.enabled) }}
+{{- else if and $root.Values.planner.enabled (eq (toString $c.prefill_deadline_ms) "<nil>") }}
+{{- $_ := set $c "prefill_deadline_ms" $root.Values.planner.config.ttft_ms }}
 {{- end }}
 {{- $_ := set $c "host" "0.0.0.0" }}
 {{- $_ := set $c "port" $root.Values.workers.grpcPort }}
