@@ -34,6 +34,8 @@ class PlannerConfig:
     down_delay_s: float | None = None     # ... and was needed all along this window; None: startup_s
     num_samples: int = 4096               # recent requests that make the length distribution
     min_records: int = 20                 # fewer observations than this leave a correction alone
+    prefill_deadline: bool = True         # prefill workers queue in deadline order (as the planner's
+    #                                       clusters run them: WorkerConfig.prefill_deadline_ms), else FIFO
 
     def __post_init__(self) -> None:
         if self.ttft_target_s <= 0 or self.itl_target_s <= 0 or self.interval_s <= 0:

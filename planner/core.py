@@ -15,7 +15,8 @@ One decision, in order:
    H = ceil((startup_s + interval_s) / interval_s) intervals.
 3. Size each pool (planner/sizing.py) at that load from the window's lengths, the profile and
    the corrections, for the pool's share of the attainment goal: `required`; and at the load times
-   (1 + hysteresis): `required_down`.
+   (1 + hysteresis): `required_down`. Prefill workers that queue in deadline order (the default,
+   `prefill_deadline`) are sized as a queue with patience, FIFO ones as M/G/c.
 4. Act: up at once to `required` (starting workers count as capacity, so a start-up in progress is
    never doubled). Down only to the largest `required_down` of the last `down_delay` seconds: the
    hysteresis means the survivors must still meet the goal if the load rises by that much, and
@@ -32,8 +33,6 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import replace
-from functools import lru_cache
-from statistics import NormalDist
 from typing import Sequence
 
 import numpy as np
@@ -44,30 +43,12 @@ from planner.decision import (Bound, Decision, LoadEstimate, Observation, Pool, 
                               RequestSample)
 from planner.predictors import Forecast, Predictor, make_predictor
 from planner.sizing import (DecodeWorkload, decode_attainment, decode_batch_cap, prefill_attainment,
-                            prefill_wait, size_decode, size_prefill)
+                            prefill_attainment_deadline, prefill_wait, size_decode, size_prefill)
 from runtime.profile import Profile
 
 BURST_INTERVALS = 10         # burstiness is pooled over this many recent intervals
 WAIT_FLOOR_SHARE = 0.05      # waits below 5% of the TTFT target are noise to the wait correction
 MIN_BURST_ARRIVALS = 20      # fewer arrivals in an interval say nothing about burstiness
-NOISE_DECISIONS = 20         # the planned work's noise: its scatter over this many decisions, ...
-NOISE_LAG = 3                # ... in differences this many decisions apart
-MAX_NOISE_HYSTERESIS = 0.25  # a transition inside the window still reads partly as noise: bound its cost
-
-
-@lru_cache(maxsize=None)
-def expected_range_sd(n: int) -> float:
-    """E[max - min] of n independent standard normal draws (the control-chart constant d2(n):
-    1.128 for 2, 1.693 for 3, 4.086 for 30): the integral of 1 - F^n - (1 - F)^n over the line."""
-    if n < 2:
-        return 0.0
-    step = 1e-3
-    cdf = NormalDist().cdf
-    total = 0.0
-    for k in range(-8000, 8001):
-        f = cdf(k * step)
-        total += 1 - f ** n - (1 - f) ** n
-    return total * step
 
 
 class Planner:
@@ -82,9 +63,7 @@ class Planner:
         self.decode_correction = Correction()
         self._burst = {Pool.PREFILL: 1.0, Pool.DECODE: 1.0}
         self._arrivals: deque[tuple[float, float, np.ndarray, float]] = deque(maxlen=BURST_INTERVALS)
-        self._work: dict[Pool, deque[float]] = {p: deque(maxlen=NOISE_DECISIONS) for p in Pool}
         self._history: dict[Pool, deque[tuple[float, int]]] = {Pool.PREFILL: deque(), Pool.DECODE: deque()}
-        self._noise_range_sd = expected_range_sd(self._horizon() + 1)
         self._first_s: float | None = None
         self.last: Decision | None = None
 
@@ -127,12 +106,11 @@ class Planner:
         else:
             service = service * self.service_correction.value
             workload = DecodeWorkload.from_lengths(prompt, output)
-            h_pre = self._hysteresis(Pool.PREFILL, plan_rate * float(service.mean()))
-            h_dec = self._hysteresis(Pool.DECODE, plan_rate * workload.steps_per_request)
-            pre = self._pool(Pool.PREFILL, obs.now_s, obs.prefill, cfg.prefill, h_pre,
-                             *(self._prefill_workers(r, service) for r in (plan_rate, plan_rate * (1 + h_pre))))
-            dec = self._pool(Pool.DECODE, obs.now_s, obs.decode, cfg.decode, h_dec,
-                             *(self._decode_workers(r, workload) for r in (plan_rate, plan_rate * (1 + h_dec))))
+            rates = (plan_rate, plan_rate * (1 + cfg.hysteresis))
+            pre = self._pool(Pool.PREFILL, obs.now_s, obs.prefill, cfg.prefill,
+                             *(self._prefill_workers(r, service) for r in rates))
+            dec = self._pool(Pool.DECODE, obs.now_s, obs.decode, cfg.decode,
+                             *(self._decode_workers(r, workload) for r in rates))
             pre, dec = self._fit_budget(pre, dec, obs)
             pre, dec = self._predict(pre, plan_rate, service), self._predict_decode(dec, plan_rate, workload)
         self.last = Decision(obs.now_s, pre, dec, load, self.wait_correction.value)
@@ -143,32 +121,6 @@ class Planner:
         next decision comes one interval later."""
         cfg = self.config
         return max(1, math.ceil((cfg.startup_s + cfg.interval_s) / cfg.interval_s))
-
-    def _hysteresis(self, pool: Pool, work: float) -> float:
-        """The scale-down margin: the configured hysteresis, or the expected range of the noise of
-        the pool's planned work (rate x work per request: the forecast's and the length window's
-        noise together) over the next horizon + 1 decisions, whichever is larger.
-
-        Why that many (ski rental): a scale-down that noise reverses costs one start-up of GPU time,
-        while holding a worker the pool does not need costs an interval per decision. So the margin
-        only has to keep noise from reversing the step before a replacement could be serving (the
-        horizon); guarding against the range of many more decisions holds a worker for all of them
-        to save one start-up. Tail growth over that horizon is already in the planned quantile.
-
-        The noise is read from differences NOISE_LAG decisions apart (the forecast and the length
-        window remember about that long, so closer differences would hide their noise), by their
-        median absolute deviation: a ramp shifts all differences alike and a step moves only a few,
-        so neither reads as noise and neither holds a pool up after the load has really changed."""
-        history = self._work[pool]
-        if work > 0:
-            history.append(math.log(work))
-        if len(history) < NOISE_LAG + 4:
-            return self.config.hysteresis
-        y = np.array(history)
-        diffs = y[NOISE_LAG:] - y[:-NOISE_LAG]
-        mad = float(np.median(np.abs(diffs - np.median(diffs))))
-        noise = 1.4826 * mad / math.sqrt(2)       # normal sd; a difference holds two draws
-        return max(self.config.hysteresis, min(self._noise_range_sd * noise, MAX_NOISE_HYSTERESIS))
 
     def _rate_forecast(self, steps: int) -> Forecast:
         """The predictor's forecast of the count, less the count's own sampling noise: given the
@@ -269,7 +221,7 @@ class Planner:
     def _prefill_workers(self, rate: float, service: np.ndarray) -> int:
         return size_prefill(rate, service, self.config.ttft_target_s, self.config.pool_goal,
                             self._burst[Pool.PREFILL], self.wait_correction.value,
-                            self.config.prefill.max_workers + 1).workers
+                            self.config.prefill.max_workers + 1, self.config.prefill_deadline).workers
 
     def _decode_step(self, batch: float, context: float) -> float:
         return self.decode_correction.value * self.profile.decode_step_s(batch, context)
@@ -282,7 +234,7 @@ class Planner:
 
     # ---- acting -------------------------------------------------------------------------------
 
-    def _pool(self, pool: Pool, now_s: float, state: PoolState, limits: PoolLimits, hysteresis: float,
+    def _pool(self, pool: Pool, now_s: float, state: PoolState, limits: PoolLimits,
               required: int, required_down: int) -> PoolDecision:
         history = self._history[pool]
         history.append((now_s, required_down))
@@ -300,7 +252,8 @@ class Planner:
                      Bound.HYSTERESIS if desired == required_down else Bound.DOWN_DELAY)
         desired, bound = self._clamp(desired, bound, limits)
         corr = self.service_correction.value if pool is Pool.PREFILL else self.decode_correction.value
-        return PoolDecision(pool, current, required, required_down, hysteresis, desired, bound, corr, 0.0, 0.0)
+        return PoolDecision(pool, current, required, required_down, self.config.hysteresis, desired, bound, corr,
+                            0.0, 0.0)
 
     def _hold(self, pool: Pool, state: PoolState, limits: PoolLimits) -> PoolDecision:
         desired, bound = self._clamp(state.active, Bound.NO_DATA, limits)
@@ -331,8 +284,9 @@ class Planner:
                 replace(dec, desired=d, bound=Bound.BUDGET) if d < dec.desired else dec)
 
     def _predict(self, d: PoolDecision, rate: float, service: np.ndarray) -> PoolDecision:
-        s = prefill_attainment(d.desired, rate, service, self.config.ttft_target_s, self._burst[Pool.PREFILL],
-                               self.wait_correction.value)
+        attainment = prefill_attainment_deadline if self.config.prefill_deadline else prefill_attainment
+        s = attainment(d.desired, rate, service, self.config.ttft_target_s, self._burst[Pool.PREFILL],
+                       self.wait_correction.value)
         return replace(d, predicted=s.attainment, per_worker=s.utilization)
 
     def _predict_decode(self, d: PoolDecision, rate: float, wl: DecodeWorkload) -> PoolDecision:

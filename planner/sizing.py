@@ -100,16 +100,82 @@ def prefill_attainment(c: int, rate: float, service_s: np.ndarray, target_s: flo
     return PrefillSizing(c, float(ok.mean()), util, wait)
 
 
+def deadline_miss(c: int, rate: float, mean_s: float, patience_s: np.ndarray) -> float:
+    """Share of arrivals whose wait would exceed their patience in M/M/c+G (Erlang-A): c servers
+    of mean service mean_s, Poisson arrivals at `rate`, each arrival's patience drawn from the
+    sample `patience_s`; an arrival that cannot be served within its patience leaves the queue
+    (the deadline order serves it later, when no other can be saved: it no longer delays anyone).
+
+    Baccelli and Hebuterne's density of the virtual wait v > 0: pi(c-1) rate exp(h(v)), with
+    h(v) = rate E[min(P, v)] - (c / mean_s) v and the idle states pi(k) = pi(0) a^k / k!, k < c;
+    an arrival misses if v exceeds its patience, so miss = integral of f(v) P(P < v) dv / total.
+    Between consecutive sorted patience values h is linear, so the integrals are exact sums.
+    Stable at any load: above c the misses carry the excess."""
+    if c <= 0:
+        return 1.0
+    if rate <= 0 or mean_s <= 0:
+        return 0.0
+    p = np.sort(np.maximum(patience_s, 0.0))
+    m = len(p)
+    if not m:
+        return 0.0
+    cmu = c / mean_s
+    seg = np.diff(p, prepend=0.0)                          # segment j: from p[j-1] (0) to p[j]
+    below = np.arange(m) / m                               # P(patience < v) on segment j
+    slope = rate * (1.0 - below) - cmu
+    h = np.concatenate(([0.0], np.cumsum(slope * seg)))    # h at 0, p[0], ..., p[m-1]
+    top = float(h.max())
+    e0, e1 = np.exp(h[:-1] - top), np.exp(h[1:] - top)
+    flat = np.abs(slope * seg) < 1e-9
+    part = np.where(flat, e0 * seg, (e1 - e0) / np.where(flat, 1.0, slope))   # integral of e^(h - top)
+    tail = e1[-1] / cmu                                    # beyond the largest patience, all miss
+    waiting = float(part.sum()) + tail
+    missing = float((part * below).sum()) + tail
+    a = rate * mean_s
+    log_terms = [k * math.log(a) - math.lgamma(k + 1) for k in range(c)]
+    peak = max(log_terms)
+    idle = sum(math.exp(t - peak) for t in log_terms)      # sum of a^k / k!, scaled by e^-peak
+    log_wait = log_terms[-1] - peak + math.log(rate) + top  # pi(c-1) rate e^top, on the same scale
+    if log_wait + math.log(waiting) > 700:
+        return missing / waiting                           # the idle states are negligible
+    scaled = math.exp(log_wait)
+    return scaled * missing / (idle + scaled * waiting)
+
+
+def prefill_attainment_deadline(c: int, rate: float, service_s: np.ndarray, target_s: float,
+                                burst: float = 1.0, wait_correction: float = 1.0) -> PrefillSizing:
+    """The attainment of c workers whose queues run in deadline order (engine/scheduler.py
+    `_order_by_deadline`): a prompt meets the target iff it starts within its slack T - S_i, and one
+    that cannot is set aside, so it delays no one: M/G/c with patience, deadline_miss. General
+    arrivals and service times enter as in Allen-Cunneen: the waits scale by (ca2 + cs2) / 2 and the
+    wait correction, so the patience is divided by that factor and the rest taken as M/M/c."""
+    slack = target_s - service_s
+    feasible = slack > 0
+    mean_s = float(service_s.mean()) if len(service_s) else 0.0
+    util = rate * mean_s / c if c > 0 else 0.0
+    if rate <= 0 or mean_s <= 0:
+        return PrefillSizing(c, float(feasible.mean()) if len(service_s) else 1.0, util, 0.0)
+    if c <= 0 or not feasible.any():
+        return PrefillSizing(c, 0.0, util, math.inf)
+    cs2 = float(service_s.var()) / (mean_s * mean_s)
+    scale = max((burst + cs2) / 2 * wait_correction, 1e-6)
+    miss = deadline_miss(c, rate, mean_s, slack[feasible] / scale)
+    _, wait = prefill_wait(c, rate, service_s, burst, wait_correction)
+    return PrefillSizing(c, float(feasible.mean()) * (1.0 - miss), util, wait)
+
+
 def size_prefill(rate: float, service_s: np.ndarray, target_s: float, goal: float,
                  burst: float = 1.0, wait_correction: float = 1.0,
-                 max_workers: int = 4096) -> PrefillSizing:
-    """The least c whose attainment reaches `goal` of the attainable share (at most max_workers)."""
+                 max_workers: int = 4096, deadline: bool = False) -> PrefillSizing:
+    """The least c whose attainment reaches `goal` of the attainable share (at most max_workers);
+    `deadline`: the workers' queues run in deadline order, else in arrival order."""
     if rate <= 0 or not len(service_s):
         return PrefillSizing(0, 1.0, 0.0, 0.0)
     need = goal * float((service_s < target_s).mean())
+    attainment = prefill_attainment_deadline if deadline else prefill_attainment
     c = max(1, math.floor(rate * float(service_s.mean())) + 1)
     while True:
-        s = prefill_attainment(c, rate, service_s, target_s, burst, wait_correction)
+        s = attainment(c, rate, service_s, target_s, burst, wait_correction)
         if s.attainment >= need or c >= max_workers:
             return s
         c += 1

@@ -96,7 +96,8 @@ def _configs(args: argparse.Namespace, startup_s: float):
             attainment_goal=args.attainment_goal, interval_s=args.interval_s, startup_s=startup_s,
             prefill=PoolLimits(args.min_prefill, args.max_prefill), decode=PoolLimits(args.min_decode, args.max_decode),
             gpu_budget=args.gpu_budget, predictor=args.predictor, arrival_quantile=args.arrival_quantile,
-            hysteresis=args.hysteresis, down_delay_s=args.down_delay_s)
+            hysteresis=args.hysteresis, down_delay_s=args.down_delay_s,
+            prefill_deadline=args.prefill_order == "deadline")
     except ValueError as e:
         raise PlanInputError(str(e)) from None
     deadline = planner.ttft_target_s if args.prefill_order == "deadline" else None

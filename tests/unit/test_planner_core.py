@@ -115,7 +115,8 @@ def test_the_budget_and_the_pool_limits_hold():
 
 
 def test_corrections_converge_to_the_observed_ratio():
-    planner = Planner(config(), PROFILE)
+    # FIFO prefill queues: at this load the deadline order's model would hold 3 workers either way
+    planner = Planner(config(prefill_deadline=False), PROFILE)
     rng = np.random.default_rng(4)
     for k in range(30):
         now = (k + 1) * INTERVAL
@@ -126,7 +127,7 @@ def test_corrections_converge_to_the_observed_ratio():
     assert planner.service_correction.value == pytest.approx(1.5, rel=0.01)
     assert planner.decode_correction.value == pytest.approx(0.8, rel=0.01)
     assert d.prefill.correction == pytest.approx(1.5, rel=0.01)
-    uncorrected = closed_loop(Planner(config(), PROFILE), [30.0] * 30, seed=4)[-1]
+    uncorrected = closed_loop(Planner(config(prefill_deadline=False), PROFILE), [30.0] * 30, seed=4)[-1]
     assert d.prefill.required > uncorrected.prefill.required      # 1.5x slower prefill needs more
 
 
@@ -177,11 +178,18 @@ def test_the_core_imports_no_io_or_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_the_scale_down_margin_uses_the_normal_range_over_the_start_up_horizon():
-    """d2(n), the expected range of n normal draws, against its tabulated values; the planner takes
-    it over the horizon + 1 decisions (16.5 s start-up, 30 s interval: 2 + 1)."""
-    from planner.core import expected_range_sd
-    assert [round(expected_range_sd(n), 3) for n in (1, 2, 3, 5, 10)] == [0.0, 1.128, 1.693, 2.326, 3.078]
-    assert Planner(config(startup_s=16.5), PROFILE)._noise_range_sd == pytest.approx(1.693, abs=1e-3)
-    # 100 s: ceil(130 / 30) = 5 decisions ahead, d2(6) = 2.534
-    assert Planner(config(startup_s=100.0), PROFILE)._noise_range_sd == pytest.approx(2.534, abs=1e-3)
+def test_deadline_queues_need_fewer_prefill_workers_than_fifo_ones():
+    """The same observations, prefill workers in deadline order or FIFO: the deadline order's
+    queue-with-patience model holds the pool at a higher utilization (a prompt that waits too long
+    is set aside instead of delaying all behind it)."""
+    sizes = {}
+    for deadline in (False, True):
+        p = Planner(config(prefill_deadline=deadline), PROFILE)
+        for i in range(1, 8):
+            # 600 arrivals of 2,000-token prompts per interval, in clumps of 20
+            times = tuple(i * INTERVAL - INTERVAL + (k // 20) * 1.0 + (k % 20) * 0.01 for k in range(600))
+            reqs = tuple(RequestSample(t, 2000, 100) for t in times)
+            d = p.decide(Observation(i * INTERVAL, INTERVAL, 600, PoolState(4), PoolState(2), reqs,
+                                     arrival_times=times))
+        sizes[deadline] = d.prefill.required
+    assert (sizes[True], sizes[False]) == (2, 3)

@@ -1,4 +1,5 @@
-"""Pool sizing: the queueing formulas against values worked out by hand."""
+"""Pool sizing: the queueing formulas against values worked out by hand, and the queue with
+patience against its closed form and a simulated queue."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from planner.sizing import (DecodeWorkload, decode_attainment, decode_batch, decode_batch_cap, erlang_c,
-                            prefill_attainment, prefill_wait, size_decode, size_prefill)
+from planner.sizing import (DecodeWorkload, deadline_miss, decode_attainment, decode_batch, decode_batch_cap,
+                            erlang_c, prefill_attainment, prefill_attainment_deadline, prefill_wait, size_decode,
+                            size_prefill)
 from runtime.profile import CurveTiming
 
 
@@ -28,6 +30,54 @@ def test_mm1_wait_and_the_prefill_tail():
     assert s.attainment == pytest.approx(1 - 0.5 * math.exp(-0.9 * 0.5 / wait))
     assert s.utilization == pytest.approx(0.5)
     assert prefill_attainment(1, 10.0, service, 1.0).attainment == 0.0     # unstable
+
+
+def test_deadline_miss_is_erlang_a_with_fixed_patience():
+    # M/M/1 with patience tau: the virtual wait's density is p0 lam e^((lam - mu) v) below tau and
+    # p0 lam e^(lam tau - mu v) above it, with p0 the idle probability; an arrival misses above tau
+    lam, mu, tau = 0.5, 1.0, 2.0
+    below = lam * math.expm1((lam - mu) * tau) / (lam - mu)
+    above = lam / mu * math.exp((lam - mu) * tau)
+    assert deadline_miss(1, lam, 1 / mu, np.full(7, tau)) == pytest.approx(above / (1 + below + above))
+    # M/M/2 at a = 2 (the exponent vanishes): idle states 1 + a = 3, pi(1) = a = 2, the part
+    # below tau is lam tau = 2 and above it lam / (c mu) = 1: miss = 2 * 1 / (3 + 2 * (2 + 1))
+    assert deadline_miss(2, 2.0, 1.0, np.full(3, 1.0)) == pytest.approx(2 / 9)
+    assert deadline_miss(0, 1.0, 1.0, np.ones(3)) == 1.0 and deadline_miss(3, 0.0, 1.0, np.ones(3)) == 0.0
+    # overloaded, it stays finite: the misses carry the excess (at 4x capacity at least 3/4 miss)
+    assert 0.75 <= deadline_miss(1, 4.0, 1.0, np.full(5, 0.5)) < 1.0
+
+
+def test_deadline_miss_matches_a_simulated_queue_with_patience():
+    """c FIFO servers; an arrival that could not start within its patience (drawn from a spread
+    sample) leaves without using a server: the queue the deadline order approximates."""
+    rng = np.random.default_rng(0)
+    patience = np.linspace(0.05, 0.6, 40)
+    c, mean_s, n = 4, 0.03, 200_000
+    for rate in (110.0, 130.0, 150.0):        # utilization 0.83, 0.98, 1.13
+        arrive = np.cumsum(rng.exponential(1 / rate, n))
+        service = rng.exponential(mean_s, n)
+        limit = rng.choice(patience, n)
+        free = np.zeros(c)
+        missed = 0
+        for t, s, p in zip(arrive, service, limit):
+            k = int(np.argmin(free))
+            start = max(t, free[k])
+            if start - t > p:
+                missed += 1
+            else:
+                free[k] = start + s
+        assert deadline_miss(c, rate, mean_s, patience) == pytest.approx(missed / n, rel=0.15, abs=2e-3)
+
+
+def test_deadline_order_attainment_grows_with_workers_and_beats_fifo_near_capacity():
+    service = np.random.default_rng(1).gamma(2.0, 0.015, 4096)          # mean 30 ms, cs2 0.5
+    rate = 3.8 / 0.03                                                    # 3.8 workers' worth
+    fifo = [prefill_attainment(c, rate, service, 2.0, burst=8.0).attainment for c in (4, 5, 6)]
+    dl = [prefill_attainment_deadline(c, rate, service, 2.0, burst=8.0).attainment for c in (3, 4, 5, 6)]
+    assert dl == sorted(dl) and dl[0] < 0.9 < 0.995 < dl[1]     # 3 workers overloaded; 4 enough
+    assert fifo[0] < 0.99 < dl[1]                                # FIFO at 4: the queue's whole tail misses
+    assert size_prefill(rate, service, 2.0, 0.995, burst=8.0, deadline=True).workers < \
+        size_prefill(rate, service, 2.0, 0.995, burst=8.0).workers
 
 
 def test_size_prefill_is_the_least_count_that_reaches_the_goal():
