@@ -2,8 +2,9 @@
 
 Each step has a token budget. Running requests go first (a decode is one token; an unfinished
 prompt continues with the next chunk), then waiting requests are admitted in arrival order (a
-prefill worker with a TTFT target: in deadline order, `_order_by_deadline`), each starting after its longest cached prefix (a decode worker's remote prefills take no budget, so they
-are reserved even once it is spent). When the pool runs dry, the most recently admitted
+prefill worker with a TTFT target: in deadline order, `_order_by_deadline`), each starting after
+its longest cached prefix (a decode worker's remote prefills take no budget, so they are reserved
+even once it is spent). When the pool runs dry, the most recently admitted
 running request is preempted: its blocks are freed (its computed blocks stay cached, so re-admission
 usually hits them) and it returns to the head of the queue. Plain Python; no torch.
 
