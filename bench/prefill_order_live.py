@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import random
@@ -69,10 +68,10 @@ async def one(client: httpx.AsyncClient, url: str, text: str, at: float, t0: flo
     return (ttft, "") if ttft == ttft else (ttft, "no token")
 
 
-async def load(url: str, times: list[float], tokens: int, seed: int) -> list[tuple[float, str]]:
+async def load(url: str, times: list[float], words: int, seed: int) -> list[tuple[float, str]]:
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=1000)) as client:
         t0 = time.perf_counter() + 0.5
-        return await asyncio.gather(*[one(client, url, prompt(i, tokens, seed), at, t0)
+        return await asyncio.gather(*[one(client, url, prompt(i, words, seed), at, t0)
                                       for i, at in enumerate(times)])
 
 

@@ -43,7 +43,7 @@ from planner.decision import (Bound, Decision, LoadEstimate, Observation, Pool, 
                               RequestSample)
 from planner.predictors import Forecast, Predictor, make_predictor
 from planner.sizing import (DecodeWorkload, decode_attainment, decode_batch_cap, prefill_attainment,
-                            prefill_attainment_deadline, prefill_wait, size_decode, size_prefill)
+                            prefill_wait, size_decode, size_prefill)
 from runtime.profile import Profile
 
 BURST_INTERVALS = 10         # burstiness is pooled over this many recent intervals
@@ -284,9 +284,8 @@ class Planner:
                 replace(dec, desired=d, bound=Bound.BUDGET) if d < dec.desired else dec)
 
     def _predict(self, d: PoolDecision, rate: float, service: np.ndarray) -> PoolDecision:
-        attainment = prefill_attainment_deadline if self.config.prefill_deadline else prefill_attainment
-        s = attainment(d.desired, rate, service, self.config.ttft_target_s, self._burst[Pool.PREFILL],
-                       self.wait_correction.value)
+        s = prefill_attainment(d.desired, rate, service, self.config.ttft_target_s, self._burst[Pool.PREFILL],
+                               self.wait_correction.value, self.config.prefill_deadline)
         return replace(d, predicted=s.attainment, per_worker=s.utilization)
 
     def _predict_decode(self, d: PoolDecision, rate: float, wl: DecodeWorkload) -> PoolDecision:

@@ -87,7 +87,11 @@ def prefill_wait(c: int, rate: float, service_s: np.ndarray, burst: float = 1.0,
 
 
 def prefill_attainment(c: int, rate: float, service_s: np.ndarray, target_s: float,
-                       burst: float = 1.0, wait_correction: float = 1.0) -> PrefillSizing:
+                       burst: float = 1.0, wait_correction: float = 1.0, deadline: bool = False) -> PrefillSizing:
+    """The attainment of c workers whose queues run in arrival order (M/G/c, above), or with
+    `deadline` in deadline order (prefill_attainment_deadline)."""
+    if deadline:
+        return prefill_attainment_deadline(c, rate, service_s, target_s, burst, wait_correction)
     slack = target_s - service_s
     feasible = slack > 0
     p_wait, wait = prefill_wait(c, rate, service_s, burst, wait_correction)
@@ -172,10 +176,9 @@ def size_prefill(rate: float, service_s: np.ndarray, target_s: float, goal: floa
     if rate <= 0 or not len(service_s):
         return PrefillSizing(0, 1.0, 0.0, 0.0)
     need = goal * float((service_s < target_s).mean())
-    attainment = prefill_attainment_deadline if deadline else prefill_attainment
     c = max(1, math.floor(rate * float(service_s.mean())) + 1)
     while True:
-        s = attainment(c, rate, service_s, target_s, burst, wait_correction)
+        s = prefill_attainment(c, rate, service_s, target_s, burst, wait_correction, deadline)
         if s.attainment >= need or c >= max_workers:
             return s
         c += 1

@@ -100,7 +100,7 @@ def _configs(args: argparse.Namespace, startup_s: float):
             prefill_deadline=args.prefill_order == "deadline")
     except ValueError as e:
         raise PlanInputError(str(e)) from None
-    deadline = planner.ttft_target_s if args.prefill_order == "deadline" else None
+    deadline = planner.ttft_target_s if planner.prefill_deadline else None
     return planner, SimConfig(planner.ttft_target_s, planner.itl_target_s, args.interval_s, startup_s, args.seed,
                               deadline)
 
