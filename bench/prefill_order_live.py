@@ -1,15 +1,16 @@
-"""A live A/B of the prefill queue's order: one `splitserve serve --mock` cluster (1 prefill + 1 decode
-worker, the mock runner timed by the H100 8B profile) under an open-loop load that overloads the
-prefill worker for a while and then eases; the same arrivals against FIFO queues (no TTFT target)
-and against deadline-ordered ones (`serve --planner`, its pools pinned at 1 + 1 so that it changes
-nothing but the workers' deadline). Prints one JSON line per order: TTFT attainment at the target,
-TTFT percentiles, errors.
+"""A live A/B of the prefill queue's order: one `splitserve serve` cluster (1 prefill + 1 decode
+worker; the tiny model by default, on the CPU here: `serve --mock` serves aggregated, so it has no
+prefill worker) under an open-loop load that overloads the prefill worker for a while and then
+eases; the same arrivals against FIFO queues (no TTFT target) and against deadline-ordered ones
+(`serve --planner`, its pools pinned at 1 + 1 so that it changes nothing but the workers'
+deadline). Prints one JSON line per order: TTFT attainment at the target, TTFT percentiles,
+errors, and the cluster's counters (prompts set aside, remote / local prefills, fallbacks).
 
-    python bench/prefill_order_live.py [--ttft-ms 2000] [--prompt-words 2000] \
-        [--phases 20:20,25:5] [--output FILE]
+    python bench/prefill_order_live.py [--ttft-ms 2000] [--prompt-words 200] \
+        [--phases 8:20,3:30] [--output FILE]
 
 `--phases RATE:SECONDS,...` are Poisson arrival phases (requests/s for that long), the same
-seeded arrivals for both orders. Every prompt is distinct from its first token (no prefix hits).
+seeded arrivals for both orders. Every prompt is distinct from its first word (no prefix hits).
 """
 
 from __future__ import annotations
@@ -121,8 +122,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", help="what serve runs (default: the tiny model, on the CPU here)")
     p.add_argument("--ttft-ms", type=float, default=2000.0)
-    p.add_argument("--prompt-words", type=int, default=2000)
-    p.add_argument("--phases", default="20:20,25:5", help="RATE:SECONDS,... Poisson phases")
+    p.add_argument("--prompt-words", type=int, default=200)
+    p.add_argument("--phases", default="8:20,3:30", help="RATE:SECONDS,... Poisson phases")
     p.add_argument("--orders", nargs="+", default=["fifo", "deadline"], choices=("fifo", "deadline"))
     p.add_argument("--port", type=int, default=18500)
     p.add_argument("--seed", type=int, default=0)
