@@ -32,7 +32,7 @@ import numpy as np
 
 from splitserve.bench.serve import emit, git_sha
 
-DEFAULT_INTERVAL_S = 30.0
+DEFAULT_INTERVAL_S = 20.0
 DEFAULT_WARM_START_S = 120.0
 BACKTEST_PREDICTORS = ("constant", "ewma(0.2)", "ewma(0.5)", "ewma(0.8)", "holt(0.2,0.1,0.9)",
                        "holt(0.3,0.1,0.9)", "holt(0.5,0.2,0.9)", "holt(0.5,0.1,1)")

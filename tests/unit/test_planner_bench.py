@@ -56,4 +56,4 @@ def test_backtest_mode_and_bad_input(tmp_path, capsys):
     assert main(["bench", "plan", "--trace", str(tmp_path / "missing.csv"), "--ttft-ms", "1", "--itl-ms", "1"]) == 2
     assert main(["bench", "plan", "--trace", str(trace), "--ttft-ms", "0", "--itl-ms", "1"]) == 2
     args = build_parser().parse_args(["bench", "plan", "--trace", "x", "--ttft-ms", "1", "--itl-ms", "1"])
-    assert args.startup_s is None and args.interval_s == 30.0
+    assert args.startup_s is None and args.interval_s == 20.0

@@ -60,7 +60,7 @@ _PROGRESS_EVERY = 2048
 class SimConfig:
     ttft_target_s: float
     itl_target_s: float
-    interval_s: float = 30.0
+    interval_s: float = 20.0
     startup_s: float = DEFAULT_STARTUP_S
     seed: int = 0
     prefill_deadline_s: float | None = None    # prefill workers' queue order: None = arrival, else deadline
