@@ -94,6 +94,27 @@ def test_scaling_down_accounts_for_the_load_the_survivors_absorb():
     assert reversals([d.prefill.desired for d in decisions[10:]]) == 0
 
 
+def test_a_worker_is_released_only_after_a_whole_down_delay_unneeded():
+    """Decisions 30 s apart, down delay 16.5 s (one start-up): a worker the model stops needing at
+    one decision has been unneeded for somewhere between 0 and 30 s, so it is kept; at the next
+    decision it has been unneeded for at least 30 s and goes. Before, the window held only the
+    latest decision whenever decisions were further apart than the delay: no cooldown at all."""
+    cfg = config(startup_s=16.5)
+    planner = Planner(cfg, PROFILE)
+    rng = np.random.default_rng(4)
+    p = d = 0
+    sizes = []
+    for k, rate in enumerate([80.0] * 8 + [15.0] * 4):
+        now = (k + 1) * INTERVAL
+        dec = planner.decide(observe(now, arrivals(rng, now, rate), PoolState(p), PoolState(d)))
+        p, d = dec.desired_prefill, dec.desired_decode
+        sizes.append((dec.prefill.required, p))
+    high = sizes[7][1]
+    drop = next(k for k in range(8, 12) if sizes[k][0] < high)     # the first decision that needs fewer
+    assert sizes[drop][1] == high                                   # kept: not yet a whole delay unneeded
+    assert sizes[drop + 1][1] < high                                # released one decision later
+
+
 def test_the_budget_and_the_pool_limits_hold():
     cfg = config(prefill=PoolLimits(1, 4), decode=PoolLimits(2, 10), gpu_budget=7)
     planner = Planner(cfg, PROFILE)
