@@ -9,9 +9,11 @@ through when first tokens come out). So the search runs the pools apart:
    misses fit in the allowed (1 - target) share, by doubling up from a hint and bisection;
 2. decode only, fed the first-token times of the P_min run: which requests meet the ITL target.
    D_min likewise;
-3. splits in order of cost P + D from P_min + D_min: the first whose union of misses (TTFT misses
-   of the P run or ITL misses of the D run) fits wins, then a run of both pools together checks
-   it (and moves to the next split in cost order if it falls short).
+3. splits in order of cost P + D from P_min + D_min, each run with both pools together (giving up
+   as soon as its misses exceed the allowance): the first that reaches the target wins. (Until
+   `bf7cbac` only splits whose union of misses from the separate runs fit were run together; the
+   D run was fed the P_min run's first tokens, so that union could reject a split that reaches
+   the target together, and the search then returned a costlier one.)
 
 A run gives up as soon as its misses exceed the allowance, so the failing probes of a bisection
 cost a fraction of a run. Assumes more workers never make a pool worse (true of these pools up
@@ -69,10 +71,11 @@ class StaticSearch:
         for cost in range(p_min + d_min, p_min + d_min + 8):
             for p in range(p_min, cost - d_min + 1):
                 d = cost - p
-                ttft, itl = self._ttft_ok(p), self._itl_ok(d)
-                if ttft is None or itl is None or int((~(ttft & itl)).sum()) > self.allowed:
+                if self._ttft_ok(p) is None:     # prefill alone decides the TTFT (up to routing noise)
                     continue
-                joint = self._simulate(("prefill", "decode"), p, d, None)
+                joint = self._simulate(("prefill", "decode"), p, d, self.allowed)
+                if joint.gave_up:
+                    continue
                 ok = joint.ttft_ok(self.cfg.ttft_target_s) & joint.itl_ok(self.cfg.itl_target_s)
                 if ok.mean() >= self.target:
                     return StaticResult(p, d, float(ok.mean()), self.runs)
