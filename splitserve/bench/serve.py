@@ -51,7 +51,6 @@ import functools
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from collections import Counter
