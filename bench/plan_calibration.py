@@ -4,8 +4,8 @@ For each pool size P: the simulator runs the trace's prefills alone on P deadlin
 (as `bench plan`'s static search does). Per decision interval, the model (planner/sizing.py,
 `prefill_attainment` in deadline order, no corrections) is given what a perfect observer of that
 interval would give it: its arrival rate, its requests' prefill times, and the burstiness the
-planner measures (the index of dispersion of counts in TTFT-long windows, pooled over the last 10
-intervals, as planner/core.py does). Intervals are grouped by how busy the pool was (rate x mean
+planner measures (planner/core.py `dispersion_index`: counts in TTFT-long windows, pooled over the
+last 10 intervals). Intervals are grouped by how busy the pool was (rate x mean
 prefill time / P), and each group's simulated share of missed TTFTs is printed beside the model's,
 among the requests that can meet the target at all.
 
@@ -27,30 +27,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from planner.core import BURST_INTERVALS, MIN_BURST_ARRIVALS, dispersion_index  # noqa: E402
 from planner.sizing import prefill_attainment  # noqa: E402
 from runtime.profile import load_profile  # noqa: E402
 from splitserve.bench.plansim.simulator import SimConfig, Simulation  # noqa: E402
 from splitserve.bench.plansim.workload import load_workload, scale_load, split_history  # noqa: E402
 
 BANDS = [(0.0, 0.6), (0.6, 0.7), (0.7, 0.8), (0.8, 0.9), (0.9, 1.0), (1.0, 1.2), (1.2, math.inf)]
-BURST_INTERVALS = 10
-MIN_ARRIVALS = 20
-
-
-def burstiness(recent: list[tuple[float, np.ndarray]], interval_s: float, window_s: float) -> float:
-    """The planner's measure (planner/core.py `_burstiness`), on complete lists of arrivals."""
-    num = den = dof = 0.0
-    bins = int(interval_s // window_s)
-    for start, arrivals in recent:
-        counts = np.bincount(((arrivals - start) // window_s).astype(int), minlength=bins)[:bins]
-        mean = counts.mean()
-        if mean > 0 and bins >= 2:
-            num += float(((counts - mean) ** 2).sum())
-            den += mean * (bins - 1)
-            dof += bins - 1
-    if den <= 0:
-        return 1.0
-    return max(num / den * (1 - math.sqrt(2 / dof)), 1.0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,18 +59,19 @@ def main(argv: list[str] | None = None) -> int:
         service = np.array([profile.prefill_s(int(n), int(c)) for n, c in zip(replay.prompt, sim.cached_tokens)])
         ok = sim.ttft_ok(target)
         k = (replay.arrival_s // interval).astype(int)
-        recent: list[tuple[float, np.ndarray]] = []
+        recent: list[tuple[float, float, np.ndarray, float]] = []
         rows = []
         for j in range(int(k.max()) + 1):
             idx = np.nonzero(k == j)[0]
-            if len(idx) >= MIN_ARRIVALS:
-                recent = (recent + [(j * interval, replay.arrival_s[idx])])[-BURST_INTERVALS:]
+            if len(idx) >= MIN_BURST_ARRIVALS:
+                whole = (j * interval, (j + 1) * interval, replay.arrival_s[idx], 1.0)   # every arrival
+                recent = (recent + [whole])[-BURST_INTERVALS:]
             if len(idx) < 5:
                 continue
             s = service[idx]
             feasible = s < target
             rate = len(idx) / interval
-            model = prefill_attainment(p, rate, s, target, burstiness(recent, interval, window), 1.0, True)
+            model = prefill_attainment(p, rate, s, target, dispersion_index(recent, window), 1.0, True)
             rows.append((rate * float(s.mean()) / p, int((~ok[idx] & feasible).sum()),
                          len(idx) * (float(feasible.mean()) - model.attainment), int(feasible.sum())))
         r = np.array(rows)

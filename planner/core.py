@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import replace
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -50,6 +50,31 @@ from runtime.profile import Profile
 BURST_INTERVALS = 10         # burstiness is pooled over this many recent intervals
 WAIT_FLOOR_SHARE = 0.05      # waits below 5% of the TTFT target are noise to the wait correction
 MIN_BURST_ARRIVALS = 20      # fewer arrivals in an interval say nothing about burstiness
+
+
+def dispersion_index(intervals: Iterable[tuple[float, float, np.ndarray, float]], window_s: float) -> float:
+    """Index of dispersion (variance / mean) of arrival counts in windows of window_s, pooled over
+    `intervals` (start, end, arrival times, the share of the interval's arrivals they are), each
+    against its own mean (so a trend across intervals is not mistaken for bursts) and undoing the
+    thinning of a sampled list. Never below 1: we do not plan on smoother than Poisson."""
+    num = den = dof = 0.0
+    for start, end, arrivals, fraction in intervals:
+        bins = int((end - start) // window_s)
+        if bins < 2:
+            continue
+        counts = np.bincount(((arrivals - start) // window_s).astype(int), minlength=bins)[:bins]
+        mean = counts.mean()
+        if mean > 0:
+            num += float(((counts - mean) ** 2).sum()) / fraction
+            den += mean / fraction * (bins - 1)
+            dof += bins - 1
+    if den <= 0:
+        return 1.0
+    idc = num / den
+    # A variance ratio over `dof` degrees of freedom has a relative standard error of
+    # sqrt(2 / dof): count only the burstiness above one standard error, so that Poisson
+    # arrivals read as 1 instead of noise that moves the pools' step boundaries.
+    return max(idc * (1 - math.sqrt(2 / dof)), 1.0)
 
 
 class Planner:
@@ -177,29 +202,7 @@ class Planner:
             self._arrivals.append((start_s, end_s, np.asarray(arrivals, dtype=np.float64), fraction))
 
     def _burstiness(self, window_s: float) -> float:
-        """Index of dispersion (variance / mean) of arrival counts in windows of window_s, pooled
-        over the recent intervals, each against its own mean (so a trend across intervals is not
-        mistaken for bursts) and undoing the thinning of a sampled list. Never below 1: we do not
-        plan on smoother than Poisson."""
-        window_s = min(window_s, self.config.interval_s / 2)
-        num = den = dof = 0.0
-        for start, end, arrivals, fraction in self._arrivals:
-            bins = int((end - start) // window_s)
-            if bins < 2:
-                continue
-            counts = np.bincount(((arrivals - start) // window_s).astype(int), minlength=bins)[:bins]
-            mean = counts.mean()
-            if mean > 0:
-                num += float(((counts - mean) ** 2).sum()) / fraction
-                den += mean / fraction * (bins - 1)
-                dof += bins - 1
-        if den <= 0:
-            return 1.0
-        idc = num / den
-        # A variance ratio over `dof` degrees of freedom has a relative standard error of
-        # sqrt(2 / dof): count only the burstiness above one standard error, so that Poisson
-        # arrivals read as 1 instead of noise that moves the pools' step boundaries.
-        return max(idc * (1 - math.sqrt(2 / dof)), 1.0)
+        return dispersion_index(self._arrivals, min(window_s, self.config.interval_s / 2))
 
     def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         if not self._samples:
