@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planner.predictors import DEFAULT_PREDICTOR
+from runtime.config import PLANNER_INTERVAL_S
 from runtime.profile import DEFAULT_STARTUP_S
 
 
@@ -23,7 +24,7 @@ class PlannerConfig:
     ttft_target_s: float
     itl_target_s: float                   # the target for each request's mean inter-token latency
     attainment_goal: float = 0.99         # share of requests that meet both targets
-    interval_s: float = 20.0              # one decision per interval
+    interval_s: float = PLANNER_INTERVAL_S  # one decision per interval
     startup_s: float = DEFAULT_STARTUP_S  # a new worker's start-to-ready: the planning horizon
     prefill: PoolLimits = field(default_factory=PoolLimits)
     decode: PoolLimits = field(default_factory=PoolLimits)

@@ -14,6 +14,8 @@ from dataclasses import MISSING, dataclass, field
 
 from runtime.config_fields import arg
 
+PLANNER_INTERVAL_S = 20.0   # one planner decision per interval (docs/planner.md "The decision interval")
+
 DEFAULT_NAMESPACE = "splitserve"
 _MODEL_HELP = "HF model directory, or tiny | tiny-qwen2 | tiny:SEED (the generated tiny model)"
 
@@ -172,7 +174,7 @@ class SlaConfig:
     ttft_ms: float = arg(1000.0, "time-to-first-token target, milliseconds")
     itl_ms: float = arg(50.0, "target for each request's mean inter-token latency, milliseconds")
     attainment_goal: float = arg(0.99, "share of requests that must meet both targets")
-    interval_s: float = arg(20.0, "one planner decision per interval", flag="--planner-interval-s")
+    interval_s: float = arg(PLANNER_INTERVAL_S, "one planner decision per interval", flag="--planner-interval-s")
     profile: str | None = arg(None, "JSON performance profile the planner sizes pools with (format 2, "
                               "`splitserve profile`); none: the shipped H100 Llama-3.1-8B one",
                               flag="--planner-profile")

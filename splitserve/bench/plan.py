@@ -30,9 +30,9 @@ import time
 
 import numpy as np
 
+from runtime.config import PLANNER_INTERVAL_S
 from splitserve.bench.serve import emit, git_sha
 
-DEFAULT_INTERVAL_S = 20.0
 DEFAULT_WARM_START_S = 120.0
 BACKTEST_PREDICTORS = ("constant", "ewma(0.2)", "ewma(0.5)", "ewma(0.8)", "holt(0.2,0.1,0.9)",
                        "holt(0.3,0.1,0.9)", "holt(0.5,0.2,0.9)", "holt(0.5,0.1,1)")
@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, help="JSON performance profile (default: the shipped H100 8B one)")
     p.add_argument("--startup-s", type=float, default=None,
                    help="worker start-to-ready (default: the profile's, else runtime.profile.DEFAULT_STARTUP_S)")
-    p.add_argument("--interval-s", type=float, default=DEFAULT_INTERVAL_S, help="planner decision interval")
+    p.add_argument("--interval-s", type=float, default=PLANNER_INTERVAL_S, help="planner decision interval")
     p.add_argument("--warm-start-s", type=float, default=DEFAULT_WARM_START_S,
                    help="the trace's first seconds: history for the planner, not replayed")
     p.add_argument("--predictor", default=DEFAULT_PREDICTOR, help="constant, ewma[(a)], holt[(a,b,phi)]")

@@ -48,6 +48,7 @@ from kvstore.events import KvEventBatch
 from planner import (Decision, DecodeStats, Observation, Planner, PoolState, PrefillRecord,
                      RequestSample)
 from router import NoWorkerAvailable, Router, RouterConfig, WorkerRole
+from runtime.config import PLANNER_INTERVAL_S
 from runtime.profile import DEFAULT_STARTUP_S, Profile
 from splitserve.bench.plansim.pools import DecodeWorker, PrefillWorker, State
 from splitserve.bench.plansim.workload import TRACE_BLOCK_TOKENS, Workload, ideal_cached_tokens
@@ -60,7 +61,7 @@ _PROGRESS_EVERY = 2048
 class SimConfig:
     ttft_target_s: float
     itl_target_s: float
-    interval_s: float = 20.0
+    interval_s: float = PLANNER_INTERVAL_S
     startup_s: float = DEFAULT_STARTUP_S
     seed: int = 0
     prefill_deadline_s: float | None = None    # prefill workers' queue order: None = arrival, else deadline
