@@ -2,9 +2,14 @@
 
 Each predictor eats one number per planner interval (requests that arrived in it) and forecasts
 `steps` intervals ahead as a `Forecast(mean, sd)`; the planner sizes on a quantile of it. All share
-one error model: the spread is an exponentially weighted mean of squared one-step errors,
-never below the Poisson spread of the forecast count (variance = mean), grown with the horizon
-by each model's own formula (Hyndman et al., "Forecasting with Exponential Smoothing", ch. 6):
+one error model: the spread at h steps ahead is an exponentially weighted mean of the squared
+errors of the forecasts it made h steps ahead, never below the one-step spread nor the Poisson
+spread of the forecast count (variance = mean). Measured, not extrapolated: each model's own
+formula for how the spread grows (Hyndman et al., "Forecasting with Exponential Smoothing",
+ch. 6) assumes the series moves the way the model does, so on a series whose one-step errors are
+mostly sampling noise (which does not add up over the horizon) it widens the far forecasts for
+nothing. The formula only bridges the horizons without 1 / ERROR_WEIGHT errors of their own
+(from the farthest one that has them):
 
 - `ConstantPredictor`: the last count (a random walk): sd_h = sd * sqrt(h).
 - `EwmaPredictor(alpha)`: simple exponential smoothing: sd_h = sd * sqrt(1 + (h - 1) alpha^2).
@@ -22,11 +27,13 @@ It knows nothing of requests, pools or time: one number per interval.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Callable, Protocol, Sequence
 
 ERROR_WEIGHT = 0.1   # the squared-error EWMA: the spread follows about the last 10 intervals
+MEASURED_STEPS = 8   # horizons whose spread is measured (the planner's is 2 to 3 intervals)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,19 +65,25 @@ class _Base:
 
     def __init__(self) -> None:
         self._n = 0
-        self._sq_err: float | None = None
+        # the forecasts made after each of the last MEASURED_STEPS points, for 1..MEASURED_STEPS ahead
+        self._made: deque[tuple[float, ...]] = deque(maxlen=MEASURED_STEPS)
+        self._sq_err = [0.0] * (MEASURED_STEPS + 1)   # [h]: mean squared error h steps ahead
+        self._errors = [0] * (MEASURED_STEPS + 1)     # [h]: how many errors it has seen
 
     def observe(self, count: float) -> None:
         x = max(float(count), 0.0)
-        if self._n:
-            err = x - self._point(1)
+        # the forecast made h points ago for this one was its h-step forecast
+        for h, made in enumerate(reversed(self._made), start=1):
+            err = x - made[h - 1]
+            self._errors[h] += 1
             # the running mean of the squared errors until there are 1 / ERROR_WEIGHT of them, then
             # the EWMA: seeding the EWMA with its first error would give that one error (made by a
             # smoother with no trend yet) ten times the weight of any later one for ten intervals
-            weight = max(ERROR_WEIGHT, 1 / self._n)
-            self._sq_err = (1 - weight) * (self._sq_err or 0.0) + weight * err * err
+            weight = max(ERROR_WEIGHT, 1 / self._errors[h])
+            self._sq_err[h] = (1 - weight) * self._sq_err[h] + weight * err * err
         self._update(x)
         self._n += 1
+        self._made.append(tuple(self._point(h) for h in range(1, MEASURED_STEPS + 1)))
 
     def warm_start(self, history: Sequence[float]) -> None:
         for x in history:
@@ -81,8 +94,13 @@ class _Base:
         if not self._n:
             return Forecast(0.0, 0.0)
         mean = max(self._point(steps), 0.0)
-        var1 = max(self._sq_err or 0.0, mean)      # never tighter than Poisson
-        return Forecast(mean, math.sqrt(var1 * self._spread(steps)))
+        var1 = max(self._sq_err[1], mean)          # never tighter than Poisson
+        # the farthest horizon up to `steps` with errors enough of its own, grown from there by
+        # the model's formula (from one step while no other has enough)
+        m = next((h for h in range(min(steps, MEASURED_STEPS), 1, -1)
+                  if self._errors[h] * ERROR_WEIGHT >= 1), 1)
+        var_m = max(self._sq_err[m], var1)         # nor tighter than one step ahead
+        return Forecast(mean, math.sqrt(var_m * self._spread(steps) / self._spread(m)))
 
     def _point(self, steps: int) -> float:
         raise NotImplementedError

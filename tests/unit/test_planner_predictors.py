@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
-from planner.predictors import (ConstantPredictor, EwmaPredictor, HoltPredictor, backtest, make_predictor)
+from planner.predictors import (MEASURED_STEPS, ConstantPredictor, EwmaPredictor, HoltPredictor, backtest,
+                                make_predictor)
 
 
 @pytest.mark.parametrize("name", ["constant", "ewma", "holt", "ewma(0.3)", "holt(0.4,0.1,0.95)"])
@@ -69,3 +71,23 @@ def test_the_error_model_starts_as_a_running_mean():
     p = make_predictor("constant")
     p.warm_start([0.0, 100.0] + [100.0] * 9)        # errors: 100, then nine zeros
     assert p.forecast(1).sd == pytest.approx(math.sqrt(100.0 * 100.0 / 10))
+
+
+@pytest.mark.parametrize("name", ["constant", "ewma", "holt"])
+def test_the_spread_ahead_is_measured_not_extrapolated(name):
+    """Sampling noise does not add up over the horizon; a random walk's moves do. The spread h
+    steps ahead follows the errors made h steps ahead, not the model's formula, once there are
+    enough of them, and grows by the formula from the farthest measured horizon beyond that."""
+    rng = np.random.default_rng(1)
+    noise = list(1000 + rng.normal(0, 100, 300))
+    walk = list(1000 + np.cumsum(rng.normal(0, 100, 300)))
+    flat, moving = make_predictor(name), make_predictor(name)
+    flat.warm_start(noise)
+    moving.warm_start(walk)
+    assert flat.forecast(3).sd == pytest.approx(flat.forecast(1).sd)   # floored at one step ahead
+    assert moving.forecast(3).sd > 1.6 * moving.forecast(1).sd
+    ratio = make_predictor(name)._spread(12) / make_predictor(name)._spread(MEASURED_STEPS)
+    assert flat.forecast(12).sd == pytest.approx(flat.forecast(MEASURED_STEPS).sd * math.sqrt(ratio))
+    early = make_predictor(name)
+    early.warm_start(noise[:8])              # 7 one-step errors, 6 two-step: the formula bridges
+    assert early.forecast(2).sd == pytest.approx(early.forecast(1).sd * math.sqrt(early._spread(2)))
