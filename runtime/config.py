@@ -188,6 +188,10 @@ class SlaConfig:
                                      "none: the start-up time")
     gpu_budget: int | None = arg(None, "workers of both pools at most (draining ones included); none: only "
                                  "the pools' limits")
+    prefill_order: str = arg("deadline", "the prefill workers' queue order the planner sizes for: deadline (the "
+                             "oldest prompt that can still meet the TTFT target first; serve, Ray and the Helm "
+                             "chart start them so with the planner) or fifo (arrival order; serve then starts "
+                             "them so)", choices=("deadline", "fifo"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -426,8 +426,9 @@ def connect_host(host: str) -> str:
 
 def worker_config(cfg: ServeConfig, model_dir: str, role: str, index: int | str) -> WorkerConfig:
     """Worker ROLE-INDEX's: the cluster's engine, Redis, host and drain timeout; metrics on a free port.
-    With the planner, prefill workers order their queues by its TTFT target."""
-    deadline = cfg.planner.ttft_ms if role == "prefill" and cfg.planner.enabled else None
+    With the planner, prefill workers order their queues by its TTFT target (unless it sizes for FIFO ones)."""
+    deadline_ordered = cfg.planner.enabled and cfg.planner.prefill_order == "deadline"
+    deadline = cfg.planner.ttft_ms if role == "prefill" and deadline_ordered else None
     return WorkerConfig(engine=dataclasses.replace(cfg.engine, model=model_dir), redis=cfg.frontend.redis,
                         role=role, host=cfg.frontend.host, metrics_port=0, worker_id=f"{role}-{index}",
                         drain_timeout_s=cfg.frontend.drain_timeout_s, prefill_lease_s=cfg.prefill_lease_s,

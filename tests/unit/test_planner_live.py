@@ -13,6 +13,7 @@ from planner.live import AdminTarget, LoadReader, PlannerLoop, PoolView, check_s
 from runtime.config import SlaConfig
 from runtime.metrics import PlannerMetrics
 from runtime.pool_record import LatencyRecord, read_latencies, write_latency
+from runtime.profile import CURVE_PROFILE_PATH
 from runtime.redis_embedded import EmbeddedRedis
 
 
@@ -156,6 +157,29 @@ def test_set_pool_targets_through_the_admin_api():
         assert views["decode"] == PoolView(0, 0, 0, 1, 4, None, 0) and ctl.book.spec("decode").desired == 2
         await target.close()
     asyncio.run(go())
+
+
+def test_the_planner_sizes_prefill_for_the_queue_order_it_is_told():
+    """`--prefill-order` reaches the core: on clumped arrivals, FIFO prefill queues need more workers
+    than deadline-ordered ones (the deadline order sets a prompt past saving aside instead of
+    letting it delay all behind it; tests/unit/test_planner_core.py has the model's side)."""
+    from planner import Observation, Planner, PoolState, RequestSample
+    from splitserve.cli import build_parser
+    assert build_parser().parse_args(["planner", "--prefill-order", "fifo"]).command == "planner"
+    wanted = {}
+    for order in ("deadline", "fifo"):
+        sla = SlaConfig(ttft_ms=2000, itl_ms=50, interval_s=30.0, prefill_order=order,
+                        profile=str(CURVE_PROFILE_PATH))   # the curve whose steps the core test crosses
+        profile = check_sla(sla)
+        assert sla_planner_config(sla, profile).prefill_deadline is (order == "deadline")
+        planner = Planner(sla_planner_config(sla, profile), profile)
+        for i in range(1, 8):          # 600 arrivals of 2,000-token prompts per 30 s, in clumps of 20
+            times = tuple(i * 30.0 - 30.0 + (k // 20) * 1.0 + (k % 20) * 0.01 for k in range(600))
+            reqs = tuple(RequestSample(t, 2000, 100) for t in times)
+            d = planner.decide(Observation(i * 30.0, 30.0, 600, PoolState(4), PoolState(2), reqs,
+                                           arrival_times=times))
+        wanted[order] = d.prefill.required
+    assert wanted["fifo"] > wanted["deadline"] >= 1, wanted
 
 
 def test_splitserve_planner_refuses_bad_settings(capsys):

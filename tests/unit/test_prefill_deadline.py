@@ -65,3 +65,6 @@ def test_serve_gives_prefill_workers_the_planner_s_ttft_target(model_dir):
     planned = dataclasses.replace(cfg, planner=ServePlannerConfig(enabled=True, ttft_ms=750.0))
     assert worker_config(planned, model_dir, "prefill", 0).prefill_deadline_ms == 750.0
     assert worker_config(planned, model_dir, "decode", 0).prefill_deadline_ms is None
+    # a planner told to size for FIFO prefill workers gets FIFO ones
+    fifo = dataclasses.replace(cfg, planner=ServePlannerConfig(enabled=True, ttft_ms=750.0, prefill_order="fifo"))
+    assert worker_config(fifo, model_dir, "prefill", 0).prefill_deadline_ms is None
