@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from planner.core import BURST_INTERVALS, MIN_BURST_ARRIVALS, dispersion_index  # noqa: E402
 from planner.sizing import prefill_attainment  # noqa: E402
 from runtime.profile import load_profile  # noqa: E402
+from splitserve.bench.plan import DEFAULT_WARM_START_S  # noqa: E402
 from splitserve.bench.plansim.simulator import SimConfig, Simulation  # noqa: E402
 from splitserve.bench.plansim.workload import load_workload, scale_load, split_history  # noqa: E402
 
@@ -51,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--interval-s, --ttft-ms and --prefill-workers must be positive")
     target, interval = args.ttft_ms / 1e3, args.interval_s
     profile = load_profile(args.profile)
-    _, replay = split_history(scale_load(load_workload(args.trace, args.seed), args.load_scale, args.seed), 120.0)
+    workload = scale_load(load_workload(args.trace, args.seed), args.load_scale, args.seed)
+    _, replay = split_history(workload, DEFAULT_WARM_START_S)      # as `bench plan` replays it
     cfg = SimConfig(target, 0.05, interval, profile.startup_s, args.seed, prefill_deadline_s=target)
     window = min(target, interval / 2)
     for p in args.prefill_workers:

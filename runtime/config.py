@@ -15,6 +15,7 @@ from dataclasses import MISSING, dataclass, field
 from runtime.config_fields import arg
 
 PLANNER_INTERVAL_S = 20.0   # one planner decision per interval (docs/planner.md "The decision interval")
+PREFILL_ORDERS = ("deadline", "fifo")   # the prefill queue orders the planner sizes for, its default first
 
 DEFAULT_NAMESPACE = "splitserve"
 _MODEL_HELP = "HF model directory, or tiny | tiny-qwen2 | tiny:SEED (the generated tiny model)"
@@ -191,7 +192,12 @@ class SlaConfig:
     prefill_order: str = arg("deadline", "the prefill workers' queue order the planner sizes for: deadline (the "
                              "oldest prompt that can still meet the TTFT target first; serve, Ray and the Helm "
                              "chart start them so with the planner) or fifo (arrival order; serve then starts "
-                             "them so)", choices=("deadline", "fifo"))
+                             "them so)", choices=PREFILL_ORDERS)
+
+    @property
+    def deadline_ordered(self) -> bool:
+        """The planner sizes prefill workers that queue in deadline order (and serve starts them so)."""
+        return self.prefill_order == "deadline"
 
 
 @dataclass(frozen=True, slots=True)

@@ -428,7 +428,7 @@ def connect_host(host: str) -> str:
 def worker_config(cfg: ServeConfig, model_dir: str, role: str, index: int | str) -> WorkerConfig:
     """Worker ROLE-INDEX's: the cluster's engine, Redis, host and drain timeout; metrics on a free port.
     With the planner, prefill workers order their queues by its TTFT target (unless it sizes for FIFO ones)."""
-    deadline_ordered = cfg.planner.enabled and cfg.planner.prefill_order == "deadline"
+    deadline_ordered = cfg.planner.enabled and cfg.planner.deadline_ordered
     deadline = cfg.planner.ttft_ms if role == "prefill" and deadline_ordered else None
     return WorkerConfig(engine=dataclasses.replace(cfg.engine, model=model_dir), redis=cfg.frontend.redis,
                         role=role, host=cfg.frontend.host, metrics_port=0, worker_id=f"{role}-{index}",

@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from runtime.config import PLANNER_INTERVAL_S
+from runtime.config import PLANNER_INTERVAL_S, PREFILL_ORDERS
 from splitserve.bench.serve import emit, git_sha
 
 DEFAULT_WARM_START_S = 120.0
@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-decode", type=int, default=1)
     p.add_argument("--max-decode", type=int, default=256)
     p.add_argument("--gpu-budget", type=int, default=None, help="workers of both pools at most")
-    p.add_argument("--prefill-order", choices=("deadline", "fifo"), default="deadline",
+    p.add_argument("--prefill-order", choices=PREFILL_ORDERS, default=PREFILL_ORDERS[0],
                    help="prefill workers' queue: deadline (the oldest prompt that can still meet the TTFT "
                         "target first, as `serve --ttft-ms` runs them) or fifo (arrival order)")
     p.add_argument("--no-static", action="store_true", help="skip the static baseline search")
