@@ -361,9 +361,7 @@ async def run_planner(cfg) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    log.info("SLA planner: TTFT %.0f ms, ITL %.0f ms, a decision every %.0f s, prefill queues in %s order, "
-             "driving %s (profile %s)", cfg.ttft_ms, cfg.itl_ms, cfg.interval_s, cfg.prefill_order,
-             cfg.admin_address, loop.profile.name)
+    log.info("SLA planner: %s, driving %s (profile %s)", cfg.targets(), cfg.admin_address, loop.profile.name)
     loop.start()
     await stop.wait()
     await loop.close()

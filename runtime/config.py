@@ -189,7 +189,7 @@ class SlaConfig:
                                      "none: the start-up time")
     gpu_budget: int | None = arg(None, "workers of both pools at most (draining ones included); none: only "
                                  "the pools' limits")
-    prefill_order: str = arg("deadline", "the prefill workers' queue order the planner sizes for: deadline (the "
+    prefill_order: str = arg(PREFILL_ORDERS[0], "the prefill workers' queue order the planner sizes for: deadline (the "
                              "oldest prompt that can still meet the TTFT target first; serve, Ray and the Helm "
                              "chart start them so with the planner) or fifo (arrival order; serve then starts "
                              "them so)", choices=PREFILL_ORDERS)
@@ -198,6 +198,11 @@ class SlaConfig:
     def deadline_ordered(self) -> bool:
         """The planner sizes prefill workers that queue in deadline order (and serve starts them so)."""
         return self.prefill_order == "deadline"
+
+    def targets(self) -> str:
+        """What the planner keeps, for the startup log of serve, Ray and `splitserve planner`."""
+        return (f"TTFT {self.ttft_ms:.0f} ms, ITL {self.itl_ms:.0f} ms, a decision every {self.interval_s:.0f} s, "
+                f"prefill queues in {self.prefill_order} order")
 
 
 @dataclass(frozen=True, slots=True)

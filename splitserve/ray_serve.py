@@ -200,9 +200,7 @@ class RayLauncher(Launcher):
         self.planner = ActorProcess(actor)
         self.planner_started = time.monotonic()
         self.controller.planner_metrics_url = f"http://{connect_host(pcfg.metrics_host)}:{metrics_port}/metrics"
-        log.info("SLA planner: actor %s, TTFT %.0f ms, ITL %.0f ms, a decision every %.0f s, prefill queues in "
-                 "%s order (profile %s)", name, sla.ttft_ms, sla.itl_ms, sla.interval_s, sla.prefill_order,
-                 self.planner_profile.name)
+        log.info("SLA planner: actor %s, %s (profile %s)", name, sla.targets(), self.planner_profile.name)
 
     async def _supervise(self) -> bool:
         """Also replace a planner actor that died; a crash-looping planner is left stopped (serving goes

@@ -357,9 +357,7 @@ class Launcher:
                                    cfg.frontend.redis.namespace, PlannerMetrics(self.metrics.registry),
                                    self.planner_profile)
         self.planner.start()
-        log.info("SLA planner: TTFT %.0f ms, ITL %.0f ms, a decision every %.0f s, prefill queues in %s order "
-                 "(profile %s)", cfg.planner.ttft_ms, cfg.planner.itl_ms, cfg.planner.interval_s,
-                 cfg.planner.prefill_order, self.planner_profile.name)
+        log.info("SLA planner: %s (profile %s)", cfg.planner.targets(), self.planner_profile.name)
 
     async def _shutdown(self) -> None:
         if self.controller is not None:

@@ -171,8 +171,9 @@ def test_the_planner_sizes_prefill_for_the_queue_order_it_is_told():
         sla = SlaConfig(ttft_ms=2000, itl_ms=50, interval_s=30.0, prefill_order=order,
                         profile=str(CURVE_PROFILE_PATH))   # the curve whose steps the core test crosses
         profile = check_sla(sla)
-        assert sla_planner_config(sla, profile).prefill_deadline is (order == "deadline")
-        planner = Planner(sla_planner_config(sla, profile), profile)
+        config = sla_planner_config(sla, profile)
+        assert config.prefill_deadline is (order == "deadline")
+        planner = Planner(config, profile)
         for i in range(1, 8):          # 600 arrivals of 2,000-token prompts per 30 s, in clumps of 20
             times = tuple(i * 30.0 - 30.0 + (k // 20) * 1.0 + (k % 20) * 0.01 for k in range(600))
             reqs = tuple(RequestSample(t, 2000, 100) for t in times)
