@@ -32,7 +32,9 @@ class PlannerConfig:
     predictor: str = DEFAULT_PREDICTOR
     arrival_quantile: float = 0.9         # plan on this quantile of the predicted arrivals
     hysteresis: float = 0.1               # scale down only to what load * (1 + this) needs
-    down_delay_s: float | None = None     # ... and was needed all along this window; None: startup_s
+    prefill_down_delay_s: float = 0.0     # ... and was needed all along this window: prefill (none: the
+    #                                       margin alone; docs/planner.md "The core" step 5 says why) ...
+    decode_down_delay_s: float | None = None  # ... and decode (None: startup_s)
     num_samples: int = 4096               # recent requests that make the length distribution
     min_records: int = 20                 # fewer observations than this leave a correction alone
     prefill_deadline: bool = True         # prefill workers queue in deadline order (as the planner's
@@ -43,8 +45,9 @@ class PlannerConfig:
             raise ValueError("targets and the interval must be positive")
         if not 0 < self.attainment_goal < 1 or not 0.5 <= self.arrival_quantile < 1:
             raise ValueError("attainment_goal must be in (0, 1) and arrival_quantile in [0.5, 1)")
-        if self.startup_s < 0 or self.hysteresis < 0 or (self.down_delay_s or 0) < 0:
-            raise ValueError("startup_s, hysteresis and down_delay_s must be >= 0")
+        if (self.startup_s < 0 or self.hysteresis < 0 or self.prefill_down_delay_s < 0
+                or (self.decode_down_delay_s or 0) < 0):
+            raise ValueError("startup_s, hysteresis and the down delays must be >= 0")
         for limits in (self.prefill, self.decode):
             if not 0 <= limits.min_workers <= limits.max_workers:
                 raise ValueError(f"bad pool limits {limits}")
@@ -57,8 +60,14 @@ class PlannerConfig:
         of the allowed misses (1 - goal)."""
         return 1 - (1 - self.attainment_goal) / 2
 
-    @property
-    def down_delay(self) -> float:
-        """Seconds a lower requirement must last before a pool shrinks. Default: one start-up,
-        the ski-rental break-even (idling a worker that long costs what restarting it would)."""
-        return self.startup_s if self.down_delay_s is None else self.down_delay_s
+    def down_delay(self, decode: bool) -> float:
+        """Seconds a lower requirement must last before the pool shrinks. Decode's default is one
+        start-up, the ski-rental break-even (idling a worker that long costs what restarting it
+        would): a decode worker's sequences stay on it to their last token, so a drop the load
+        takes back a decision later costs the drained tail, a start-up and the ITL of every
+        sequence the survivors carry meanwhile. Prefill's default is none: a prefill worker holds
+        nothing beyond a queue that clears within the TTFT target, and the hysteresis margin with
+        the N/(N-1) share keeps it from flipping at a step boundary."""
+        if not decode:
+            return self.prefill_down_delay_s
+        return self.startup_s if self.decode_down_delay_s is None else self.decode_down_delay_s

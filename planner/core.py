@@ -18,8 +18,9 @@ One decision, in order:
    (1 + hysteresis): `required_down`. Prefill workers that queue in deadline order (the default,
    `prefill_deadline`) are sized as a queue with patience, FIFO ones as M/G/c.
 4. Act: up at once to `required` (starting workers count as capacity, so a start-up in progress is
-   never doubled). Down only to the largest `required_down` since the decision in force
-   `down_delay` seconds ago (a worker goes once it has been unneeded that long): the
+   never doubled). Down only to the largest `required_down` since the decision in force the
+   pool's `down_delay` seconds ago (a worker goes once it has been unneeded that long; decode
+   waits one start-up, prefill by default not at all, PlannerConfig.down_delay says why): the
    hysteresis means the survivors must still meet the goal if the load rises by that much, and
    since the model sizes from the total load, the N/(N-1) share the survivors absorb is already in
    it. Scale-down is never blocked by workers still starting (the caller cancels those first).
@@ -241,17 +242,21 @@ class Planner:
     def _pool(self, pool: Pool, now_s: float, state: PoolState, limits: PoolLimits,
               required: int, required_down: int) -> PoolDecision:
         history = self._history[pool]
-        history.append((now_s, required_down))
         # The window reaches back to the decision in force down_delay ago (made up to one interval
         # before it): a worker goes only once it has been unneeded for a whole down_delay. Keeping
         # only the decisions inside the delay left just the latest one whenever decisions are
-        # further apart than the delay: no cooldown at all.
-        while history and history[0][0] <= now_s - self.config.down_delay - self.config.interval_s:
+        # further apart than the delay: no cooldown at all. With no delay the window is this
+        # decision alone (the hysteresis margin is then the only guard), whatever the spacing.
+        delay = self.config.down_delay(decode=pool is Pool.DECODE)
+        if delay <= 0:
+            history.clear()
+        history.append((now_s, required_down))
+        while history and history[0][0] <= now_s - delay - self.config.interval_s:
             history.popleft()
         current = state.active
         if required >= current:
             desired, bound = required, Bound.MODEL
-        elif self._first_s is None or now_s - self._first_s < self.config.down_delay:
+        elif self._first_s is None or now_s - self._first_s < delay:
             desired, bound = current, Bound.DOWN_DELAY       # not yet a whole delay of evidence
         else:
             floor = max(v for _, v in history)

@@ -102,7 +102,8 @@ def sla_planner_config(sla: SlaConfig, profile: Profile, pools: dict[str, PoolVi
         startup_s=profile.startup_s if sla.startup_s is None else sla.startup_s,
         prefill=limits("prefill"), decode=limits("decode"), gpu_budget=sla.gpu_budget,
         predictor=sla.predictor or DEFAULT_PREDICTOR, arrival_quantile=sla.arrival_quantile,
-        hysteresis=sla.hysteresis, down_delay_s=sla.down_delay_s, prefill_deadline=sla.deadline_ordered)
+        hysteresis=sla.hysteresis, prefill_down_delay_s=sla.prefill_down_delay_s,
+        decode_down_delay_s=sla.decode_down_delay_s, prefill_deadline=sla.deadline_ordered)
 
 
 def check_sla(sla: SlaConfig) -> Profile:

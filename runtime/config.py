@@ -185,8 +185,10 @@ class SlaConfig:
                                 "default damped Holt")
     arrival_quantile: float = arg(0.9, "plan on this quantile of the predicted arrivals")
     hysteresis: float = arg(0.1, "scale down only to what the load times (1 + this) needs")
-    down_delay_s: float | None = arg(None, "scale down only to what was needed all along this window; "
-                                     "none: the start-up time")
+    prefill_down_delay_s: float = arg(0.0, "the prefill pool scales down only to what was needed all along this "
+                                      "window; 0: the hysteresis margin alone")
+    decode_down_delay_s: float | None = arg(None, "the decode pool scales down only to what was needed all along "
+                                            "this window; none: the start-up time")
     gpu_budget: int | None = arg(None, "workers of both pools at most (draining ones included); none: only "
                                  "the pools' limits")
     prefill_order: str = arg(PREFILL_ORDERS[0], "the prefill workers' queue order the planner sizes for: deadline (the "

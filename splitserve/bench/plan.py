@@ -58,7 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attainment-goal", type=float, default=0.99)
     p.add_argument("--arrival-quantile", type=float, default=0.9)
     p.add_argument("--hysteresis", type=float, default=0.1)
-    p.add_argument("--down-delay-s", type=float, default=None, help="default: the start-up time")
+    p.add_argument("--prefill-down-delay-s", type=float, default=0.0,
+                   help="the prefill pool shrinks only after this long unneeded (default 0: the hysteresis alone)")
+    p.add_argument("--decode-down-delay-s", type=float, default=None,
+                   help="the decode pool shrinks only after this long unneeded (default: the start-up time)")
     p.add_argument("--min-prefill", type=int, default=1)
     p.add_argument("--max-prefill", type=int, default=256)
     p.add_argument("--min-decode", type=int, default=1)
@@ -96,7 +99,8 @@ def _configs(args: argparse.Namespace, startup_s: float):
             attainment_goal=args.attainment_goal, interval_s=args.interval_s, startup_s=startup_s,
             prefill=PoolLimits(args.min_prefill, args.max_prefill), decode=PoolLimits(args.min_decode, args.max_decode),
             gpu_budget=args.gpu_budget, predictor=args.predictor, arrival_quantile=args.arrival_quantile,
-            hysteresis=args.hysteresis, down_delay_s=args.down_delay_s,
+            hysteresis=args.hysteresis, prefill_down_delay_s=args.prefill_down_delay_s,
+            decode_down_delay_s=args.decode_down_delay_s,
             prefill_deadline=args.prefill_order == "deadline")
     except ValueError as e:
         raise PlanInputError(str(e)) from None
@@ -182,7 +186,8 @@ def main(args: argparse.Namespace) -> int:
         "ttft_ms": args.ttft_ms, "itl_ms": args.itl_ms, "startup_s": startup_s,
         "profile": profile.name, "interval_s": args.interval_s, "predictor": planner.predictor.name,
         "attainment_goal": args.attainment_goal, "arrival_quantile": args.arrival_quantile,
-        "hysteresis": args.hysteresis, "down_delay_s": planner_cfg.down_delay, "gpu_budget": args.gpu_budget,
+        "hysteresis": args.hysteresis, "prefill_down_delay_s": planner_cfg.down_delay(decode=False),
+        "decode_down_delay_s": planner_cfg.down_delay(decode=True), "gpu_budget": args.gpu_budget,
         "prefill_order": args.prefill_order,
         **summary,
         "gpu_hours": round(gpu_hours, 4),

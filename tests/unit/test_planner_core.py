@@ -94,12 +94,8 @@ def test_scaling_down_accounts_for_the_load_the_survivors_absorb():
     assert reversals([d.prefill.desired for d in decisions[10:]]) == 0
 
 
-def test_a_worker_is_released_only_after_a_whole_down_delay_unneeded():
-    """Decisions 30 s apart, down delay 16.5 s (one start-up): a worker the model stops needing at
-    one decision has been unneeded for somewhere between 0 and 30 s, so it is kept; at the next
-    decision it has been unneeded for at least 30 s and goes. Before, the window held only the
-    latest decision whenever decisions were further apart than the delay: no cooldown at all."""
-    cfg = config(startup_s=16.5)
+def _sizes_as_the_load_falls(cfg: PlannerConfig, pool: str) -> list[tuple[int, int]]:
+    """(required, desired) of one pool at 80 req/s for eight decisions, then 15 req/s."""
     planner = Planner(cfg, PROFILE)
     rng = np.random.default_rng(4)
     p = d = 0
@@ -108,11 +104,30 @@ def test_a_worker_is_released_only_after_a_whole_down_delay_unneeded():
         now = (k + 1) * INTERVAL
         dec = planner.decide(observe(now, arrivals(rng, now, rate), PoolState(p), PoolState(d)))
         p, d = dec.desired_prefill, dec.desired_decode
-        sizes.append((dec.prefill.required, p))
+        sizes.append((getattr(dec, pool).required, getattr(dec, pool).desired))
+    return sizes
+
+
+@pytest.mark.parametrize("pool, delays, held", [
+    ("decode", {}, True),                                   # default: one start-up
+    ("prefill", {}, False),                                 # default: none, the margin alone
+    ("prefill", {"prefill_down_delay_s": 16.5}, True),
+    ("decode", {"decode_down_delay_s": 0.0}, False),
+])
+def test_a_worker_is_released_only_after_a_whole_down_delay_unneeded(pool, delays, held):
+    """Decisions 30 s apart, down delay 16.5 s (one start-up): a worker the model stops needing at
+    one decision has been unneeded for somewhere between 0 and 30 s, so it is kept; at the next
+    decision it has been unneeded for at least 30 s and goes. Before, the window held only the
+    latest decision whenever decisions were further apart than the delay: no cooldown at all.
+    With no delay (prefill's default) it goes at the first decision that does not need it."""
+    sizes = _sizes_as_the_load_falls(config(startup_s=16.5, **delays), pool)
     high = sizes[7][1]
     drop = next(k for k in range(8, 12) if sizes[k][0] < high)     # the first decision that needs fewer
-    assert sizes[drop][1] == high                                   # kept: not yet a whole delay unneeded
-    assert sizes[drop + 1][1] < high                                # released one decision later
+    if held:
+        assert sizes[drop][1] == high                               # kept: not yet a whole delay unneeded
+        assert sizes[drop + 1][1] < high                            # released one decision later
+    else:
+        assert sizes[drop][1] < high
 
 
 def test_the_budget_and_the_pool_limits_hold():
@@ -167,7 +182,7 @@ def test_scale_down_while_other_workers_are_still_starting():
     """Decode has workers starting (a slow start, or an earlier decision); the load is low for
     longer than the down delay: the planner shrinks decode anyway (the caller cancels starting
     workers first) and prefill too, instead of waiting for everyone to be ready."""
-    planner = Planner(config(down_delay_s=60.0), PROFILE)
+    planner = Planner(config(prefill_down_delay_s=60.0, decode_down_delay_s=60.0), PROFILE)
     rng = np.random.default_rng(6)
     for k in range(8):
         now = (k + 1) * INTERVAL
