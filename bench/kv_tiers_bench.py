@@ -10,11 +10,11 @@ Ceilings:
 
 Paths, per batch size (blocks of the model's shape; G1 blocks scattered at random, host slots one
 run, as a batch reserved together is):
-- ``g1_g2``: kvstore/host_copy.py, movers ``torch`` (staging gather + one copy per slot run, side
+- ``g1_g2``: kvstore/movers/host_copy.py, movers ``torch`` (staging gather + one copy per slot run, side
   stream) and ``nixl`` (UCX loopback), directions offload (G1 -> G2) and onboard (G2 -> G1).
 - ``write_back``: the tier manager writing admitted host blocks to disk on its I/O thread while a
   step loop polls it: GB/s, ``poll()`` times, and the loop's longest gaps against an idle run.
-- ``g2_g3``: kvstore/disk_pool.py's full write (unindex, preallocated slabs, xxh3 checksums, write,
+- ``g2_g3``: kvstore/movers/disk_pool.py's full write (unindex, preallocated slabs, xxh3 checksums, write,
   fdatasync, index commit) and read (with checksum verification), file I/O ``nixl`` (POSIX, AIO),
   ``nixl-uring`` and ``os`` (pwritev/preadv); plus ``file_io`` rows: the bare I/O of the same
   batch (no checksums, no index, no sync) to show what the tier's safety costs.
@@ -43,10 +43,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kvstore.block_format import BlockFormat  # noqa: E402
-from kvstore.disk_pool import DiskConfig, DiskPool, ReadItem, WriteItem  # noqa: E402
-from kvstore.host_copy import make_host_copy  # noqa: E402
-from kvstore.host_pool import HostPool  # noqa: E402
-from kvstore.transfer import nixl_available  # noqa: E402
+from kvstore.movers.disk_pool import DiskConfig, DiskPool, ReadItem, WriteItem  # noqa: E402
+from kvstore.movers.host_copy import make_host_copy  # noqa: E402
+from kvstore.movers.host_pool import HostPool  # noqa: E402
+from kvstore.movers.transfer import nixl_available  # noqa: E402
 from splitserve.bench.records import git_sha  # noqa: E402
 
 # (layers, block_size, kv_heads, head_dim, dtype): KV bytes per block = layers*2*bs*heads*dim*itemsize

@@ -32,8 +32,8 @@ import numpy as np  # noqa: E402
 
 from kv_tiers_bench import git_sha  # noqa: E402
 from kvstore.block_format import BlockFormat  # noqa: E402
-from kvstore.disk_pool import DiskConfig  # noqa: E402
-from kvstore.tier_policy import TierPath  # noqa: E402
+from kvstore.movers.disk_pool import DiskConfig  # noqa: E402
+from kvstore.pools.tier_policy import TierPath  # noqa: E402
 from kvstore.tiers import TierConfig, TierManager  # noqa: E402
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kvstore.transfer import KvTransferAgent, Strategy, TransferState  # noqa: E402
+from kvstore.movers.transfer import KvTransferAgent, Strategy, TransferState  # noqa: E402
 from splitserve.bench.records import git_sha  # noqa: E402
 
 

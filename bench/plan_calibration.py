@@ -29,10 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from planner.core import BURST_INTERVALS, MIN_BURST_ARRIVALS, dispersion_index  # noqa: E402
 from planner.sizing import prefill_attainment  # noqa: E402
-from runtime.profile import load_profile  # noqa: E402
+from perf.profile import load_profile  # noqa: E402
 from splitserve.bench.plan import DEFAULT_WARM_START_S  # noqa: E402
-from splitserve.bench.plansim.simulator import SimConfig, Simulation  # noqa: E402
-from splitserve.bench.plansim.workload import load_workload, scale_load, split_history  # noqa: E402
+from sim.plan.simulator import SimConfig, Simulation  # noqa: E402
+from sim.workload import load_workload, scale_load, split_history  # noqa: E402
 
 BANDS = [(0.0, 0.6), (0.6, 0.7), (0.7, 0.8), (0.8, 0.9), (0.9, 1.0), (1.0, 1.2), (1.2, math.inf)]
 

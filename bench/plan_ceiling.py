@@ -4,7 +4,7 @@ lets those requests meet the target, so a planner's attainment cannot pass 1 min
 
     python bench/plan_ceiling.py --ttft-ms 2000 [--profile FILE] [--output FILE] TRACE [TRACE ...]
 
-One JSON line per trace. The profile defaults to the planner's (runtime.profile.load_profile).
+One JSON line per trace. The profile defaults to the planner's (perf.profile.load_profile).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from runtime.profile import load_profile  # noqa: E402
-from splitserve.bench.plansim.workload import ideal_cached_tokens, load_workload  # noqa: E402
+from perf.profile import load_profile  # noqa: E402
+from sim.workload import ideal_cached_tokens, load_workload  # noqa: E402
 from splitserve.bench.serve import emit, git_sha  # noqa: E402
 
 

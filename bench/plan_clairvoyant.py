@@ -56,9 +56,9 @@ import numpy as np
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from runtime.profile import load_profile  # noqa: E402
-from splitserve.bench.plansim.simulator import SimConfig, Simulation  # noqa: E402
-from splitserve.bench.plansim.workload import load_workload, scale_load, split_history  # noqa: E402
+from perf.profile import load_profile  # noqa: E402
+from sim.plan.simulator import SimConfig, Simulation  # noqa: E402
+from sim.workload import load_workload, scale_load, split_history  # noqa: E402
 from splitserve.bench.records import cpu_model  # noqa: E402
 from splitserve.bench.serve import emit, git_sha  # noqa: E402
 

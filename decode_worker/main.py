@@ -15,7 +15,7 @@ import logging
 from decode_worker.remote_prefill import RemotePrefillClient
 from decode_worker.service import WorkerService
 from engine.engine import Engine, EngineLoop
-from kvstore.transfer import KvTransferAgent, nixl_available
+from kvstore.movers.transfer import KvTransferAgent, nixl_available
 from proto.splitserve.v1 import worker_pb2_grpc
 from runtime.config import WorkerConfig
 from runtime.process import process_age_s

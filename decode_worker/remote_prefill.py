@@ -28,7 +28,7 @@ import grpc
 
 from engine.engine import EngineLoop
 from runtime.types import KvReservation, SamplingParams
-from kvstore.transfer import KvTransferAgent
+from kvstore.movers.transfer import KvTransferAgent
 from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from runtime.convert import logprob_from_pb, sampling_to_pb
 from runtime.logging import Throttled

@@ -9,6 +9,7 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY proto/ proto/
+COPY perf/ perf/
 COPY runtime/ runtime/
 COPY kvstore/ kvstore/
 COPY engine/ engine/
@@ -17,6 +18,8 @@ COPY decode_worker/ decode_worker/
 COPY router/ router/
 COPY frontend/ frontend/
 COPY planner/ planner/
+COPY pools/ pools/
+COPY sim/ sim/
 COPY splitserve/ splitserve/
 RUN python -m venv /opt/splitserve \
  && /opt/splitserve/bin/pip install --no-cache-dir '.[k8s]'

@@ -24,6 +24,7 @@ RUN uv pip install --python /opt/splitserve/bin/python \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY proto/ proto/
+COPY perf/ perf/
 COPY runtime/ runtime/
 COPY kvstore/ kvstore/
 COPY engine/ engine/
@@ -32,6 +33,8 @@ COPY decode_worker/ decode_worker/
 COPY router/ router/
 COPY frontend/ frontend/
 COPY planner/ planner/
+COPY pools/ pools/
+COPY sim/ sim/
 COPY splitserve/ splitserve/
 RUN uv pip install --python /opt/splitserve/bin/python '.[engine,gpu,nixl]' \
  && rm -rf /src

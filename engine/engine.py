@@ -23,7 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvstore.block_pool import BlockPool
+from kvstore.pools.block_pool import BlockPool
 from kvstore.events import KvEvent
 from engine.commands import (Abort, AddRequest, Command, KvArrived, KvFailed, ReleaseHeld, RunOnEngine, Wake)
 from engine.plan import StepPlan

@@ -14,9 +14,9 @@ hands the rows over and goes on (the engine applies the previous step's results 
 next one) while the thread waits for the ids, advances each matcher and fills all rows in one
 xgrammar `BatchGrammarMatcher` call, which runs without the GIL (and on several threads when asked);
 the step's sampling is queued once the masks are there, before the next step's forward pass.
-Tests: tests/unit/test_grammar.py (random logits of the tiny model's vocabulary, masked, sampled and
+Tests: tests/unit/engine/test_grammar.py (random logits of the tiny model's vocabulary, masked, sampled and
 accepted token by token, give JSON that validates; the batched fill equals the per-row one) and
-tests/unit/test_sampling_options.py (through the engine, sync and async).
+tests/unit/engine/test_sampling_options.py (through the engine, sync and async).
 """
 
 from __future__ import annotations

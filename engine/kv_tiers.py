@@ -21,10 +21,10 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvstore.block_format import BlockFormat
-from kvstore.disk_pool import DiskConfig
+from kvstore.movers.disk_pool import DiskConfig
 from kvstore.events import Tier
-from kvstore.host_copy import CopyDirection, CopyHandle, HostCopyError, choose
-from kvstore.tier_policy import OnboardMode, PathRate, PrefillSpeed, TierPath
+from kvstore.movers.host_copy import CopyDirection, CopyHandle, HostCopyError, choose
+from kvstore.pools.tier_policy import OnboardMode, PathRate, PrefillSpeed, TierPath
 from kvstore.tiers import DEFAULT_RATES, TierConfig, TierManager
 from engine.plan import StepPlan
 from runtime.config import EngineConfig
@@ -252,7 +252,7 @@ def _build_mock(cfg: EngineConfig, scheduler) -> TierIO:
     MOCK_SLOT_BYTES standing for a block of the profile's size. Copies and disk reads and writes
     take the time the profile's rates would need for the modelled blocks, and the cost model sees
     those rates scaled to slot bytes. No probe: the profile is the measurement."""
-    from runtime.profile import load_tier_timing
+    from perf.profile import load_tier_timing
     tcfg = tier_config(cfg, pin_memory=False)
     tt = load_tier_timing(cfg.mock_profile)
     block_bytes = tt.kv_bytes_per_token * cfg.block_size

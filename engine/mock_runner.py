@@ -25,7 +25,7 @@ import xxhash
 from runtime.model_config import ModelConfig
 from engine.plan import StepPlan
 from runtime.config import EngineConfig
-from runtime.profile import DEFAULT_KV_TOKENS, DEFAULT_MAX_MODEL_LEN, StepTiming, load_timing
+from perf.profile import DEFAULT_KV_TOKENS, DEFAULT_MAX_MODEL_LEN, StepTiming, load_timing
 
 log = logging.getLogger(__name__)
 

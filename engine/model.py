@@ -155,7 +155,7 @@ class CausalLM(nn.Module):
         self.rope: RotaryEmbedding | None = None
         self.cos_sin_cache: torch.Tensor | None = None   # (P, D) float32: FlashInfer's RoPE table
         self.layer_waits: list | None = None    # per-layer CUDA events for one step (KV tiers' layered onboard)
-        self.layer_driver = None                # kvstore.cuda_driver.Driver: the waits inside a graph capture
+        self.layer_driver = None                # kvstore.movers.cuda_driver.Driver: the waits inside a graph capture
 
     def setup_rope(self, max_positions: int, device: torch.device) -> None:
         c = self.cfg

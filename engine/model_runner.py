@@ -153,7 +153,7 @@ class ModelRunner:
         # a step's forward waits on before the layer (decode graphs are captured with those waits)
         self.layer_events = None
         if self.device.type == "cuda" and cfg.kv_host_gib > 0:
-            from kvstore.cuda_driver import Driver
+            from kvstore.movers.cuda_driver import Driver
             driver = Driver.load()
             if driver is not None:
                 self.layer_events = [torch.cuda.Event() for _ in range(mc.num_layers)]

@@ -28,10 +28,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from kvstore.block_pool import BlockPool, NoFreeBlocks
+from kvstore.pools.block_pool import BlockPool, NoFreeBlocks
 from kvstore.events import Tier
 from kvstore.hashing import hash_block
-from kvstore.tier_policy import PrefillSpeed
+from kvstore.pools.tier_policy import PrefillSpeed
 from engine.plan import PENDING_TOKEN, BlockCopy, PlanRow, StepPlan
 from engine.request import Request, RequestStatus
 from runtime.types import FinishReason, KvReservation, RequestOutput, TokenLogprobs
@@ -95,7 +95,7 @@ class Scheduler:
         self.prefill_speed = PrefillSpeed(2e4)      # the engine replaces it with a measured figure
         self.num_gpu_hit_blocks = 0                 # prompt blocks found in G1 (hits per tier: device)
         self.onboarding: dict[str, _Onboard] = {}   # waiting for disk reads / G1 room, then copied
-        # the mover orders the compute stream after an onboard (kvstore/host_copy.py HostCopy.ordered):
+        # the mover orders the compute stream after an onboard (kvstore/movers/host_copy.py HostCopy.ordered):
         # with nothing running, a loaded request is admitted in the step that queues its copy
         self.ordered_onboard = False
         self._abandoned: list[object] = []          # onboardings of requests gone while disk reads run

@@ -16,7 +16,7 @@ The lifecycle of a block (numbers match the phase-2 wiring below):
     reports it landed calls ``offload_landed`` (the slots become READY: BlockStored HOST).
  2. G2 -> G3, written back ahead of eviction: each ``poll()`` looks at the LRU tail of G2 (the
     blocks the next reservations will evict); those the admission rule accepts (seen at least
-    twice: kvstore/admission.py) and that are not on disk yet are pinned in G2 and written to
+    twice: kvstore/pools/admission.py) and that are not on disk yet are pinned in G2 and written to
     disk in batches on the I/O thread (BlockStored DISK when indexed). Eviction from G2 never
     waits for the disk; a block evicted before its turn is simply not on disk. At most
     ``max_disk_inflight_blocks`` are in flight; a full disk pauses it quietly (for
@@ -53,14 +53,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvstore.admission import FrequencySketch, SecondHitAdmission
+from kvstore.pools.admission import FrequencySketch, SecondHitAdmission
 from kvstore.block_format import BlockFormat
-from kvstore.disk_pool import DiskConfig, DiskError, DiskPool, ReadItem, WriteItem
-from kvstore.disk_worker import DiskJob, DiskJobKind, DiskWorker
+from kvstore.movers.disk_pool import DiskConfig, DiskError, DiskPool, ReadItem, WriteItem
+from kvstore.movers.disk_worker import DiskJob, DiskJobKind, DiskWorker
 from kvstore.events import KvEvent, Tier
-from kvstore.host_copy import CopyDirection
-from kvstore.host_pool import HostPool
-from kvstore.tier_policy import (LatencyMeter, OnboardCounters, OnboardDecision, OnboardMode, PathRate,
+from kvstore.movers.host_copy import CopyDirection
+from kvstore.movers.host_pool import HostPool
+from kvstore.pools.tier_policy import (LatencyMeter, OnboardCounters, OnboardDecision, OnboardMode, PathRate,
                                  PrefillSpeed, RateMeter, TierPath, TierRates, decide_onboard)
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """SLA planner: sizes the prefill and decode pools from load, a profile and latency targets.
 
 The core (planner/core.py) is pure: `Planner.decide(Observation) -> Decision`. The live loop, the
-simulator (splitserve/bench/plansim) and the tests all drive it the same way.
+simulator (sim/plan) and the tests all drive it the same way.
 """
 
 from planner.config import PlannerConfig, PoolLimits

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from planner.predictors import DEFAULT_PREDICTOR
 from runtime.config import PLANNER_INTERVAL_S
-from runtime.profile import DEFAULT_STARTUP_S
+from perf.profile import DEFAULT_STARTUP_S
 
 
 @dataclass(frozen=True, slots=True)

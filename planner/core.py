@@ -46,7 +46,7 @@ from planner.decision import (Bound, Decision, LoadEstimate, Observation, Pool, 
 from planner.predictors import Forecast, Predictor, make_predictor
 from planner.sizing import (DecodeWorkload, decode_attainment, decode_batch_cap, prefill_attainment,
                             prefill_wait, size_decode, size_prefill)
-from runtime.profile import Profile
+from perf.profile import Profile
 
 BURST_INTERVALS = 10         # burstiness is pooled over this many recent intervals
 WAIT_FLOOR_SHARE = 0.05      # waits below 5% of the TTFT target are noise to the wait correction

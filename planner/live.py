@@ -44,7 +44,7 @@ from runtime.config import SlaConfig
 from runtime.logging import Throttled
 from runtime.metrics import PlannerMetrics
 from runtime.pool_record import LatencyRecord, PrefillTimingRecord, read_latencies, read_prefill_timings
-from runtime.profile import Profile, load_profile
+from perf.profile import Profile, load_profile
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class PoolsTarget(Protocol):
 class ControllerTarget:
     """The pool controller in this process (`serve --planner`)."""
 
-    def __init__(self, controller) -> None:      # planner.controller.PoolController
+    def __init__(self, controller) -> None:      # pools.controller.PoolController
         self.controller = controller
 
     async def pools(self) -> dict[str, PoolView]:

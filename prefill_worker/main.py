@@ -7,7 +7,7 @@ import dataclasses
 import time
 
 from engine.engine import Engine, EngineLoop
-from kvstore.transfer import KvTransferAgent, nixl_available
+from kvstore.movers.transfer import KvTransferAgent, nixl_available
 from prefill_worker.service import PrefillService
 from proto.splitserve.v1 import worker_pb2_grpc
 from runtime.config import WorkerConfig

@@ -28,7 +28,7 @@ import grpc
 
 from engine.engine import EngineLoop
 from runtime.types import EngineRequest, FinishReason, RequestId, RequestOutput
-from kvstore.transfer import KvTransferAgent, KvTransferError, TransferState
+from kvstore.movers.transfer import KvTransferAgent, KvTransferError, TransferState
 from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from prefill_worker.admission import PrefillQueue
 from prefill_worker.timing import PrefillTimings

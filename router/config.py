@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from kvstore.events import Tier
-from runtime.profile import StepTiming
+from perf.profile import StepTiming
 
 
 class WorkerRole(Enum):

@@ -1,7 +1,7 @@
 """What a prompt costs a worker, in seconds: the profile's prefill time of its uncached suffix.
 
 The KV policy ranks workers by predicted time to first token (router/queues.py adds the wait), so
-both terms come from one timing model (runtime/profile.py, the one the mock engine sleeps by and the
+both terms come from one timing model (perf/profile.py, the one the mock engine sleeps by and the
 planner predicts with) and a cached block is worth exactly the compute it saves. Ranking is what
 matters: a profile that is uniformly too slow or too fast scales every worker's cost alike.
 
@@ -19,7 +19,7 @@ It knows nothing of workers, queues or the index.
 
 from __future__ import annotations
 
-from runtime.profile import StepTiming
+from perf.profile import StepTiming
 
 _MEMO_MAX = 1 << 16
 

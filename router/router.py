@@ -29,7 +29,7 @@ from router.load import LoadTracker
 from router.pool import CandidatePool
 from router.queues import PrefillQueues, Utilisation
 from router.selection import Holder, Selector, cached_tokens, holder_blocks
-from runtime.profile import CurveTiming
+from perf.profile import CurveTiming
 
 _SERVES: dict[WorkerRole, frozenset[WorkerRole]] = {
     WorkerRole.PREFILL: frozenset({WorkerRole.PREFILL}),

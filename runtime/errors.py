@@ -2,18 +2,17 @@
 
 Bad input raises `InvalidRequest` (never crashes a process); a missing model raises `NotFound`;
 peers that fail raise `Unavailable`. The frontend maps these to HTTP status codes and gRPC status
-codes in exactly one place each (`http_status`, `grpc_code`).
+codes in exactly one place each (`http_status`, `grpc_code`). The gRPC code is named, not imported:
+pure code (the pool book, the router) raises these without loading grpc.
 """
 
 from __future__ import annotations
-
-import grpc
 
 
 class SplitserveError(Exception):
     """Base class; `message` is safe to show to a client."""
     http_status = 500
-    grpc_code = grpc.StatusCode.INTERNAL
+    grpc_status = "INTERNAL"
     error_type = "internal_error"
 
     def __init__(self, message: str, param: str | None = None) -> None:
@@ -21,22 +20,28 @@ class SplitserveError(Exception):
         self.message = message
         self.param = param
 
+    @property
+    def grpc_code(self):
+        """The grpc.StatusCode for `grpc_status` (grpc is imported only where an error meets it)."""
+        import grpc
+        return grpc.StatusCode[self.grpc_status]
+
 
 class InvalidRequest(SplitserveError):
     http_status = 400
-    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    grpc_status = "INVALID_ARGUMENT"
     error_type = "invalid_request_error"
 
 
 class NotFound(SplitserveError):
     http_status = 404
-    grpc_code = grpc.StatusCode.NOT_FOUND
+    grpc_status = "NOT_FOUND"
     error_type = "not_found_error"
 
 
 class Unauthenticated(SplitserveError):
     http_status = 401
-    grpc_code = grpc.StatusCode.UNAUTHENTICATED
+    grpc_status = "UNAUTHENTICATED"
     error_type = "authentication_error"
 
 
@@ -46,12 +51,12 @@ class PayloadTooLarge(InvalidRequest):
 
 class Unavailable(SplitserveError):
     http_status = 503
-    grpc_code = grpc.StatusCode.UNAVAILABLE
+    grpc_status = "UNAVAILABLE"
     error_type = "service_unavailable"
 
 
 class Overloaded(SplitserveError):
     """A bounded queue is full: the client may retry later (the OpenAI client does, on 429)."""
     http_status = 429
-    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    grpc_status = "RESOURCE_EXHAUSTED"
     error_type = "rate_limit_error"

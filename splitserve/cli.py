@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_component(run_planner(cfg))
     if cmd == "controller":
         setup_logging("controller")
-        from planner.k8s_controller import run_controller
+        from pools.k8s_controller import run_controller
         return run_component(run_controller(cfg))
     if cmd == "frontend":
         setup_logging("frontend")

@@ -1,5 +1,5 @@
 """`splitserve profile --out FILE`: measure one worker's engine and write a performance profile
-(format 2, runtime/profile.py) that the planner sizes pools with and the mock engine replays.
+(format 2, perf/profile.py) that the planner sizes pools with and the mock engine replays.
 
 It drives the real engine (`Engine.step()`, the worker's own loop without gRPC), on the GPU, the
 CPU or the mock, with the engine flags of a worker (`--model`, `--device`, `--mock`, ...):
@@ -17,7 +17,7 @@ CPU or the mock, with the engine flags of a worker (`--model`, `--device`, `--mo
 
 The file also records the engine's KV capacity in tokens and its max_num_seqs and
 max_num_batched_tokens; --startup-s, if given, the start-to-ready to plan with (else readers use
-runtime.profile.DEFAULT_STARTUP_S). Throughputs are derived by readers, never stored.
+perf.profile.DEFAULT_STARTUP_S). Throughputs are derived by readers, never stored.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from runtime.cli_args import add_config_args, config_from_args
 from runtime.config import EngineConfig
 from runtime.config_fields import ConfigError
 from runtime.errors import InvalidRequest
-from runtime.profile import PROFILE_FORMAT, load_profile, profile_json
+from perf.profile import PROFILE_FORMAT, load_profile, profile_json
 
 DEFAULTS = {"prefill_tokens": "128,512,2048,8192", "cached_fractions": "0,0.5,0.9",
             "decode_batches": "1,8,32,128", "decode_contexts": "512,2048,8192"}

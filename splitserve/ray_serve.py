@@ -6,13 +6,13 @@ This process (the Ray driver) connects to the Ray cluster at ADDRESS (or starts 
 
 - the frontend as one actor pinned to this node (clients connect where they would without Ray);
 - each worker as one actor with --ray-worker-gpus GPUs and --ray-worker-cpus CPUs, anywhere Ray
-  finds them, through the Ray connector (planner/ray_connector.py), which the controller drives
+  finds them, through the Ray connector (pools/ray_connector.py), which the controller drives
   like the local-process one: `pools scale` starts and drains actors, a dead actor is replaced;
 - with --planner, the SLA planner as one actor pinned to this node (`splitserve planner`, driving
   the admin API on loopback with the admin token in its environment), replaced if it dies like the
   frontend.
 
-Every actor runs the component's ordinary process (planner/ray_connector.py); the processes talk
+Every actor runs the component's ordinary process (pools/ray_connector.py); the processes talk
 gRPC (and NIXL for KV) to each other directly at their nodes' addresses. Ray carries no request data.
 Stopping drains as `serve` does; then the actors are killed, and a local Ray cluster is shut down.
 """
@@ -30,10 +30,10 @@ import time
 
 import ray
 
-from planner.local_connector import describe_exit
-from planner.pools import PoolName
-from planner.ray_connector import RAY_NAMESPACE, RayConnector, kill_actor, start_component
-from planner.restarts import CrashHistory, RestartPolicy
+from pools.local_connector import describe_exit
+from pools.book import PoolName
+from pools.ray_connector import RAY_NAMESPACE, RayConnector, kill_actor, start_component
+from pools.restarts import CrashHistory, RestartPolicy
 from runtime.config import PlannerComponentConfig, RayConfig, ServeConfig, SlaConfig
 from runtime.process import bounded
 from runtime.redis_embedded import free_port

@@ -1,10 +1,10 @@
 """`splitserve serve`: a whole cluster on one machine, as separate processes, kept at its size.
 
 Starts the embedded Redis (unless --redis-url), the frontend, and a pool controller
-(planner/controller.py) that starts the workers through the local-process connector
-(planner/local_connector.py) and keeps each pool at its desired size: it restarts crashed workers
+(pools/controller.py) that starts the workers through the local-process connector
+(pools/local_connector.py) and keeps each pool at its desired size: it restarts crashed workers
 with backoff, reports crash loops, and scales on `splitserve pools scale` through the admin API
-(planner/admin.py, on --admin-port), which this process serves. With --planner the SLA planner
+(pools/admin.py, on --admin-port), which this process serves. With --planner the SLA planner
 (planner/live.py) sets the pools' sizes from the measured load and --ttft-ms/--itl-ms once every
 worker is ready (an override from `pools scale` still wins). Waits until the frontend reports
 every worker healthy; prints where to connect. It also supervises its own children: a Redis or a
@@ -39,11 +39,11 @@ from pathlib import Path
 
 import httpx
 
-from planner.admin import start_admin_server
-from planner.controller import PoolController
-from planner.local_connector import LocalProcessConnector, describe_exit
-from planner.pools import PoolBook, PoolName, PoolSpec
-from planner.restarts import CrashHistory, RestartPolicy
+from pools.admin import start_admin_server
+from pools.controller import PoolController
+from pools.local_connector import LocalProcessConnector, describe_exit
+from pools.book import PoolBook, PoolName, PoolSpec
+from pools.restarts import CrashHistory, RestartPolicy
 from runtime.admin_auth import new_token, write_token_file
 from runtime.config import FrontendConfig, ServeConfig, WorkerConfig
 from runtime.config_file import write_config
@@ -123,7 +123,7 @@ def serve(cfg: ServeConfig, launcher: type[Launcher] | None = None, connect=None
     except InvalidRequest as e:
         print(f"splitserve serve: {e.message}", file=sys.stderr)
         return 2
-    from kvstore.transfer import nixl_available
+    from kvstore.movers.transfer import nixl_available
     if cfg.prefill_workers and cfg.engine.mock:
         print("splitserve serve: mock workers hold no KV to move; serving aggregated", file=sys.stderr)
         cfg = dataclasses.replace(cfg, prefill_workers=0)
@@ -440,7 +440,7 @@ def frontend_config(cfg: ServeConfig, model_dir: str) -> FrontendConfig:
     model_name = cfg.frontend.model_name or (spec.split(":")[0] if spec.startswith("tiny") else Path(model_dir).name)
     max_model_len = cfg.engine.max_model_len
     if max_model_len is None and cfg.engine.mock:
-        from runtime.profile import DEFAULT_MAX_MODEL_LEN
+        from perf.profile import DEFAULT_MAX_MODEL_LEN
         max_model_len = DEFAULT_MAX_MODEL_LEN
     return dataclasses.replace(cfg.frontend, model=model_dir, model_name=model_name, api_key=None,
                                max_model_len=max_model_len)

@@ -32,7 +32,7 @@ the figures below are measured, not promised, for seeds other than 0 (llama seed
 a 3e-5 margin in the same measurement).
 
 MEASURED (seed 0, HF transformers float32 on CPU, 16 random prompts of 1-300 tokens x 64 greedy
-steps = 1024 steps, tests/unit/test_tiny_model.py):
+steps = 1024 steps, tests/unit/splitserve/test_tiny_model.py):
   llama: min margin 0.0080 (median 2.9; min margin / logit std 5.0e-4); 57-64 distinct tokens per
          64-token continuation. 4,917,504 parameters.
   qwen2: min margin 0.0085 (median 3.9; 5.2e-4 of the logit std); 20-61 distinct tokens per

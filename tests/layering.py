@@ -3,20 +3,28 @@
 Layers, lowest first; a module may import from its own layer and from the layers listed as below
 it, never from above. docs/architecture.md states the same table (a test keeps the two equal).
 
-- `vocabulary`: plain data every process agrees on: the generated protobufs, and the block-hash,
-  KV-event and event-codec modules of kvstore.
+- `vocabulary`: plain data every process agrees on: the generated protobufs, the block-hash,
+  KV-event and event-codec modules of kvstore, and the performance profiles (`perf`).
 - `runtime`: the control plane's base (config, discovery, event streams, errors, metrics, the value
   types that cross the engine boundary).
-- `kvstore`: KV block pools, tiers and the NIXL mover.
+- `kvstore`: the pure KV pools (`kvstore.pools`), the movers (`kvstore.movers`) and the tier manager.
 - `engine`: model execution.
 - `workers`: prefill_worker and decode_worker (neither imports the other).
-- `router`, `planner`: pure decision cores over `runtime` and the vocabulary.
+- `router`, `planner`: decision cores over `runtime` and the vocabulary (the planner's live loop
+  reads Redis; its core does not).
+- `pools`: the pool controller, its connectors and the admin API.
 - `frontend`: the client edge, over the router.
+- `sim`: the virtual-clock simulators, over the real scheduler, router and planner core.
 - `cli`: the `splitserve` package, which may import everything.
 
-The control plane (frontend, router, runtime, planner, kvstore's host-side modules, proto and the
-CLI's non-engine modules) never imports torch or `engine`: it runs in an image without CUDA.
+The control plane (frontend, router, runtime, planner, pools, kvstore's host-side modules, proto and
+the CLI's non-engine modules) never imports torch or `engine`: it runs in an image without CUDA.
 `control_plane_leaks` checks that by importing each such module in a fresh interpreter.
+
+Pure modules (PURE: the router, the planner core, the pure KV pools, the scheduler, the profiles
+and the simulators) import none of grpc, redis, ray, nixl, torch or kubernetes, not even lazily
+inside a function: `impure_imports` reads their import statements, and `control_plane_leaks` with
+that list checks what importing them brings in.
 
 Everything here reads source files (ast) or runs a child interpreter; nothing imports the project.
 """
@@ -32,8 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("proto", "runtime", "kvstore", "engine", "prefill_worker", "decode_worker", "router",
-            "frontend", "planner", "splitserve")
+PACKAGES = ("proto", "perf", "runtime", "kvstore", "engine", "prefill_worker", "decode_worker", "router",
+            "frontend", "planner", "pools", "sim", "splitserve")
 
 # module prefix -> layer; the longest matching prefix wins
 LAYER_OF = {
@@ -41,6 +49,7 @@ LAYER_OF = {
     "kvstore.hashing": "vocabulary",
     "kvstore.events": "vocabulary",
     "kvstore.event_codec": "vocabulary",
+    "perf": "vocabulary",
     "runtime": "runtime",
     "kvstore": "kvstore",
     "engine": "engine",
@@ -48,7 +57,9 @@ LAYER_OF = {
     "decode_worker": "workers",
     "router": "router",
     "planner": "planner",
+    "pools": "pools",
     "frontend": "frontend",
+    "sim": "sim",
     "splitserve": "cli",
 }
 
@@ -60,9 +71,12 @@ MAY_IMPORT = {
     "engine": {"vocabulary", "runtime", "kvstore"},
     "workers": {"vocabulary", "runtime", "kvstore", "engine"},
     "router": {"vocabulary", "runtime"},
-    "planner": {"vocabulary", "runtime", "router"},
+    "planner": {"vocabulary", "runtime"},
+    "pools": {"vocabulary", "runtime"},
     "frontend": {"vocabulary", "runtime", "router"},
-    "cli": {"vocabulary", "runtime", "kvstore", "engine", "workers", "router", "planner", "frontend"},
+    "sim": {"vocabulary", "runtime", "kvstore", "engine", "router", "planner"},
+    "cli": {"vocabulary", "runtime", "kvstore", "engine", "workers", "router", "planner", "pools", "frontend",
+            "sim"},
 }
 
 # Within the workers layer, these packages must not import each other.
@@ -72,9 +86,16 @@ SIBLINGS_APART = (("prefill_worker", "decode_worker"),)
 FORBIDDEN_IN_CONTROL_PLANE = ("torch", "engine", "prefill_worker", "decode_worker")
 
 # Packages of the control plane, and the modules inside them that are device-side by design.
-CONTROL_PLANE = ("proto", "runtime", "kvstore", "router", "planner", "frontend", "splitserve")
-DEVICE_SIDE = ("kvstore.device_copy",       # G1 <-> G2 copies on the GPU (tiered KV)
-               "splitserve.tiny_model")     # writes seeded weights with torch (imports it lazily)
+CONTROL_PLANE = ("proto", "perf", "runtime", "kvstore", "router", "planner", "pools", "frontend", "splitserve")
+DEVICE_SIDE = ("splitserve.tiny_model",)    # writes seeded weights with torch (imports it lazily)
+
+# Pure logic: no I/O stack and no device, so it is unit-tested on the CPU in milliseconds. A prefix
+# names a package or one module; the planner's live loop (planner.live) is I/O and not listed.
+PURE = ("perf", "router", "planner.config", "planner.core", "planner.correction", "planner.decision",
+        "planner.predictors", "planner.sizing", "kvstore.pools", "kvstore.hashing", "kvstore.events",
+        "kvstore.event_codec", "engine.scheduler", "engine.sched", "engine.plan", "engine.request", "pools.book",
+        "sim")
+FORBIDDEN_IN_PURE = ("grpc", "redis", "ray", "nixl", "torch", "kubernetes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +221,18 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return sorted(found)
+
+
+def pure_modules(root: Path = ROOT) -> list[str]:
+    return [m for m in project_modules(root) if any(m == p or m.startswith(p + ".") for p in PURE)]
+
+
+def impure_imports(modules: dict[str, Path], forbidden=FORBIDDEN_IN_PURE) -> list[Violation]:
+    """One violation per (module, forbidden package) that an import statement names, at the top
+    level or inside a function. `modules`: module name -> its file."""
+    found = {(mod, name.split(".")[0]) for mod, path in modules.items() for name in imports_of(path, mod)
+             if name.split(".")[0] in forbidden}
+    return [Violation(mod, pkg, "a pure module imports no I/O stack or device library") for mod, pkg in sorted(found)]
 
 
 def control_plane_modules(root: Path = ROOT) -> list[str]:

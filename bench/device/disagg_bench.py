@@ -64,7 +64,7 @@ def decode_side(conn, model_dir: str, num_blocks: int, budget: int, decode_token
                 load_format: str) -> None:
     """D: reserve blocks, receive the push, continue decoding."""
     from runtime.types import EngineRequest, SamplingParams
-    from kvstore.transfer import KvTransferAgent
+    from kvstore.movers.transfer import KvTransferAgent
     engine = make_engine(model_dir, num_blocks, budget, device, load_format)
     agent = KvTransferAgent("decode", engine.runner.kv_cache)
     conn.send(agent.metadata())
@@ -113,7 +113,7 @@ def main() -> int:
     dev = args.device
     from engine.loader import write_arch_dir
     from runtime.types import EngineRequest, SamplingParams
-    from kvstore.transfer import KvTransferAgent, TransferState
+    from kvstore.movers.transfer import KvTransferAgent, TransferState
 
     lengths = [int(x) for x in args.lengths.split(",")]
     if args.model:

@@ -39,7 +39,7 @@ from common import Emitter  # noqa: E402  (sets sys.path)
 from engine.engine import Engine  # noqa: E402
 from engine.loader import write_arch_dir  # noqa: E402
 from kvstore.events import Tier  # noqa: E402
-from kvstore.tier_policy import OnboardMode  # noqa: E402
+from kvstore.pools.tier_policy import OnboardMode  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
 from runtime.types import EngineRequest, SamplingParams  # noqa: E402
 
@@ -161,7 +161,7 @@ def bench_ttft(emit, cfg: EngineConfig, lengths: list[int], common: dict, disk_d
 
 
 def _offloaded(eng: Engine) -> int:
-    from kvstore.tier_policy import TierPath
+    from kvstore.pools.tier_policy import TierPath
     return eng.tiers.stats().path_bytes[TierPath.G1_TO_G2] if eng.scheduler.tiers is not None else 0
 
 

@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="K copies of each request, arrivals jittered (seeded) by up to 1 s")
     p.add_argument("--profile", default=None, help="JSON performance profile (default: the shipped H100 8B one)")
     p.add_argument("--startup-s", type=float, default=None,
-                   help="worker start-to-ready (default: the profile's, else runtime.profile.DEFAULT_STARTUP_S)")
+                   help="worker start-to-ready (default: the profile's, else perf.profile.DEFAULT_STARTUP_S)")
     p.add_argument("--interval-s", type=float, default=PLANNER_INTERVAL_S, help="planner decision interval")
     p.add_argument("--warm-start-s", type=float, default=DEFAULT_WARM_START_S,
                    help="the trace's first seconds: history for the planner, not replayed")
@@ -87,7 +87,7 @@ class PlanInputError(ValueError):
 
 def _configs(args: argparse.Namespace, startup_s: float):
     from planner import PlannerConfig, PoolLimits
-    from splitserve.bench.plansim.simulator import SimConfig
+    from sim.plan.simulator import SimConfig
 
     if args.ttft_ms <= 0 or args.itl_ms <= 0 or args.interval_s <= 0 or args.warm_start_s < 0:
         raise PlanInputError("--ttft-ms, --itl-ms and --interval-s must be > 0, --warm-start-s >= 0")
@@ -140,10 +140,10 @@ def run_backtest(args: argparse.Namespace, workload, startup_s: float) -> int:
 
 def main(args: argparse.Namespace) -> int:
     from planner import Planner
-    from runtime.profile import load_profile
-    from splitserve.bench.plansim.simulator import Simulation
-    from splitserve.bench.plansim.static import StaticSearch
-    from splitserve.bench.plansim.workload import WorkloadError, load_workload, scale_load, split_history
+    from perf.profile import load_profile
+    from sim.plan.simulator import Simulation
+    from sim.plan.static import StaticSearch
+    from sim.workload import WorkloadError, load_workload, scale_load, split_history
 
     try:
         profile = load_profile(args.profile)

@@ -48,7 +48,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from splitserve.bench.oracle import PooledCacheOracle
+from sim.oracle import PooledCacheOracle
 from splitserve.bench.sessions import SessionsConfig, load_azure, session_specs
 from splitserve.bench.serve import (BenchInputError, RequestSpec, _event_loop_factory, emit, git_sha,
                                     load_trace, random_prompt, run_level, summarize_level, trace_specs)
@@ -180,7 +180,7 @@ def _make_specs(args: argparse.Namespace) -> tuple[list[RequestSpec], dict]:
 def offered_prefill_util(specs: list[RequestSpec], args: argparse.Namespace,
                          digits: int | None = 3) -> float | None:
     """No-cache prefill seconds under the mock's timing model / (replay span * workers)."""
-    from runtime.profile import load_timing
+    from perf.profile import load_timing
 
     timing = load_timing(args.mock_profile)
     budget = args.max_num_batched_tokens
@@ -198,7 +198,7 @@ def offered_prefill_util(specs: list[RequestSpec], args: argparse.Namespace,
 def oracle_fields(specs: list[RequestSpec], args: argparse.Namespace) -> dict:
     """The pooled-cache oracle of this workload on this fleet (every request, in arrival order)."""
     from kvstore.hashing import block_hashes
-    from runtime.profile import DEFAULT_KV_TOKENS
+    from perf.profile import DEFAULT_KV_TOKENS
 
     per_worker = args.num_blocks or DEFAULT_KV_TOKENS // args.block_size
     oracle = PooledCacheOracle.for_fleet(args.block_size, args.workers, per_worker)

@@ -1,4 +1,4 @@
-"""The planner's Kubernetes connector (planner/k8s_connector.py) through the real `kubernetes` client
+"""The planner's Kubernetes connector (pools/k8s_connector.py) through the real `kubernetes` client
 against a stand-in API server (tests/deploy/k8s_stand_in.py) set up from the rendered chart: its
 namespace, the Deployment names in the planner's config, their pod selectors.
 
@@ -18,9 +18,9 @@ import pytest
 
 pytest.importorskip("kubernetes")
 
-from planner.connector import ConnectorError, HandleState  # noqa: E402
-from planner.k8s_connector import DELETION_COST, DRAINED_COST, KubernetesConnector  # noqa: E402
-from planner.pools import PoolName  # noqa: E402
+from pools.connector import ConnectorError, HandleState  # noqa: E402
+from pools.k8s_connector import DELETION_COST, DRAINED_COST, KubernetesConnector  # noqa: E402
+from pools.book import PoolName  # noqa: E402
 from tests.deploy.chart import by_kind, component_configs, manifests  # noqa: E402
 from tests.deploy.k8s_stand_in import StandInApi, rbac_request  # noqa: E402
 

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 from engine.engine import Engine  # noqa: E402
 from kvstore.events import Tier  # noqa: E402
-from kvstore.transfer import nixl_available  # noqa: E402
+from kvstore.movers.transfer import nixl_available  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
 from runtime.types import EngineRequest, SamplingParams  # noqa: E402
 from splitserve.models import resolve_model  # noqa: E402

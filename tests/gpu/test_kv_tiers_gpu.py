@@ -13,9 +13,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from kvstore.block_format import BlockFormat  # noqa: E402
-from kvstore.host_copy import NixlHostCopy, TorchHostCopy, wait  # noqa: E402
-from kvstore.host_pool import HostPool  # noqa: E402
-from kvstore.transfer import nixl_available  # noqa: E402
+from kvstore.movers.host_copy import NixlHostCopy, TorchHostCopy, wait  # noqa: E402
+from kvstore.movers.host_pool import HostPool  # noqa: E402
+from kvstore.movers.transfer import nixl_available  # noqa: E402
 
 L, NB = 4, 50
 
@@ -88,7 +88,7 @@ def test_a_layered_onboard_moves_exact_bytes_and_signals_each_layer():
 
 def test_a_graph_captured_with_an_external_event_wait_waits_for_the_events_latest_record():
     """What a decode graph does before each layer when the KV tiers onboard layer by layer."""
-    from kvstore.cuda_driver import Driver
+    from kvstore.movers.cuda_driver import Driver
     driver = Driver.load()
     ev = torch.cuda.Event()
     ev.record()
@@ -120,7 +120,7 @@ def test_offload_sees_what_the_compute_stream_wrote_just_before():
 
 
 def test_host_slots_survive_a_disk_round_trip_into_the_device(tmp_path):
-    from kvstore.disk_pool import DiskConfig, DiskPool, ReadItem, WriteItem
+    from kvstore.movers.disk_pool import DiskConfig, DiskPool, ReadItem, WriteItem
     kv, host = setup()
     ref = kv.clone()
     disk = DiskPool(host.fmt, DiskConfig(str(tmp_path), 8 * host.fmt.block_bytes), host)

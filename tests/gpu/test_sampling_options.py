@@ -4,7 +4,7 @@ as it does alone, logit_bias forces, logprobs are a distribution's.
 
 The forcing bias is 1,000, not the API's largest (100): these dummy weights' logits spread further
 than 100 (on the H100 the biased token's raw logit was up to 105 below the top one, and +100 then
-lost to it, as it should: the bias is added, tests/unit/test_sampling_options.py)."""
+lost to it, as it should: the bias is added, tests/unit/engine/test_sampling_options.py)."""
 
 from __future__ import annotations
 

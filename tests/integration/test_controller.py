@@ -16,11 +16,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from planner.admin import start_admin_server
-from planner.controller import PoolController
-from planner.local_connector import LocalProcessConnector
-from planner.pools import PoolBook, PoolName, PoolSpec
-from planner.restarts import RestartPolicy
+from pools.admin import start_admin_server
+from pools.controller import PoolController
+from pools.local_connector import LocalProcessConnector
+from pools.book import PoolBook, PoolName, PoolSpec
+from pools.restarts import RestartPolicy
 from proto.splitserve.v1 import admin_pb2, admin_pb2_grpc
 from runtime.lifecycle import WorkerState
 from runtime.metrics import PoolMetrics

@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("nixl")
 
-from kvstore.transfer import (KvTransferAgent, KvTransferError, Strategy, TransferState,  # noqa: E402
+from kvstore.movers.transfer import (KvTransferAgent, KvTransferError, Strategy, TransferState,  # noqa: E402
                               merge_runs, nixl_available)
 
 NUM_LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 4, 16, 2, 32
@@ -111,7 +111,7 @@ def test_module_reports_nixl():
 
 
 def test_module_imports_without_nixl():
-    code = ("import sys; sys.modules['nixl'] = None; import kvstore.transfer as t; "
+    code = ("import sys; sys.modules['nixl'] = None; import kvstore.movers.transfer as t; "
             "assert not t.nixl_available()")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True, timeout=60)

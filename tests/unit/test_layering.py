@@ -27,6 +27,15 @@ def test_control_plane_never_loads_torch_or_the_engine():
     assert L.control_plane_leaks(mods) == []
 
 
+def test_pure_modules_import_no_io_stack_or_device_library():
+    mods = L.project_modules()
+    pure = L.pure_modules()
+    assert {"router.router", "planner.core", "kvstore.pools.block_pool", "engine.scheduler", "perf.profile",
+            "sim.plan.simulator"} <= set(pure)
+    assert [str(v) for v in L.impure_imports({m: mods[m] for m in pure})] == []
+    assert L.control_plane_leaks(pure, forbidden=L.FORBIDDEN_IN_PURE) == []
+
+
 def test_the_docs_state_the_same_layers():
     text = (L.ROOT / "docs" / "architecture.md").read_text()
     rows = dict(re.findall(r"^\| `(\w+)` \| .*? \| (.*?) \|$", text, re.M))
@@ -81,3 +90,13 @@ def test_a_control_plane_module_that_loads_torch_is_blamed(tmp_path):
     (tmp_path / "cp_torch.py").write_text("import torch\n")
     report = L.control_plane_leaks(["json", "cp_torch"], extra_path=tmp_path, forbidden=("torch",))
     assert report == [["cp_torch", "leak", report[0][2]]] and "torch" in report[0][2]
+
+
+def test_a_pure_module_that_imports_redis_even_lazily_is_blamed(tmp_path):
+    (tmp_path / "fine.py").write_text("import math\n")
+    (tmp_path / "lazy.py").write_text("def f():\n    import redis.asyncio as r\n    return r\n")
+    (tmp_path / "eager.py").write_text("from torch import nn\n")
+    found = L.impure_imports({m: tmp_path / f"{m}.py" for m in ("fine", "lazy", "eager")})
+    assert [str(v) for v in found] == [
+        "eager imports torch: a pure module imports no I/O stack or device library",
+        "lazy imports redis: a pure module imports no I/O stack or device library"]

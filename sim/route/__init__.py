@@ -1,0 +1,1 @@
+"""The routing simulator: the real router over simulated workers on a virtual clock (simulator.py)."""

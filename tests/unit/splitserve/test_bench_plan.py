@@ -1,0 +1,59 @@
+"""`splitserve bench plan`: the command's JSON last line on a small trace, its backtest mode and its
+plot, through the real argument parser."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+
+from perf.profile import DEFAULT_STARTUP_S
+from splitserve.cli import build_parser, main
+
+
+def small_trace(path) -> None:
+    """10 minutes of Azure-format requests: 1 req/s, then 3 req/s, then 1 req/s."""
+    rng = np.random.default_rng(0)
+    rates = [1.0] * 3 + [3.0] * 4 + [1.0] * 3
+    t = np.concatenate([np.sort(rng.uniform(60 * k, 60 * (k + 1), rng.poisson(r * 60))) for k, r in enumerate(rates)])
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    for x in t:
+        whole = int(x)
+        stamp = f"2023-11-16 18:{whole // 60:02d}:{whole % 60:02d}.{int((x - whole) * 1e7):07d}"
+        lines.append(f"{stamp},{rng.integers(100, 3000)},{rng.integers(2, 400)}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_the_json_last_line(tmp_path, capsys):
+    trace = tmp_path / "azure.csv"
+    small_trace(trace)
+    png = tmp_path / "plan.png"
+    rc = main(["bench", "plan", "--trace", str(trace), "--ttft-ms", "2000", "--itl-ms", "50", "--load-scale", "2",
+               "--startup-s", "30", "--warm-start-s", "60", "--plot", str(png), "--no-progress",
+               "--decisions", str(tmp_path / "d.jsonl")])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("sla_attainment", "gpu_hours", "static_gpu_hours", "static_config", "scaling_actions",
+                "ttft_attainment", "itl_attainment", "ttft_p90_s", "itl_mean_s", "predictor", "git_sha"):
+        assert key in out, key
+    assert 0.9 <= out["sla_attainment"] <= 1 and out["static_sla_attainment"] >= out["sla_attainment"]
+    assert set(out["static_config"]) == {"prefill", "decode"} and out["static_gpu_hours"] > 0
+    assert out["gpu_hours"] > 0 and out["startup_s"] == 30 and out["requests"] > 1000
+    assert png.stat().st_size > 10_000
+    decisions = [json.loads(x) for x in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert decisions[0]["prefill"]["bound"] in ("model", "min") and "plan_rate_rps" in decisions[0]["load"]
+
+
+def test_backtest_mode_and_bad_input(tmp_path, capsys):
+    trace = tmp_path / "azure.csv"
+    small_trace(trace)
+    assert main(["bench", "plan", "--trace", str(trace), "--ttft-ms", "2000", "--itl-ms", "50", "--backtest",
+                 "--interval-s", "30"]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    horizon = math.ceil((DEFAULT_STARTUP_S + 30) / 30)        # start-up plus one interval, in intervals
+    assert {r["predictor"] for r in rows} >= {"constant", "holt(0.5,0.2,0.9)"} and rows[0]["horizon"] == horizon
+    assert main(["bench", "plan", "--trace", str(tmp_path / "missing.csv"), "--ttft-ms", "1", "--itl-ms", "1"]) == 2
+    assert main(["bench", "plan", "--trace", str(trace), "--ttft-ms", "0", "--itl-ms", "1"]) == 2
+    args = build_parser().parse_args(["bench", "plan", "--trace", "x", "--ttft-ms", "1", "--itl-ms", "1"])
+    assert args.startup_s is None and args.interval_s == 20.0
