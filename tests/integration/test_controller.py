@@ -1,17 +1,15 @@
 """The pool controller, the local-process connector and the admin API over real processes and a real
-Redis, with stand-in workers (tests/integration/stand_in_worker.py: a lease, a drain, no model) so
-that restarts and crash loops take seconds. The same controller drives real workers in
-tests/integration/test_pools.py."""
+Redis: real `--mock` workers (the real worker, scheduler, block pool and lease; a timing model in
+place of the GPU), started the way `splitserve serve` starts them (a config file each), so that
+restarts and crash loops take seconds. A worker pointed at a model that does not exist is the
+crash at every start. The same controller drives `serve`'s workers in tests/integration/test_pools.py."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -25,13 +23,18 @@ from proto.splitserve.v1 import admin_pb2, admin_pb2_grpc
 from runtime.lifecycle import WorkerState
 from runtime.metrics import PoolMetrics
 from runtime.pool_record import read_pools
+from runtime.config import EngineConfig, RedisConfig, WorkerConfig
 from runtime.redis_embedded import EmbeddedRedis
+from splitserve.models import resolve_model
+from splitserve.serve import Cluster
 
 pytestmark = pytest.mark.slow
 
-STAND_IN = str(Path(__file__).with_name("stand_in_worker.py"))
-ROLES = {PoolName.DECODE: "decode", PoolName.PREFILL: "prefill"}
+# mock workers serve aggregated (they hold no KV to move), as under `serve --mock`
+ROLES = {PoolName.DECODE: "aggregated", PoolName.PREFILL: "prefill"}
+COMMANDS = {"aggregated": "decode-worker", "prefill": "prefill-worker"}
 TOKEN = "admin-test-token-5d1e"
+START_S = 60.0       # a mock worker's start-up on a busy 2-core machine (imports, the tiny model's config)
 
 
 @pytest.fixture
@@ -40,12 +43,24 @@ def redis_url():
         yield r.url
 
 
-def make(redis_url: str, crash_after: dict[str, float] | None = None, decode=2, prefill=1):
-    crash_after = crash_after or {}
+@pytest.fixture
+def cluster():
+    c = Cluster()
+    yield c
+    c.stop(timeout_s=5)
+
+
+def make(redis_url: str, cluster: Cluster, broken: frozenset[str] = frozenset(), decode=2, prefill=0):
+    """A controller over real mock workers; the workers named in `broken` get a model that does not
+    exist, so they exit with an error at every start."""
+    model_dir = resolve_model("tiny")
 
     def spawn(pool, name):
-        extra = ["--crash-after", str(crash_after[name])] if name in crash_after else []
-        return subprocess.Popen([sys.executable, STAND_IN, redis_url, name, ROLES[pool], *extra])
+        role = ROLES[pool]
+        engine = EngineConfig(model="/nonexistent/model" if name in broken else model_dir, mock=True, device="cpu")
+        cfg = WorkerConfig(engine=engine, redis=RedisConfig(url=redis_url), role=role, host="127.0.0.1",
+                           worker_id=name, drain_timeout_s=5.0)
+        return cluster.spawn_component(COMMANDS[role], name, cfg, dict(os.environ))
 
     metrics = PoolMetrics()
     connector = LocalProcessConnector(spawn, ROLES, RestartPolicy(backoff_s=0.1, crash_loop_restarts=2),
@@ -55,7 +70,7 @@ def make(redis_url: str, crash_after: dict[str, float] | None = None, decode=2, 
     return PoolController(book, connector, ROLES, redis_url, "splitserve", metrics, tick_s=0.1), connector
 
 
-async def until(cond, timeout_s: float = 15.0, what: str = ""):
+async def until(cond, timeout_s: float = START_S, what: str = ""):
     deadline = time.monotonic() + timeout_s
     while not cond():
         assert time.monotonic() < deadline, f"{what} not reached within {timeout_s} s"
@@ -66,27 +81,27 @@ def states(c: PoolController, pool: str = "decode") -> list[str]:
     return sorted(r.state for r in c.rows() if r.pool == pool)
 
 
-async def test_pools_are_kept_at_size_crashes_restarted_and_a_crash_loop_reported(redis_url):
-    c, connector = make(redis_url, crash_after={"decode-1": 0})      # decode-1 dies at every start
+async def test_pools_are_kept_at_size_crashes_restarted_and_a_crash_loop_reported(redis_url, cluster):
+    c, connector = make(redis_url, cluster, broken=frozenset({"aggregated-1"}))      # aggregated-1 dies at every start
     c.start()
     try:
-        await until(lambda: states(c, "prefill") == ["ready"] and "ready" in states(c), what="ready workers")
-        await until(lambda: states(c) == ["failed", "ready"], what="decode-1's crash loop")
-        row = next(r for r in c.rows() if r.name == "decode-1")
-        assert row.restarts == 2 and "crash loop" in row.detail and "exit code 1" in row.detail
+        await until(lambda: "ready" in states(c), what="a ready worker")
+        await until(lambda: states(c) == ["failed", "ready"], what="aggregated-1's crash loop")
+        row = next(r for r in c.rows() if r.name == "aggregated-1")
+        assert row.restarts == 2 and "crash loop" in row.detail and "exit code 2" in row.detail   # a bad --model: exit 2
         assert c.metrics.crash_loops.labels("decode")._value.get() == 1
         record = await read_pools(c.redis, "splitserve")
-        assert record.desired == {"decode": 2, "prefill": 1} and record.failed == {"decode": 1}
+        assert record.desired == {"decode": 2, "prefill": 0} and record.failed == {"decode": 1}
 
         # kill -9 of a healthy worker: restarted under the same name
-        (healthy,) = [r for r in c.rows() if r.name == "decode-0"]
-        os.kill(connector.pid("decode-0"), signal.SIGKILL)
-        await until(lambda: any(r.name == "decode-0" and r.state == WorkerState.READY and r.worker_id != healthy.worker_id
-                                for r in c.rows()), what="decode-0's replacement")
-        assert next(r for r in c.rows() if r.name == "decode-0").restarts == 1
+        (healthy,) = [r for r in c.rows() if r.name == "aggregated-0"]
+        os.kill(connector.pid("aggregated-0"), signal.SIGKILL)
+        await until(lambda: any(r.name == "aggregated-0" and r.state == WorkerState.READY and r.worker_id != healthy.worker_id
+                                for r in c.rows()), what="aggregated-0's replacement")
+        assert next(r for r in c.rows() if r.name == "aggregated-0").restarts == 1
 
         # removing the failed worker lets a fresh one take its place; scaling down drains the surplus
-        await c.drain_worker("decode-1")
+        await c.drain_worker("aggregated-1")
         await until(lambda: states(c) == ["ready", "ready"], what="a fresh decode worker")
         c.scale({"decode": 1})
         await until(lambda: states(c) == ["ready"], what="the drained worker to leave")
@@ -96,8 +111,8 @@ async def test_pools_are_kept_at_size_crashes_restarted_and_a_crash_loop_reporte
         connector.kill_all()
 
 
-async def test_the_admin_api_needs_the_token_and_refuses_sizes_beyond_the_limits(redis_url):
-    c, connector = make(redis_url, decode=1, prefill=0)
+async def test_the_admin_api_needs_the_token_and_refuses_sizes_beyond_the_limits(redis_url, cluster):
+    c, connector = make(redis_url, cluster, decode=1, prefill=0)
     server, port = await start_admin_server(c, "127.0.0.1", 0, TOKEN)
     c.start()
     ok = [("authorization", f"Bearer {TOKEN}")]
@@ -107,7 +122,7 @@ async def test_the_admin_api_needs_the_token_and_refuses_sizes_beyond_the_limits
             for md in ([], [("authorization", "Bearer wrong")], [("authorization", TOKEN)]):
                 for call, req in ((stub.GetStatus, admin_pb2.GetStatusRequest()),
                                   (stub.ScalePool, admin_pb2.ScalePoolRequest(decode=2)),
-                                  (stub.DrainWorker, admin_pb2.DrainWorkerRequest(worker_id="decode-0"))):
+                                  (stub.DrainWorker, admin_pb2.DrainWorkerRequest(worker_id="aggregated-0"))):
                     with pytest.raises(grpc.aio.AioRpcError) as e:
                         await call(req, metadata=md, timeout=5)
                     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -124,7 +139,7 @@ async def test_the_admin_api_needs_the_token_and_refuses_sizes_beyond_the_limits
             assert (decode.desired, decode.override) == (2, 2)
             await until(lambda: states(c) == ["ready", "ready"], what="two decode workers")
             st = await stub.GetStatus(admin_pb2.GetStatusRequest(), metadata=ok, timeout=5)
-            assert sorted(w.name for w in st.workers) == ["decode-0", "decode-1"]
+            assert sorted(w.name for w in st.workers) == ["aggregated-0", "aggregated-1"]
             assert all(w.state == admin_pb2.WORKER_STATE_READY and w.managed for w in st.workers)
             lim = await stub.SetPoolLimits(admin_pb2.SetPoolLimitsRequest(pool="decode", max=2), metadata=ok, timeout=5)
             assert (lim.pool.min, lim.pool.max) == (1, 2)
@@ -152,8 +167,8 @@ class _SwallowsOneCancel(LocalProcessConnector):
         await super().refresh()
 
 
-async def test_close_returns_promptly_when_the_loops_cancel_is_swallowed(redis_url):
-    c, connector = make(redis_url, decode=0, prefill=0)
+async def test_close_returns_promptly_when_the_loops_cancel_is_swallowed(redis_url, cluster):
+    c, connector = make(redis_url, cluster, decode=0, prefill=0)
     c.connector = connector = _SwallowsOneCancel(connector._spawn, ROLES)
     c.start()
     try:
