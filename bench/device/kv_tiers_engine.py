@@ -214,7 +214,7 @@ def bench_itl(emit, cfg: EngineConfig, common: dict, batch: int, ctx: int, steps
 
 def bench_replay(emit, cfg: EngineConfig, common: dict, trace: str | None, limit: int, max_input: int,
                  concurrency: int, max_output: int) -> None:
-    from splitserve.bench.serve import load_trace, trace_prompt
+    from splitserve.bench.workloads import load_trace, trace_prompt
     for tiers_on in (False, True):
         c = cfg if tiers_on else dataclasses.replace(cfg, kv_host_gib=0.0, kv_disk_gib=0.0, kv_disk_dir=None)
         eng = Engine(c)

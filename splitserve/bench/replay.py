@@ -50,8 +50,10 @@ import numpy as np
 
 from sim.oracle import PooledCacheOracle
 from splitserve.bench.sessions import SessionsConfig, load_azure, session_specs
-from splitserve.bench.serve import (BenchInputError, RequestSpec, _event_loop_factory, emit, git_sha,
-                                    load_trace, random_prompt, run_level, summarize_level, trace_specs)
+from splitserve.bench.clients import RequestSpec
+from splitserve.bench.serve import _event_loop_factory, emit, git_sha, run_level
+from splitserve.bench.stats import summarize_level
+from splitserve.bench.workloads import BenchInputError, load_trace, random_prompt, trace_specs
 
 MODEL_NAME = "mock"
 POLICIES = ("kv", "kv_blocks", "round_robin", "random", "least_loaded")

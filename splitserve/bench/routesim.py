@@ -74,7 +74,8 @@ def main(args: argparse.Namespace) -> int:
     import sys
 
     from splitserve.bench import replay
-    from splitserve.bench.serve import BenchInputError, emit, git_sha
+    from splitserve.bench.serve import emit, git_sha
+    from splitserve.bench.workloads import BenchInputError
 
     if args.list_variants:
         for name, (_, what) in VARIANTS.items():

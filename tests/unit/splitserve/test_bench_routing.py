@@ -13,7 +13,7 @@ from router import RouterConfig, RoutingPolicy
 from perf.profile import CurveTiming
 from splitserve.bench import replay, routesim
 from sim.oracle import OracleTier, PooledCacheOracle
-from splitserve.bench.serve import BenchInputError
+from splitserve.bench.workloads import BenchInputError
 from splitserve.bench.sessions import AzureRow, session_specs
 
 BS = 4
