@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from perf.profile import DEFAULT_STARTUP_S
 from planner.predictors import make_predictor
-from runtime.config_planner import DEFAULT_POOL_LIMITS, PoolLimits, PoolLimitsConfig, PrefillOrder, SlaConfig
+from runtime.config_planner import DEFAULT_POOL_LIMITS, PoolLimits, PoolLimitsConfig, SlaConfig
 
 _DECLARED = SlaConfig()          # the declared defaults
 
@@ -57,7 +57,7 @@ class PlannerConfig:
             arrival_quantile=sla.arrival_quantile, hysteresis=sla.hysteresis,
             prefill_down_delay_s=sla.prefill_down_delay_s, decode_down_delay_s=sla.decode_down_delay_s,
             num_samples=sla.num_samples, min_records=sla.min_records,
-            prefill_deadline=PrefillOrder(sla.prefill_order) is PrefillOrder.DEADLINE)
+            prefill_deadline=sla.deadline_ordered)
 
     def __post_init__(self) -> None:
         if self.ttft_target_s <= 0 or self.itl_target_s <= 0 or self.interval_s <= 0:

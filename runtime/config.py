@@ -155,8 +155,8 @@ class FrontendConfig:
                                   "with 429 (HTTP) or RESOURCE_EXHAUSTED (gRPC)")
     router_policy: RoutingPolicy = arg(RoutingPolicy.KV, "how a request's worker is chosen")
     router_approximate: bool = arg(False, "build the prefix index from routing decisions instead of KV events")
-    router_lower_tier_weight: float = arg(LOWER_TIER_WEIGHT, "a prompt block a worker holds only in host RAM or on disk "
-                                          "(KV tiers) counts this fraction of a GPU hit (0: only GPU hits count)")
+    router_lower_tier_weight: float = arg(LOWER_TIER_WEIGHT, "a prompt block a worker holds only in host RAM or on "
+                                          "disk (KV tiers) counts this fraction of a GPU hit (0: only GPU hits count)")
     block_size: int | None = arg(None, "tokens per KV block; none: learned from the first worker "
                                  "(workers that disagree are refused either way)")
     remote_prefill_min_tokens: int = arg(128, "send a prompt to a prefill worker only with more uncached "

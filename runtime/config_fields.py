@@ -118,7 +118,8 @@ def _leaf_type(cls: type, name: str, hint: Any) -> tuple[type, bool]:
         optional = len(args) < len(typing.get_args(hint))
         assert len(args) == 1, f"{cls.__name__}.{name}: only `X | None` unions are supported"
         hint = args[0]
-    ok = hint in SCALARS or dataclasses.is_dataclass(hint) or (isinstance(hint, type) and issubclass(hint, enum.StrEnum))
+    is_enum = isinstance(hint, type) and issubclass(hint, enum.StrEnum)
+    ok = hint in SCALARS or dataclasses.is_dataclass(hint) or is_enum
     assert ok, f"{cls.__name__}.{name}: unsupported type {hint}"
     return hint, optional
 

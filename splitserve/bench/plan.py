@@ -70,14 +70,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-scale", type=float, default=1.0,
                    help="K copies of each request, arrivals jittered (seeded) by up to 1 s (default: 1.0)")
     p.add_argument("--warm-start-s", type=float, default=DEFAULT_WARM_START_S,
-                   help=f"the trace's first seconds: history for the planner, not replayed (default: {DEFAULT_WARM_START_S})")
+                   help=f"the trace's first seconds: history for the planner, not replayed "
+                        f"(default: {DEFAULT_WARM_START_S})")
     add_config_args(p, PlanSettings, config_file=False, aliases=OLD_SPELLINGS, required=("sla.ttft_ms", "sla.itl_ms"))
     p.add_argument("--no-static", action="store_true", help="skip the static baseline search")
     p.add_argument("--backtest", action="store_true",
                    help="print the predictors' backtest on the trace's per-interval arrivals and exit")
     p.add_argument("--plot", default=None, help="write load, replicas and latency over time to this PNG")
     p.add_argument("--decisions", default=None, help="write every planner decision to this JSONL file")
-    p.add_argument("--seed", type=int, default=0, help="seeds the load scaling's jitter and the simulation (default: 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the load scaling's jitter and the simulation (default: 0)")
     p.add_argument("--output", default=None, help="append the JSON line(s) to this file")
     p.add_argument("--label", default="", help="a note stored in the JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")

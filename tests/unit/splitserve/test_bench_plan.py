@@ -60,7 +60,8 @@ def test_backtest_mode_and_bad_input(tmp_path, capsys):
     assert main(["bench", "plan", "--trace", str(trace), "--ttft-ms", "0", "--itl-ms", "1"]) == 2
     err = capsys.readouterr().err
     assert "--ttft-ms, --itl-ms and --planner-interval-s must be > 0" in err and "Traceback" not in err
-    assert main(["bench", "plan", "--trace", str(trace), "--ttft-ms", "1", "--itl-ms", "1", "--predictor", "arima"]) == 2
+    assert main(["bench", "plan", "--trace", str(trace), "--ttft-ms", "1", "--itl-ms", "1",
+                 "--predictor", "arima"]) == 2
     assert "unknown predictor 'arima'; use one of constant, ewma, holt" in capsys.readouterr().err
     assert main(["bench", "plan", "--trace", str(trace), "--ttft-ms", "1", "--itl-ms", "1", "--min-prefill", "3",
                  "--max-prefill", "2"]) == 2
