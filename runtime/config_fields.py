@@ -159,14 +159,6 @@ def settings(cls: type, prefix: str = "", base: Any = None) -> Iterator[Setting]
             yield s if base is None else dataclasses.replace(s, default=getattr(base, name))
 
 
-def default_of(cls: type, path: str) -> Any:
-    """The default of the setting at dotted `path` in `cls` (nested default instances applied)."""
-    for s in settings(cls):
-        if s.path == path:
-            return s.default
-    raise KeyError(f"{cls.__name__} has no setting {path!r}")
-
-
 def build(cls: type, value_of: Callable[[Setting], Any], prefix: str = "", base: Any = None) -> Any:
     """A `cls` whose leaves are `value_of(setting)`; a leaf whose value is MISSING takes its default
     (`base`'s value if given; ConfigError where the class requires it)."""
