@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 from kvstore.events import Tier
 from proto.splitserve.v1 import worker_pb2
-from router import NoWorkerAvailable, Router, RouterConfig, RoutingPolicy, WorkerRole
+from router import LOWER_TIER_WEIGHT, NoWorkerAvailable, Router, RouterConfig, RoutingPolicy, WorkerRole
 from runtime.errors import Unavailable
 from runtime.kv_events import KvEventConsumer
 
@@ -26,7 +26,8 @@ ROLES = {"aggregated": WorkerRole.AGGREGATED, "decode": WorkerRole.DECODE, "pref
 
 
 class FrontendRouter:
-    def __init__(self, policy: str, approximate: bool = False, seed: int = 0, lower_tier_weight: float = 0.0) -> None:
+    def __init__(self, policy: RoutingPolicy | str, approximate: bool = False, seed: int = 0,
+                 lower_tier_weight: float = LOWER_TIER_WEIGHT) -> None:
         # KV tiers: events carry their tier; blocks only in host RAM or on disk count lower_tier_weight
         self._config = RouterConfig(policy=RoutingPolicy(policy), approximate=approximate,
                                     lower_tier_weight=lower_tier_weight)

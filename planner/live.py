@@ -36,11 +36,11 @@ from typing import Protocol
 
 import redis.asyncio as aioredis
 
-from planner.config import PlannerConfig, PoolLimits
+from planner.config import PlannerConfig
 from planner.core import Planner
 from planner.decision import (DecodeStats, Decision, Observation, PoolDecision, PoolState, PrefillRecord,
                               RequestSample)
-from runtime.config import SlaConfig
+from runtime.config_planner import PoolLimitsConfig, SlaConfig
 from runtime.logging import Throttled
 from runtime.metrics import PlannerMetrics
 from runtime.pool_record import LatencyRecord, PrefillTimingRecord, read_latencies, read_prefill_timings
@@ -90,20 +90,14 @@ class ControllerTarget:
 
 
 def sla_planner_config(sla: SlaConfig, profile: Profile, pools: dict[str, PoolView] | None = None) -> PlannerConfig:
-    """The core's config from the operator's settings and the controller's current pool limits."""
-    from planner.predictors import DEFAULT_PREDICTOR
-
-    def limits(pool: str) -> PoolLimits:
+    """The core's config from the operator's settings and the controller's current pool limits (a
+    pool the controller does not report keeps the declared default limits)."""
+    limits = {}
+    for pool in ("prefill", "decode"):
         v = (pools or {}).get(pool)
-        return PoolLimits(v.min, v.max) if v else PoolLimits()
-    return PlannerConfig(
-        ttft_target_s=sla.ttft_ms / 1000.0, itl_target_s=sla.itl_ms / 1000.0,
-        attainment_goal=sla.attainment_goal, interval_s=sla.interval_s,
-        startup_s=profile.startup_s if sla.startup_s is None else sla.startup_s,
-        prefill=limits("prefill"), decode=limits("decode"), gpu_budget=sla.gpu_budget,
-        predictor=sla.predictor or DEFAULT_PREDICTOR, arrival_quantile=sla.arrival_quantile,
-        hysteresis=sla.hysteresis, prefill_down_delay_s=sla.prefill_down_delay_s,
-        decode_down_delay_s=sla.decode_down_delay_s, prefill_deadline=sla.deadline_ordered)
+        if v is not None:
+            limits |= {f"min_{pool}_workers": v.min, f"max_{pool}_workers": v.max}
+    return PlannerConfig.from_settings(sla, profile.startup_s, PoolLimitsConfig(**limits))
 
 
 def check_sla(sla: SlaConfig) -> Profile:

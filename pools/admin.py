@@ -16,9 +16,9 @@ import time
 import grpc
 
 from pools.controller import PoolController, PoolRow, WorkerRow
-from pools.book import HARD_MAX_WORKERS
 from proto.splitserve.v1 import admin_pb2, admin_pb2_grpc
 from runtime.admin_auth import token_matches
+from runtime.config_planner import HARD_MAX_WORKERS
 from runtime.errors import InvalidRequest, SplitserveError
 from runtime.lifecycle import WorkerState
 

@@ -227,7 +227,7 @@ class Router:
         """The pool's workers holding a prefix of the prompt, grouped by its length: straight from
         the index's slot masks, or (approximate index, lower tiers weighed) per worker."""
         cfg = self.config
-        if self._approx is not None or cfg.lower_tier_weight > 0:
+        if self._approx is not None or self._weighs_other_tiers():
             position = pool.position
             return [(position[w], n, 0) for w, n in self._overlaps(block_hashes).items()
                     if w in position]
@@ -264,12 +264,18 @@ class Router:
                 holders.append((p, common, 0))
         return pin.worker_id
 
+    def _weighs_other_tiers(self) -> bool:
+        """Blocks on tiers beyond `config.tiers` count a fraction of a hit, and some worker holds
+        such blocks (with none, the weighed overlaps equal the fast ones: the index's masks answer)."""
+        cfg = self.config
+        return cfg.lower_tier_weight > 0 and self._index.holds_outside(cfg.tiers)
+
     def _overlaps(self, block_hashes: Sequence[int]) -> dict[str, float]:
         if self._approx:
             return self._approx.overlaps(block_hashes)  # type: ignore[return-value]
         cfg = self.config
         fast = self._index.overlaps(block_hashes, cfg.tiers)
-        if cfg.lower_tier_weight <= 0:
+        if not self._weighs_other_tiers():
             return fast  # type: ignore[return-value]
         slow = self._index.overlaps(block_hashes, tuple(Tier))
         return {w: fast.get(w, 0) + cfg.lower_tier_weight * (n - fast.get(w, 0))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import MISSING
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,8 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
         node, value = out, cfg
         for p in parents:
             node, value = node.setdefault(p, {}), getattr(value, p)
-        node[name] = getattr(value, name)
+        v = getattr(value, name)
+        node[name] = v.value if isinstance(v, Enum) else v       # a choice as it is spelled
     return out
 
 

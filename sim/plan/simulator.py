@@ -48,7 +48,7 @@ from kvstore.events import KvEventBatch
 from planner import (Decision, DecodeStats, Observation, Planner, PoolState, PrefillRecord,
                      RequestSample)
 from router import NoWorkerAvailable, Router, RouterConfig, WorkerRole
-from runtime.config import PLANNER_INTERVAL_S
+from runtime.config_planner import PLANNER_INTERVAL_S
 from perf.profile import DEFAULT_STARTUP_S, Profile
 from sim.plan.workers import DecodeWorker, PrefillWorker, State
 from sim.workload import TRACE_BLOCK_TOKENS, Workload, ideal_cached_tokens

@@ -48,6 +48,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from runtime.config import LOWER_TIER_WEIGHT, RoutingPolicy
 from sim.oracle import PooledCacheOracle
 from splitserve.bench.sessions import SessionsConfig, load_azure, session_specs
 from splitserve.bench.clients import RequestSpec
@@ -56,7 +57,7 @@ from splitserve.bench.stats import summarize_level
 from splitserve.bench.workloads import BenchInputError, load_trace, random_prompt, trace_specs
 
 MODEL_NAME = "mock"
-POLICIES = ("kv", "kv_blocks", "round_robin", "random", "least_loaded")
+POLICIES = tuple(p.value for p in RoutingPolicy)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -95,8 +96,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-disk-dir", default=None,
                    help="an existing directory; each policy's cluster gets a fresh subdirectory of it, "
                         "removed after (its workers one each below that)")
-    p.add_argument("--lower-tier-weight", type=float, default=0.5,
-                   help="the router's weight of a block held only in a lower tier (0: tier-unaware)")
+    p.add_argument("--lower-tier-weight", type=float, default=LOWER_TIER_WEIGHT,
+                   help="the router's weight of a block held only in a lower tier (0: tier-unaware; the "
+                        "frontend's --router-lower-tier-weight, and routesim's router)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--vocab-size", type=int, default=4000, help="prompt ids are drawn below this")
     # shared-prefix workload

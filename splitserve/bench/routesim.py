@@ -102,14 +102,16 @@ def main(args: argparse.Namespace) -> int:
               "workers": cfg.workers, "block_size": cfg.block_size, "num_blocks": cfg.num_blocks,
               "seed": args.seed, "mock_profile": args.mock_profile or "h100-8b-curve",
               "max_num_batched_tokens": cfg.max_num_batched_tokens, "event_delay_s": cfg.event_delay_s,
+              "lower_tier_weight": args.lower_tier_weight,
               **workload, "offered_prefill_util": round(offered_prefill_util(
                   requests, timing, cfg.max_num_batched_tokens, cfg.workers), 3),
               "workload_build_s": round(time.perf_counter() - t0, 2)}
     records = []
     for name in policies:
         fields, _ = VARIANTS[name]
-        sim = Simulation(cfg, RouterConfig(**fields, timing=timing, chunk_tokens=cfg.max_num_batched_tokens),
-                         requests, timing, seed=args.seed)
+        router_cfg = RouterConfig(**fields, timing=timing, chunk_tokens=cfg.max_num_batched_tokens,
+                                  lower_tier_weight=args.lower_tier_weight)
+        sim = Simulation(cfg, router_cfg, requests, timing, seed=args.seed)
         records.append(header | {"policy": name, **sim.run(), "max_rss_mib": round(max_rss_mib())})
         emit(records[-1], args.output)
     if len(records) > 1:

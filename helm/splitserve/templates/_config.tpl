@@ -32,7 +32,8 @@ SPLITSERVE_ADMIN_TOKEN).
 {{- $_ := set $c "redis" (deepCopy $root.Values.redis.config) }}
 {{- if eq .pool "decode" }}
 {{- $_ := set $c "role" (ternary "decode" "aggregated" $root.Values.prefill.enabled) }}
-{{- else if and $root.Values.planner.enabled (eq (toString $c.prefill_deadline_ms) "<nil>") }}
+{{- else if and $root.Values.planner.enabled (eq (toString $c.prefill_deadline_ms) "<nil>") (eq (toString $root.Values.planner.config.prefill_order) "deadline") }}
+{{- /* the queue order the planner sizes prefill workers for: deadline order by its TTFT target */}}
 {{- $_ := set $c "prefill_deadline_ms" $root.Values.planner.config.ttft_ms }}
 {{- end }}
 {{- $_ := set $c "host" "0.0.0.0" }}
@@ -69,7 +70,8 @@ frontends merge its /metrics (it publishes the URL in Redis).
 {{- end }}
 
 {{/*
-The SLA planner's config: its targets; it drives the controller's admin API in the same pod.
+The SLA planner's config: its settings (planner.config but the controller's limits); it drives the
+controller's admin API in the same pod.
 */}}
 {{- define "splitserve.plannerConfig" -}}
 {{- $c := dict }}

@@ -35,8 +35,8 @@ def not_default(s) -> tuple[list[str], object]:
         return [s.flag, "on"], True
     if s.type is bool:
         return [s.flag], not s.default
-    if s.meta.choices:
-        value = next(c for c in reversed(s.meta.choices) if c != s.default)
+    if s.choices:                       # declared choices, or a StrEnum's members
+        value = next(c for c in reversed(s.choices) if c != s.default)
     elif s.type is str:
         value = f"{s.default}-x"
     else:
