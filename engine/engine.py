@@ -74,7 +74,7 @@ class Engine:
                                    cfg.max_num_batched_tokens, self.runner.model_config.eos_token_ids)
         overlap = cfg.async_scheduling
         if overlap is None:          # on where a device runs steps beside the host (or the mock models one)
-            overlap = self.runner.device.type == "cuda" or cfg.mock
+            overlap = cfg.mock or self.runner.device.type == "cuda"
         self.async_scheduling = bool(overlap) and hasattr(self.runner, "launch")
         self._in_flight: tuple[StepPlan, object, float] | None = None   # launched (at), not yet updated
         self._step_done_at = 0.0                # when the last launched step's result came in

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
 import xxhash
 
 from runtime.model_config import ModelConfig
@@ -34,10 +33,9 @@ class MockModelRunner:
     """ModelRunner's interface (model_config, max_model_len, num_blocks, device, execute)."""
 
     def __init__(self, cfg: EngineConfig, timing: StepTiming | None = None,
-                 sleep=time.sleep, clock=time.perf_counter) -> None:
+                 sleep=time.sleep, clock=time.perf_counter, model_config: ModelConfig | None = None) -> None:
         self.cfg = cfg
-        self.model_config = ModelConfig.from_dir(cfg.model)
-        self.device = torch.device("cpu")
+        self.model_config = model_config or ModelConfig.from_dir(cfg.model)
         self.max_model_len = cfg.max_model_len or DEFAULT_MAX_MODEL_LEN
         self.num_blocks = cfg.num_blocks or max(DEFAULT_KV_TOKENS // cfg.block_size, 1)
         self.timing = timing or load_timing(cfg.mock_profile)
@@ -49,6 +47,18 @@ class MockModelRunner:
         log.info("mock model runner (%s): %d KV blocks of %d tokens, max_model_len %d, vocab %d",
                  type(self.timing).__name__, self.num_blocks, cfg.block_size, self.max_model_len,
                  self.model_config.vocab_size)
+
+    @property
+    def device(self):
+        """The CPU, as a torch device (torch is imported only by callers that ask: the simulators
+        drive this runner without it)."""
+        import torch
+        return torch.device("cpu")
+
+    @property
+    def device_free_at_s(self) -> float:
+        """When the last launched step ends on the modelled device (clock time)."""
+        return self._device_free_at
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
         """Wait as long as the step would run on the device; return the sampled tokens."""

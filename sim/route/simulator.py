@@ -4,8 +4,9 @@ workers on a virtual clock.
 `bench replay` runs real processes in real time (~4 min a policy); this runs the same workloads in
 seconds, so that routing policies can be compared, instrumented and scaled to 1,000 workers. What
 is real: the `Router` (index, cost, selection, load book) fed by KV event batches and load reports
-exactly as the frontend feeds it, and each worker's `BlockPool` (the LRU and its events). What is
-modelled: the worker's scheduler and its step time (simworker.py, the mock engine's timing model).
+exactly as the frontend feeds it, and each worker's engine (worker.py: the real `Engine`, scheduler
+and `BlockPool`, with the mock runner's timing model on the simulator's clock), so a simulated worker
+schedules, caches, evicts and emits events exactly as a `serve --mock` worker does.
 The network is instant: a decision, a step's KV events and a request's end reach the router when
 they happen (``--event-delay-s`` delays the events); load reports come every 0.5 s as the
 frontend's poll does.
@@ -38,8 +39,9 @@ import numpy as np
 from kvstore.events import KvEventBatch
 from perf.profile import DEFAULT_KV_TOKENS, StepTiming
 from router import Router, RouterConfig, WorkerRole
+from runtime.config import EngineConfig
 from sim.oracle import PooledCacheOracle
-from sim.route.worker import Seq, SimRequest, SimWorker
+from sim.route.worker import Seq, SimRequest, SimWorker, sim_model_config
 
 _ARRIVAL, _STEP_END, _REPORT, _EVENTS = range(4)
 
@@ -56,6 +58,13 @@ class SimConfig:
     report_interval_s: float = 0.5
     event_delay_s: float = 0.0
     attribute: bool = True          # miss attribution (one extra index lookup per decision)
+    vocab_size: int = 4096          # the mock's output tokens are drawn below this
+
+    def engine_config(self) -> EngineConfig:
+        """Each simulated worker's engine: a mock worker's (`serve --mock`, async scheduling)."""
+        return EngineConfig(model="", block_size=self.block_size, num_blocks=self.num_blocks,
+                            max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+                            max_num_batched_tokens=self.max_num_batched_tokens, mock=True, device="cpu")
 
 
 @dataclass(slots=True)
@@ -100,13 +109,16 @@ class RouterClock:
 
 class Simulation:
     def __init__(self, cfg: SimConfig, router_config: RouterConfig, requests: Sequence[SimRequest],
-                 timing: StepTiming, seed: int = 0) -> None:
+                 timing: StepTiming, seed: int = 0, prompt_of=None) -> None:
+        """`prompt_of(req)` builds a request's token ids at its arrival where `req.prompt` is None
+        (so a long trace's prompts are in memory only while they run)."""
+        self.prompt_of = prompt_of
         self.cfg = cfg
         self.timing = timing
         self.now = 0.0
         self.router = Router(router_config, cfg.block_size, seed=seed, clock=lambda: self.now)
-        self.workers = {f"w{i}": SimWorker(f"w{i}", cfg.num_blocks, cfg.block_size, timing,
-                                           cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        engine_cfg, model_cfg = cfg.engine_config(), sim_model_config(cfg.vocab_size)
+        self.workers = {f"w{i}": SimWorker(f"w{i}", engine_cfg, timing, model_cfg, lambda: self.now)
                         for i in range(cfg.workers)}
         for wid in self.workers:
             self.router.add_worker(wid, WorkerRole.DECODE)
@@ -138,7 +150,7 @@ class Simulation:
                 pending -= 1
                 self._arrive(payload)
             elif kind == _STEP_END:
-                self._end_step(payload)
+                self._step(payload)
             elif kind == _EVENTS:
                 self._deliver(payload)
             else:
@@ -169,14 +181,13 @@ class Simulation:
                 oracle_tokens, min(best * bs, oracle_tokens), min(held.get(d.worker_id, 0) * bs, oracle_tokens),
                 nxt in self._ever_stored)
         worker = self.workers[d.worker_id]
-        self._seqs.append(worker.add(req))
+        self._seqs.append(worker.add(req, req.prompt if req.prompt is not None else self.prompt_of(req)))
         if not worker.busy:
-            self._start_step(worker)
+            self._step(worker)
 
-    def _start_step(self, worker: SimWorker) -> None:
-        step_s = worker.start_step()
-        self._push(self.now + step_s, _STEP_END, worker)
-        events = worker.pool.take_events()
+    def _step(self, worker: SimWorker) -> None:
+        """The worker's engine steps at `now`: the step that ended is collected, the next launched."""
+        first, done, events = worker.step(self.now)
         if events:
             wid = worker.worker_id
             batch = KvEventBatch(wid, self._next_seq[wid], events)
@@ -185,9 +196,6 @@ class Simulation:
                 self._push(self.now + self.cfg.event_delay_s, _EVENTS, batch)
             else:
                 self._deliver(batch)
-
-    def _end_step(self, worker: SimWorker) -> None:
-        first, done = worker.end_step(self.now)
         for seq in first:
             self.router.first_token(seq.req.request_id)
             self._account(seq)
@@ -195,8 +203,8 @@ class Simulation:
             t0 = time.perf_counter()
             self.router.finished(seq.req.request_id)
             self.clock.finish_s += time.perf_counter() - t0
-        if worker.has_work:
-            self._start_step(worker)
+        if worker.ready_at_s is not None:
+            self._push(worker.ready_at_s, _STEP_END, worker)
 
     def _deliver(self, batch: KvEventBatch) -> None:
         if self.cfg.attribute:

@@ -14,14 +14,15 @@ from typing import Sequence
 from kvstore.hashing import block_hashes
 from perf.profile import DEFAULT_KV_TOKENS, load_timing
 from router import RouterConfig, RoutingPolicy
-from sim.route.simulator import SimConfig, Simulation, offered_prefill_util
-from sim.route.worker import SimRequest
 from splitserve.bench.clients import RequestSpec
 
 
-def requests_from_specs(specs: Sequence[RequestSpec], block_size: int) -> list[SimRequest]:
-    """The bench's request specs as simulated requests: prompts built and hashed as the frontend
-    hashes them, so the simulator sees exactly the prefix sharing a replay sends."""
+def requests_from_specs(specs: Sequence[RequestSpec], block_size: int) -> list:
+    """The bench's request specs as simulated requests (sim.route.worker.SimRequest): prompts built
+    and hashed as the frontend hashes them, so the simulator sees exactly the prefix sharing a replay
+    sends. The prompts themselves are built again at arrival (Simulation's prompt_of)."""
+    from sim.route.worker import SimRequest
+
     out = []
     for i, s in enumerate(specs):
         prompt = s.make_prompt()
@@ -73,6 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import sys
 
+    from sim.route.simulator import SimConfig, Simulation, offered_prefill_util
     from splitserve.bench import replay
     from splitserve.bench.serve import emit, git_sha
     from splitserve.bench.workloads import BenchInputError
@@ -111,7 +113,8 @@ def main(args: argparse.Namespace) -> int:
         fields, _ = VARIANTS[name]
         router_cfg = RouterConfig(**fields, timing=timing, chunk_tokens=cfg.max_num_batched_tokens,
                                   lower_tier_weight=args.lower_tier_weight)
-        sim = Simulation(cfg, router_cfg, requests, timing, seed=args.seed)
+        sim = Simulation(cfg, router_cfg, requests, timing, seed=args.seed,
+                         prompt_of=lambda r: specs[r.index].make_prompt())
         records.append(header | {"policy": name, **sim.run(), "max_rss_mib": round(max_rss_mib())})
         emit(records[-1], args.output)
     if len(records) > 1:

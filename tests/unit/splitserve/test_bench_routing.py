@@ -13,6 +13,8 @@ from router import RouterConfig, RoutingPolicy
 from perf.profile import CurveTiming
 from splitserve.bench import replay, routesim
 from sim.oracle import OracleTier, PooledCacheOracle
+from sim.route.simulator import SimConfig, Simulation
+from sim.route.worker import SimRequest
 from splitserve.bench.workloads import BenchInputError
 from splitserve.bench.sessions import AzureRow, session_specs
 
@@ -137,12 +139,12 @@ def test_simulated_kv_routing_reuses_what_round_robin_cannot():
     reqs = []
     for i in range(160):
         p = np.concatenate([system[int(rng.integers(8))], rng.integers(0, 1000, 128)])
-        reqs.append(routesim.SimRequest(i, i * 0.01, len(p), 4, block_hashes(p, 16)))
-    cfg = routesim.SimConfig(workers=4, num_blocks=100)   # a worker holds 2 or 3 of them, the fleet all
+        reqs.append(SimRequest(i, i * 0.01, len(p), 4, block_hashes(p, 16), prompt=p))
+    cfg = SimConfig(workers=4, num_blocks=100)   # a worker holds 2 or 3 of them, the fleet all
     out = {}
     for name in ("kv", "round_robin"):
         fields, _ = routesim.VARIANTS[name]
-        sim = routesim.Simulation(cfg, RouterConfig(**fields), reqs, CurveTiming())
+        sim = Simulation(cfg, RouterConfig(**fields), reqs, CurveTiming())
         out[name] = sim.run()
         assert out[name]["unfinished"] == 0 and out[name]["errors"] == 0
         assert out[name]["oracle_hit_rate"] == pytest.approx(out["kv"]["oracle_hit_rate"])
