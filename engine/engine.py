@@ -127,7 +127,7 @@ class Engine:
 
     def release_held(self, request_id: str) -> None:
         """Prefill side: unpin a finished hold_blocks request's blocks."""
-        self.scheduler.release_held(request_id)
+        self.scheduler.remote.release_held(request_id)
 
     def step(self) -> StepResult:
         """Run one step if there is work (schedule → launch → commit → update), and collect what the
@@ -135,7 +135,7 @@ class Engine:
         if self.tier_io is not None:
             return self._tier_step()
         return StepResult(self._run_step() if self.has_work else [], self.pool.take_events(),
-                          self.scheduler.take_reservations())
+                          self.scheduler.remote.take_reservations())
 
     def _tier_step(self) -> StepResult:
         io, sched = self.tier_io, self.scheduler
@@ -147,7 +147,8 @@ class Engine:
             outputs = self._run_step()
         else:
             self.tiers.poll()                   # idle: finish disk write-backs
-        return StepResult(outputs, self.pool.take_events() + self.tiers.take_events(), sched.take_reservations())
+        return StepResult(outputs, self.pool.take_events() + self.tiers.take_events(),
+                          sched.remote.take_reservations())
 
     def _measure_prefill(self, plan: StepPlan, seconds: float, end: float) -> None:
         """The prefill-speed meter (for the KV tiers' load-or-recompute choice and a prefill
@@ -155,7 +156,7 @@ class Engine:
         worker's scheduler charges that time to the prompts in the step."""
         if self.scheduler.track_prefill_time:
             self.scheduler.charge_prefill(plan, seconds, end)
-        if (self.tier_io is not None or self.scheduler.prefill_deadline_s is not None) and plan.rows:
+        if (self.tier_io is not None or self.scheduler.order.deadline_s is not None) and plan.rows:
             if self._prefill_meter is None:      # the deadline order's pace, without KV tiers
                 from engine.kv_tiers import PrefillMeter
                 self._prefill_meter = PrefillMeter(self.scheduler.prefill_speed.tokens_per_s)
@@ -224,9 +225,9 @@ class Engine:
         io = self.tier_io
         return EngineStats(self.pool.num_blocks, self.pool.num_free, len(s.running), len(s.waiting),
                            s.num_preemptions, s.num_prompt_tokens, s.num_prefix_hit_tokens, to_prefill,
-                           len(s.awaiting_kv), len(s.held), s.num_gpu_hit_blocks,
+                           len(s.remote.awaiting_kv), len(s.remote.held), s.num_gpu_hit_blocks,
                            io.tiers.stats() if io is not None else None, io.copy_errors if io is not None else 0,
-                           len(s.onboarding), s.num_deadline_deferred)
+                           len(s.onboarding.waiting) if s.onboarding is not None else 0, s.order.num_deferred)
 
     @property
     def has_work(self) -> bool:
@@ -236,7 +237,7 @@ class Engine:
         """Stop the KV tiers' disk thread and close their files (the index stays for a restart)."""
         if self.tier_io is not None:
             self.tiers.close()
-            self.tier_io = self.scheduler.tiers = None
+            self.tier_io = self.scheduler.onboarding = None
 
 
 def _logprobs(launched) -> dict | None:
@@ -357,7 +358,7 @@ class EngineLoop:
                 result = eng.step()
             except Exception:
                 log.exception("engine step failed; failing the running requests")
-                result = StepResult(self._fail_all(), eng.pool.take_events(), eng.scheduler.take_reservations())
+                result = StepResult(self._fail_all(), eng.pool.take_events(), eng.scheduler.remote.take_reservations())
             if result.outputs:
                 self._on_outputs(result.outputs)
             if result.reservations and self._on_reservations:
