@@ -28,6 +28,7 @@ from kvstore.events import KvEvent
 from engine.commands import (Abort, AddRequest, Command, KvArrived, KvFailed, ReleaseHeld, RunOnEngine, Wake)
 from engine.plan import StepPlan
 from engine.request import Request
+from engine.runner import Runner
 from engine.scheduler import Scheduler
 from runtime.config import EngineConfig
 from runtime.types import EngineRequest, FinishReason, KvReservation, RequestOutput, TokenLogprobs
@@ -65,7 +66,7 @@ class StepResult:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, runner=None) -> None:
+    def __init__(self, cfg: EngineConfig, runner: Runner | None = None) -> None:
         self.cfg = cfg
         self.runner = runner or (_mock_runner(cfg) if cfg.mock else _model_runner(cfg))
         self.max_model_len = min(self.runner.max_model_len, self.runner.num_blocks * cfg.block_size)
@@ -74,8 +75,8 @@ class Engine:
                                    cfg.max_num_batched_tokens, self.runner.model_config.eos_token_ids)
         overlap = cfg.async_scheduling
         if overlap is None:          # on where a device runs steps beside the host (or the mock models one)
-            overlap = self.runner.device.type == "cuda" or cfg.mock
-        self.async_scheduling = bool(overlap) and hasattr(self.runner, "launch")
+            overlap = self.runner.steps_beside_host
+        self.async_scheduling = bool(overlap)
         self._in_flight: tuple[StepPlan, object, float] | None = None   # launched (at), not yet updated
         self._step_done_at = 0.0                # when the last launched step's result came in
         self.tier_io = None          # KV tiers below G1 (engine/kv_tiers.py); None: off
@@ -93,7 +94,7 @@ class Engine:
             # the one already here keeps running; the second copy is refused (its caller sees why)
             return RequestOutput(request.request_id, [], FinishReason.ERROR, 0, request.session,
                                  error=f"request {request.request_id} is already running on this worker")
-        if spec.sampling.n > 1 or (spec.sampling.grammar is not None and not hasattr(self.runner, "check_grammar")):
+        if spec.sampling.n > 1 or (spec.sampling.grammar is not None and not self.runner.supports_grammar):
             # in the interface (runtime/types.py), not yet in this engine: refused, never ignored
             what = "n > 1" if spec.sampling.n > 1 else "structured output (grammar)"
             return RequestOutput(request.request_id, [], FinishReason.ERROR, 0, request.session,
@@ -179,7 +180,7 @@ class Engine:
             t0 = time.perf_counter()
             try:
                 sampled = self.runner.execute(plan)
-                logprobs = getattr(self.runner, "last_logprobs", None)
+                logprobs = self.runner.last_logprobs
             except BaseException:
                 sched.abandon(plan)
                 raise
@@ -204,7 +205,7 @@ class Engine:
             done = time.perf_counter()
             self._measure_prefill(prev[0], done - max(prev[2], self._step_done_at), done)
             self._step_done_at = done
-            return sched.update(prev[0], sampled, _logprobs(prev[1]))
+            return sched.update(prev[0], sampled, prev[1].logprobs())
         except BaseException:
             self._abandon(prev, launched_plan)
             raise
@@ -240,18 +241,12 @@ class Engine:
             self.tier_io = self.scheduler.onboarding = None
 
 
-def _logprobs(launched) -> dict | None:
-    """A launched step's logprobs (after its result), where the runner computes them."""
-    get = getattr(launched, "logprobs", None)
-    return get() if get is not None else None
-
-
-def _mock_runner(cfg: EngineConfig):
+def _mock_runner(cfg: EngineConfig) -> Runner:
     from engine.mock_runner import MockModelRunner
     return MockModelRunner(cfg)
 
 
-def _model_runner(cfg: EngineConfig):
+def _model_runner(cfg: EngineConfig) -> Runner:
     t0 = time.perf_counter()
     from engine.model_runner import ModelRunner
     imported_s = time.perf_counter() - t0

@@ -292,7 +292,7 @@ def _choose_mover(cfg: EngineConfig, runner, tiers: TierManager):
     blocks = list(range(len(slots)))      # no request holds a block yet
     kinds = ("torch", "nixl") if cfg.kv_host_copy == "auto" else (cfg.kv_host_copy,)
     try:
-        mover, seen = choose(runner.kv_cache, tiers.host, blocks, slots, kinds, getattr(runner, "layer_events", None))
+        mover, seen = choose(runner.kv_cache, tiers.host, blocks, slots, kinds, runner.layer_events)
     finally:
         tiers.host.slots.abort(slots)
     nbytes = len(slots) * tiers.fmt.block_bytes
