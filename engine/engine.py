@@ -28,7 +28,7 @@ from kvstore.events import KvEvent
 from engine.commands import (Abort, AddRequest, Command, KvArrived, KvFailed, ReleaseHeld, RunOnEngine, Wake)
 from engine.plan import StepPlan
 from engine.request import Request
-from engine.runner import Runner
+from engine.runner import Launched, Runner
 from engine.scheduler import Scheduler
 from runtime.config import EngineConfig
 from runtime.types import EngineRequest, FinishReason, KvReservation, RequestOutput, TokenLogprobs
@@ -77,7 +77,7 @@ class Engine:
         if overlap is None:          # on where a device runs steps beside the host (or the mock models one)
             overlap = self.runner.steps_beside_host
         self.async_scheduling = bool(overlap)
-        self._in_flight: tuple[StepPlan, object, float] | None = None   # launched (at), not yet updated
+        self._in_flight: tuple[StepPlan, Launched, float] | None = None   # launched (at), not yet updated
         self._step_done_at = 0.0                # when the last launched step's result came in
         self.tier_io = None          # KV tiers below G1 (engine/kv_tiers.py); None: off
         self._prefill_meter = None   # measured prefill speed, for the tiers and the deadline order
