@@ -28,6 +28,7 @@ from kvstore.events import KvEvent
 from engine.commands import (Abort, AddRequest, Command, KvArrived, KvFailed, ReleaseHeld, RunOnEngine, Wake)
 from engine.plan import StepPlan
 from engine.request import Request
+from engine.runner import Launched, Runner
 from engine.scheduler import Scheduler
 from runtime.config import EngineConfig
 from runtime.types import EngineRequest, FinishReason, KvReservation, RequestOutput, TokenLogprobs
@@ -65,7 +66,7 @@ class StepResult:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, runner=None) -> None:
+    def __init__(self, cfg: EngineConfig, runner: Runner | None = None) -> None:
         self.cfg = cfg
         self.runner = runner or (_mock_runner(cfg) if cfg.mock else _model_runner(cfg))
         self.max_model_len = min(self.runner.max_model_len, self.runner.num_blocks * cfg.block_size)
@@ -74,9 +75,9 @@ class Engine:
                                    cfg.max_num_batched_tokens, self.runner.model_config.eos_token_ids)
         overlap = cfg.async_scheduling
         if overlap is None:          # on where a device runs steps beside the host (or the mock models one)
-            overlap = cfg.mock or self.runner.device.type == "cuda"
-        self.async_scheduling = bool(overlap) and hasattr(self.runner, "launch")
-        self._in_flight: tuple[StepPlan, object, float] | None = None   # launched (at), not yet updated
+            overlap = self.runner.steps_beside_host
+        self.async_scheduling = bool(overlap)
+        self._in_flight: tuple[StepPlan, Launched, float] | None = None   # launched (at), not yet updated
         self._step_done_at = 0.0                # when the last launched step's result came in
         self.tier_io = None          # KV tiers below G1 (engine/kv_tiers.py); None: off
         self._prefill_meter = None   # measured prefill speed, for the tiers and the deadline order
@@ -93,7 +94,7 @@ class Engine:
             # the one already here keeps running; the second copy is refused (its caller sees why)
             return RequestOutput(request.request_id, [], FinishReason.ERROR, 0, request.session,
                                  error=f"request {request.request_id} is already running on this worker")
-        if spec.sampling.n > 1 or (spec.sampling.grammar is not None and not hasattr(self.runner, "check_grammar")):
+        if spec.sampling.n > 1 or (spec.sampling.grammar is not None and not self.runner.supports_grammar):
             # in the interface (runtime/types.py), not yet in this engine: refused, never ignored
             what = "n > 1" if spec.sampling.n > 1 else "structured output (grammar)"
             return RequestOutput(request.request_id, [], FinishReason.ERROR, 0, request.session,
@@ -127,7 +128,7 @@ class Engine:
 
     def release_held(self, request_id: str) -> None:
         """Prefill side: unpin a finished hold_blocks request's blocks."""
-        self.scheduler.release_held(request_id)
+        self.scheduler.remote.release_held(request_id)
 
     def step(self) -> StepResult:
         """Run one step if there is work (schedule → launch → commit → update), and collect what the
@@ -135,7 +136,7 @@ class Engine:
         if self.tier_io is not None:
             return self._tier_step()
         return StepResult(self._run_step() if self.has_work else [], self.pool.take_events(),
-                          self.scheduler.take_reservations())
+                          self.scheduler.remote.take_reservations())
 
     def _tier_step(self) -> StepResult:
         io, sched = self.tier_io, self.scheduler
@@ -147,7 +148,8 @@ class Engine:
             outputs = self._run_step()
         else:
             self.tiers.poll()                   # idle: finish disk write-backs
-        return StepResult(outputs, self.pool.take_events() + self.tiers.take_events(), sched.take_reservations())
+        return StepResult(outputs, self.pool.take_events() + self.tiers.take_events(),
+                          sched.remote.take_reservations())
 
     def _measure_prefill(self, plan: StepPlan, seconds: float, end: float) -> None:
         """The prefill-speed meter (for the KV tiers' load-or-recompute choice and a prefill
@@ -155,7 +157,7 @@ class Engine:
         worker's scheduler charges that time to the prompts in the step."""
         if self.scheduler.track_prefill_time:
             self.scheduler.charge_prefill(plan, seconds, end)
-        if (self.tier_io is not None or self.scheduler.prefill_deadline_s is not None) and plan.rows:
+        if (self.tier_io is not None or self.scheduler.order.deadline_s is not None) and plan.rows:
             if self._prefill_meter is None:      # the deadline order's pace, without KV tiers
                 from engine.kv_tiers import PrefillMeter
                 self._prefill_meter = PrefillMeter(self.scheduler.prefill_speed.tokens_per_s)
@@ -178,7 +180,7 @@ class Engine:
             t0 = time.perf_counter()
             try:
                 sampled = self.runner.execute(plan)
-                logprobs = getattr(self.runner, "last_logprobs", None)
+                logprobs = self.runner.last_logprobs
             except BaseException:
                 sched.abandon(plan)
                 raise
@@ -203,7 +205,7 @@ class Engine:
             done = time.perf_counter()
             self._measure_prefill(prev[0], done - max(prev[2], self._step_done_at), done)
             self._step_done_at = done
-            return sched.update(prev[0], sampled, _logprobs(prev[1]))
+            return sched.update(prev[0], sampled, prev[1].logprobs())
         except BaseException:
             self._abandon(prev, launched_plan)
             raise
@@ -224,9 +226,9 @@ class Engine:
         io = self.tier_io
         return EngineStats(self.pool.num_blocks, self.pool.num_free, len(s.running), len(s.waiting),
                            s.num_preemptions, s.num_prompt_tokens, s.num_prefix_hit_tokens, to_prefill,
-                           len(s.awaiting_kv), len(s.held), s.num_gpu_hit_blocks,
+                           len(s.remote.awaiting_kv), len(s.remote.held), s.num_gpu_hit_blocks,
                            io.tiers.stats() if io is not None else None, io.copy_errors if io is not None else 0,
-                           len(s.onboarding), s.num_deadline_deferred)
+                           len(s.onboarding.waiting) if s.onboarding is not None else 0, s.order.num_deferred)
 
     @property
     def has_work(self) -> bool:
@@ -236,21 +238,15 @@ class Engine:
         """Stop the KV tiers' disk thread and close their files (the index stays for a restart)."""
         if self.tier_io is not None:
             self.tiers.close()
-            self.tier_io = self.scheduler.tiers = None
+            self.tier_io = self.scheduler.onboarding = None
 
 
-def _logprobs(launched) -> dict | None:
-    """A launched step's logprobs (after its result), where the runner computes them."""
-    get = getattr(launched, "logprobs", None)
-    return get() if get is not None else None
-
-
-def _mock_runner(cfg: EngineConfig):
+def _mock_runner(cfg: EngineConfig) -> Runner:
     from engine.mock_runner import MockModelRunner
     return MockModelRunner(cfg)
 
 
-def _model_runner(cfg: EngineConfig):
+def _model_runner(cfg: EngineConfig) -> Runner:
     t0 = time.perf_counter()
     from engine.model_runner import ModelRunner
     imported_s = time.perf_counter() - t0
@@ -357,7 +353,7 @@ class EngineLoop:
                 result = eng.step()
             except Exception:
                 log.exception("engine step failed; failing the running requests")
-                result = StepResult(self._fail_all(), eng.pool.take_events(), eng.scheduler.take_reservations())
+                result = StepResult(self._fail_all(), eng.pool.take_events(), eng.scheduler.remote.take_reservations())
             if result.outputs:
                 self._on_outputs(result.outputs)
             if result.reservations and self._on_reservations:

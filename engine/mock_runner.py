@@ -11,7 +11,8 @@ router and the frontend, like a cluster of GPUs serving an 8B model, on a machin
 Tokens are a pure function of (request id, position): deterministic, below the vocabulary, never an
 EOS or one of the request's stop tokens, so every request generates exactly `max_tokens`.
 
-It knows nothing of gRPC, Redis or the router.
+It knows nothing of gRPC, Redis or the router, and imports no torch (it holds no tensors), so the
+simulators can drive the real scheduler with it.
 """
 
 from __future__ import annotations
@@ -23,14 +24,18 @@ import xxhash
 
 from runtime.model_config import ModelConfig
 from engine.plan import StepPlan
+from engine.runner import Launched, Runner
 from runtime.config import EngineConfig
 from perf.profile import DEFAULT_KV_TOKENS, DEFAULT_MAX_MODEL_LEN, StepTiming, load_timing
 
 log = logging.getLogger(__name__)
 
 
-class MockModelRunner:
-    """ModelRunner's interface (model_config, max_model_len, num_blocks, device, execute)."""
+class MockModelRunner(Runner):
+    """A `Runner` (engine/runner.py) with a modelled device: steps run beside the host (so async
+    scheduling is on by default, as on a GPU); no grammar, no logprobs, no KV cache to copy."""
+
+    steps_beside_host = True
 
     def __init__(self, cfg: EngineConfig, timing: StepTiming | None = None,
                  sleep=time.sleep, clock=time.perf_counter, model_config: ModelConfig | None = None) -> None:
@@ -47,13 +52,6 @@ class MockModelRunner:
         log.info("mock model runner (%s): %d KV blocks of %d tokens, max_model_len %d, vocab %d",
                  type(self.timing).__name__, self.num_blocks, cfg.block_size, self.max_model_len,
                  self.model_config.vocab_size)
-
-    @property
-    def device(self):
-        """The CPU, as a torch device (torch is imported only by callers that ask: the simulators
-        drive this runner without it)."""
-        import torch
-        return torch.device("cpu")
 
     @property
     def device_free_at_s(self) -> float:
@@ -89,7 +87,7 @@ class MockModelRunner:
         return t
 
 
-class MockLaunch:
+class MockLaunch(Launched):
     """A queued mock step: its tokens become readable when the modelled device finishes it."""
 
     __slots__ = ("_out", "_ready_at", "_sleep", "_clock")

@@ -35,6 +35,7 @@ from engine.attention.torch_backend import TorchAttention
 from engine.loader import load_model
 from runtime.model_config import ModelConfig
 from engine.plan import StepPlan
+from engine.runner import Launched, Runner
 from engine.sampler import Sampled, sample_on_device, sample_step
 from engine.sampling_state import PenaltySlots, build_processing
 from engine.step_inputs import HostStep, PendingInputs, build_host_step
@@ -113,13 +114,19 @@ def _flashinfer_available() -> bool:
         return False
 
 
-class ModelRunner:
+class ModelRunner(Runner):
+    """A `Runner` (engine/runner.py) over the model on a device: with grammars and logprobs; its
+    steps run beside the host on CUDA."""
+
+    supports_grammar = True
+
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
         self.startup_s: dict[str, float] = {}          # where start-up time went, by phase
         phase = _Phases(self.startup_s, cfg.device != "cpu" and torch.cuda.is_available())
         self.model_config = ModelConfig.from_dir(cfg.model)
         self.device = resolve_device(cfg.device)
+        self.steps_beside_host = self.device.type == "cuda"
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype)
         torch.manual_seed(cfg.seed)
@@ -376,7 +383,7 @@ class _Phases:
         self.t = now
 
 
-class LaunchedStep:
+class LaunchedStep(Launched):
     """A step queued on the device: `rows` maps each sampling request to its row of `tokens`.
     `lp`: (request ids, top-k each asked for, the step's `Sampled`) when some row wants logprobs.
     `deferred`: its sampling is not queued yet; `finish()` queues it (returns `tokens, lp`)."""

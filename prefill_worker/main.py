@@ -43,7 +43,7 @@ async def serve_prefill_worker(cfg: WorkerConfig) -> None:
     startup_s["nixl_agent"] = round(time.perf_counter() - t0, 3)
     engine.scheduler.track_prefill_time = True      # each prompt's wait and compute, for the planner
     if cfg.prefill_deadline_ms is not None:
-        engine.scheduler.prefill_deadline_s = cfg.prefill_deadline_ms / 1e3
+        engine.scheduler.order.deadline_s = cfg.prefill_deadline_ms / 1e3
     loop = EngineLoop(engine, service.on_outputs, on_events=host.events_sink)
     host.add_task(service.timings.publish(host.redis, cfg.redis.namespace), "prefill-timings")
     service.attach(loop, agent)
