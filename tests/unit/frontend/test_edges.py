@@ -75,6 +75,9 @@ class FailingGenerator:
     def check_prompt(self, prompt, max_tokens, default_max):
         return max_tokens or 4
 
+    def context_limit(self):
+        return 2048
+
     async def generate(self, inp):
         yield Delta([5], "hi")
         raise RuntimeError("the worker connection broke")
