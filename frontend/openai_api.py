@@ -23,6 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from frontend.generate import Delta, GenerateInput, generate_samples
+from frontend.http_errors import OffLoopJsonRoute
 from frontend.schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                               TokenizeChatRequest, TokenizeCompletionRequest, _Common)
 from frontend.state import FrontendState
@@ -39,7 +40,7 @@ MAX_BATCH_PROMPTS = 64
 
 
 def openai_routes(state: FrontendState) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(route_class=OffLoopJsonRoute)
 
     def check_model(model: str | None) -> None:
         if model is not None and model != state.model_name:
