@@ -1,11 +1,15 @@
 """One generation, from validated input to a stream of deltas: the part HTTP and gRPC share.
 
 `GenerateInput` is what both APIs reduce a request to (prompt token ids + sampling). `Generator`
-routes it to a worker, fans the worker's token deltas through an incremental detokenizer with stop
-strings, migrates the request to another worker if its worker dies or gives it back while draining
-(prompt + tokens so far: the client's stream just continues), and cancels it on the worker when the
-client goes away. On shutdown (`begin_shutdown`) new requests are refused with 503 while those in
-flight finish; `interrupt_all` ends the rest with an error the APIs send in-band.
+holds requests to the context limit (`context_limit`: the configured or the model's context, and
+what each ready decode worker's engine and KV cache hold for one sequence, as their discovery
+records say), routes a request to a worker, fans the worker's token deltas through an incremental
+detokenizer with stop strings, migrates the request to another worker if its worker dies or gives
+it back while draining (prompt + tokens so far: the client's stream just continues), and cancels it
+on the worker when the client goes away. A worker's refusal before the first token of a request
+with a grammar names the field the grammar came from. On shutdown (`begin_shutdown`) new requests
+are refused with 503 while those in flight finish; `interrupt_all` ends the rest with an error the
+APIs send in-band.
 """
 
 from __future__ import annotations

@@ -90,8 +90,7 @@ async def serve_frontend(cfg: FrontendConfig) -> None:
     generator.on_arrival, generator.on_done = latency.arrival, latency.done
     latency_task = asyncio.create_task(latency.run(), name="latency-publisher")
     state = FrontendState(generator=generator, tokenizer=tokenizer, metrics=metrics, model_name=model_name,
-                          max_model_len=max_model_len, api_key=ApiKey(cfg.api_key),
-                          max_body_bytes=cfg.max_body_bytes,
+                          api_key=ApiKey(cfg.api_key), max_body_bytes=cfg.max_body_bytes,
                           tokenize=TokenizerPool(tokenizer, cfg.tokenizer_threads, cfg.max_tokenize_queue),
                           extra_metrics=WorkerMetricsScraper(pool).scrape)
     grpc_server, grpc_port = await start_grpc_server(state, cfg.host, cfg.grpc_port)

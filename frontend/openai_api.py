@@ -6,7 +6,8 @@ reduced to `GenerateInput`s for the shared `Generator`; answers are OpenAI's JSO
 chunks. Tokenization runs on the tokenizer pool's threads, never on the event loop. The API key is
 checked before a body is read (frontend/http_api.py). Errors are raised as SplitserveError and
 shaped by frontend/http_errors.py; a stream that fails after its headers ends with an in-band
-error event, whatever the failure.
+error event, whatever the failure. A stream with a grammar sends its headers after its first token,
+when a worker has compiled the grammar, so that a bad schema is a 400 there too.
 """
 
 from __future__ import annotations

@@ -162,8 +162,11 @@ def test_a_bad_response_format_schema_is_a_400_naming_the_field(http, model_name
         err = error_of(http.post("/v1/chat/completions", json=chat(model_name, response_format=fmt, stream=stream)))
         assert err["param"] == "response_format.json_schema.schema", err
         assert_clean(err["message"])
-    err = error_of(http.post("/v1/completions", json=completion(model_name, response_format=fmt, stream=stream)))
-    assert err["param"] == "response_format.json_schema.schema", err
+    # a prompt long enough for the prefill worker (disaggregated) and a short one (the decode worker)
+    for prompt in ([5] * 300, "hello"):
+        err = error_of(http.post("/v1/completions", json=completion(model_name, prompt=prompt, response_format=fmt,
+                                                                     stream=stream)))
+        assert err["param"] == "response_format.json_schema.schema", err
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -119,7 +119,7 @@ class FailingGenerator:
 ])
 async def test_a_stream_failing_after_its_headers_ends_with_an_error_event(tok, path, body):
     state = FrontendState(generator=FailingGenerator(), tokenizer=tok, metrics=FrontendMetrics(),
-                          model_name="tiny", max_model_len=2048, api_key=ApiKey(None), max_body_bytes=1 << 20,
+                          model_name="tiny", api_key=ApiKey(None), max_body_bytes=1 << 20,
                           tokenize=TokenizerPool(tok, 1, 4))
     transport = httpx.ASGITransport(app=create_app(state))
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:

@@ -20,12 +20,12 @@ def test_tools_are_validated():
     tools = parse_tools([WEATHER, TIME])
     assert [t.name for t in tools] == ["get_weather", "get_time"]
     assert tools[1].parameters == {"type": "object", "properties": {}}
-    for bad, param in (([{"type": "retrieval"}], "tools[0]"),
-                       ([TIME, {"type": "function", "function": {"name": "bad name!"}}], "tools[1].function.name"),
-                       ([WEATHER, WEATHER], "tools"), ([{"type": "function", "function": {"name": "f", "x": 1}}], "tools[0]"),
-                       ([{"type": "function", "function": {"name": "f", "parameters": []}}],
-                        "tools[0].function.parameters"),
-                       ([{"type": "function", "function": {"name": "f", "strict": "yes"}}], "tools[0].function.strict")):
+    def fn(**f):
+        return {"type": "function", "function": {"name": "f", **f}}
+    for bad, param in (([{"type": "retrieval"}], "tools[0]"), ([TIME, fn(name="bad name!")], "tools[1].function.name"),
+                       ([WEATHER, WEATHER], "tools"), ([fn(x=1)], "tools[0]"),
+                       ([fn(parameters=[])], "tools[0].function.parameters"),
+                       ([fn(strict="yes")], "tools[0].function.strict")):
         with pytest.raises(InvalidRequest) as e:
             parse_tools(bad)
         assert e.value.param == param
