@@ -76,6 +76,8 @@ COMPLETION_ONLY = [("logprobs", "2"), ("logprobs", True), ("echo", "false"), ("e
                          [("/v1/chat/completions", f, v) for f, v in COERCIBLE + CHAT_ONLY])
 def test_no_coercion_into_numbers_or_bools(http, model_name, path, field, value):
     body = (completion if path == "/v1/completions" else chat)(model_name, **{field: value})
+    if field == "top_logprobs":
+        body["logprobs"] = True            # so that only the type is wrong
     err = error_of(http.post(path, json=body))
     assert err["param"] == field, err
     assert field in err["message"], err
