@@ -9,7 +9,7 @@ Rust code works, and the token count is checked against the limit before the ids
 list. The pool's queue is bounded: a full one refuses (429).
 
 A prompt far longer than the context is refused without being tokenized whole (a 4 MB one took
-seconds of CPU and ~60 MB of the tokenizer's memory, which the allocator kept): with a limit, a text
+seconds of CPU, and sixteen at once took the frontend from 113 to 1,667 MiB): with a limit, a text
 longer than `PREFIX_CHARS_PER_TOKEN` characters per allowed token is first tokenized in a prefix cut
 before a whitespace character, and if that prefix alone has more tokens than the limit (with
 `PREFIX_SLACK_TOKENS` to spare, for a cut that splits a word differently), the whole cannot fit.
