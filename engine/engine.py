@@ -65,11 +65,28 @@ class StepResult:
     reservations: list[KvReservation] = field(default_factory=list)  # remote prefills to start
 
 
+def context_limit(cfg: EngineConfig, runner) -> int:
+    """The longest sequence this engine runs: the runner's context (the model's, or a lower
+    configured one) and what the KV cache holds. A configured --max-model-len that ends up lower
+    is said once, with why."""
+    kv_tokens = runner.num_blocks * cfg.block_size
+    limit = min(runner.max_model_len, kv_tokens)
+    if cfg.max_model_len and limit < cfg.max_model_len:
+        why = []
+        if runner.max_model_len < cfg.max_model_len:
+            why.append(f"the model supports {runner.model_config.max_position_embeddings} positions "
+                       "(max_position_embeddings)")
+        if kv_tokens < cfg.max_model_len:
+            why.append(f"the KV cache holds {kv_tokens} tokens ({runner.num_blocks} blocks of {cfg.block_size})")
+        log.warning("--max-model-len %d lowered to %d: %s", cfg.max_model_len, limit, " and ".join(why))
+    return limit
+
+
 class Engine:
     def __init__(self, cfg: EngineConfig, runner: Runner | None = None) -> None:
         self.cfg = cfg
         self.runner = runner or (_mock_runner(cfg) if cfg.mock else _model_runner(cfg))
-        self.max_model_len = min(self.runner.max_model_len, self.runner.num_blocks * cfg.block_size)
+        self.max_model_len = context_limit(cfg, self.runner)
         self.pool = BlockPool(self.runner.num_blocks, enable_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, cfg.block_size, self.max_model_len, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, self.runner.model_config.eos_token_ids)

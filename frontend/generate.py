@@ -1,11 +1,15 @@
 """One generation, from validated input to a stream of deltas: the part HTTP and gRPC share.
 
 `GenerateInput` is what both APIs reduce a request to (prompt token ids + sampling). `Generator`
-routes it to a worker, fans the worker's token deltas through an incremental detokenizer with stop
-strings, migrates the request to another worker if its worker dies or gives it back while draining
-(prompt + tokens so far: the client's stream just continues), and cancels it on the worker when the
-client goes away. On shutdown (`begin_shutdown`) new requests are refused with 503 while those in
-flight finish; `interrupt_all` ends the rest with an error the APIs send in-band.
+holds requests to the context limit (`context_limit`: the configured or the model's context, and
+what each ready decode worker's engine and KV cache hold for one sequence, as their discovery
+records say), routes a request to a worker, fans the worker's token deltas through an incremental
+detokenizer with stop strings, migrates the request to another worker if its worker dies or gives
+it back while draining (prompt + tokens so far: the client's stream just continues), and cancels it
+on the worker when the client goes away. A worker's refusal before the first token of a request
+with a grammar names the field the grammar came from. On shutdown (`begin_shutdown`) new requests
+are refused with 503 while those in flight finish; `interrupt_all` ends the rest with an error the
+APIs send in-band.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class GenerateInput:
     stop: list[str] = field(default_factory=list)
     request_id: str = ""
     routing_key: str | None = None      # prompt_cache_key / user: the router's affinity hint
+    grammar_param: str | None = None    # the request field its grammar came from, named when it is refused
 
 
 @dataclass(slots=True)
@@ -98,6 +103,15 @@ async def generate_samples(generator: "Generator", inputs: list[GenerateInput],
             t.cancel()
 
 
+def _refused(inp: GenerateInput, error: str, started: bool) -> InvalidRequest:
+    """A worker's refusal of a request. Before its first token a refused request with a grammar
+    was refused for that grammar (it compiles at admission; the frontend checked the rest), so
+    the error names the field the grammar came from."""
+    error = error or "the worker rejected the request"
+    param = inp.grammar_param if inp.sampling.grammar is not None and not started else None
+    return InvalidRequest(f"{param}: {error}" if param else error, param)
+
+
 class Generator:
     def __init__(self, pool: WorkerPool, tokenizer: ModelTokenizer, metrics: FrontendMetrics,
                  max_model_len: int, wait_for_workers_s: float = 10.0,
@@ -122,6 +136,21 @@ class Generator:
         """End every request in flight with an error (the APIs tell their clients in-band)."""
         self.pool.interrupt_all(SHUTTING_DOWN)
 
+    def context_limit(self) -> int:
+        """The longest prompt + output a request may have: the least of the configured (or the
+        model's) context and what each ready decode-side worker holds for one sequence (its
+        engine's context and its whole KV cache), since any of them may get the request."""
+        return min([self.max_model_len, *self._kv_limits(), *self._engine_limits()])
+
+    def _kv_limits(self) -> list[int]:
+        return [c.info.num_blocks * c.info.block_size for c in self._decode_side()]
+
+    def _engine_limits(self) -> list[int]:
+        return [c.info.max_model_len for c in self._decode_side() if c.info.max_model_len]
+
+    def _decode_side(self) -> list:
+        return [c for c in self.pool.workers.values() if c.routable and c.info.role != "prefill"]
+
     def check_prompt(self, prompt: list[int], max_tokens: int | None, default_max_tokens: int | None) -> int:
         """Validate prompt length and max_tokens against the context; return the max_tokens to use."""
         n = len(prompt)
@@ -130,21 +159,21 @@ class Generator:
         vocab = self.tokenizer.vocab_size
         if any(t < 0 or t >= vocab for t in prompt):
             raise InvalidRequest(f"token ids must lie in [0, {vocab})", "prompt")
-        if n >= self.max_model_len:
-            raise InvalidRequest(f"This model's maximum context length is {self.max_model_len} tokens; "
-                                 f"the prompt has {n} tokens.", "prompt")
-        held = self.pool.sequence_capacity()
-        if held is not None and n >= held:      # what the engine would refuse in-band, said up front
-            raise InvalidRequest(f"The workers' KV cache holds at most {held} tokens of one sequence; "
-                                 f"the prompt has {n} tokens.", "prompt")
-        room = self.max_model_len - n
+        limit = self.context_limit()
+        if limit < min([self.max_model_len, *self._engine_limits()]):     # the KV cache is what limits
+            what = f"The workers' KV cache holds at most {limit} tokens of one request (prompt + output)"
+        else:
+            what = f"This model's maximum context length is {limit} tokens"
+        if n >= limit:
+            raise InvalidRequest(f"{what}; the prompt has {n} tokens.", "prompt")
+        room = limit - n
         if max_tokens is None:
             return min(default_max_tokens or room, room)
         if max_tokens <= 0:
             raise InvalidRequest("max_tokens must be at least 1", "max_tokens")
         if max_tokens > room:
-            raise InvalidRequest(f"This model's maximum context length is {self.max_model_len} tokens; "
-                                 f"the prompt has {n} tokens and max_tokens is {max_tokens}.", "max_tokens")
+            raise InvalidRequest(f"{what}; the prompt has {n} tokens and max_tokens is {max_tokens}.",
+                                 "max_tokens")
         return max_tokens
 
     def _remote_prefill(self, rid: str, hashes: list[int], inp: GenerateInput, overlap_blocks: int,
@@ -229,7 +258,7 @@ class Generator:
                     if delta.finish_reason == generation_pb2.FINISH_REASON_ERROR:
                         if delta.internal_error:
                             raise SplitserveError(f"the worker failed: {delta.error}")
-                        raise InvalidRequest(delta.error or "the worker rejected the request")
+                        raise _refused(inp, delta.error, bool(output))
                     now = time.perf_counter()
                     if not output and delta.token_ids:
                         m.ttft.observe(now - start)

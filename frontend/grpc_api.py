@@ -67,8 +67,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if len(req.request_id) > 256:
             raise InvalidRequest("request_id is longer than 256 characters")
         kind = req.WhichOneof("prompt")
+        limit = st.generator.context_limit()
         if kind == "text":
-            prompt = await st.tokenize.encode(req.text, st.max_model_len)
+            prompt = await st.tokenize.encode(req.text, limit)
         elif kind == "token_ids":
             prompt = list(req.token_ids.ids)
         elif kind == "chat":
@@ -77,8 +78,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             for m in req.chat.messages:
                 if m.role not in ("system", "user", "assistant"):
                     raise InvalidRequest(f"unknown chat role {m.role!r}")
-            prompt = await st.tokenize.encode_chat([ChatTurn(m.role, m.content) for m in req.chat.messages],
-                                                   st.max_model_len)
+            prompt = await st.tokenize.encode_chat([ChatTurn(m.role, m.content) for m in req.chat.messages], limit)
         else:
             raise InvalidRequest("one of text, token_ids or chat is required")
         s = req.sampling
@@ -117,9 +117,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             logit_bias=dict(s.logit_bias), logprobs=opt("logprobs"), grammar=grammar)
         rid = req.request_id or uuid.uuid4().hex
         stop = [x for x in s.stop if x]
+        where = "sampling.response_format.json_schema" if grammar and grammar.kind == GrammarKind.JSON_SCHEMA \
+            else "sampling.response_format"
         return [GenerateInput(prompt, sampling if sampling.seed is None or not i else
                               dataclasses.replace(sampling, seed=(sampling.seed + i) % 2 ** 63), stop,
-                              rid if n == 1 else f"{rid}-{i}") for i in range(n)], rid
+                              rid if n == 1 else f"{rid}-{i}", grammar_param=where) for i in range(n)], rid
 
     async def Generate(self, request, context):
         try:
@@ -146,7 +148,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except SplitserveError as e:
             await context.abort(e.grpc_code, e.message)
         return generation_pb2.ListModelsResponse(models=[generation_pb2.ModelInfo(
-            id=self.state.model_name, max_model_len=self.state.max_model_len, owned_by="splitserve")])
+            id=self.state.model_name, max_model_len=self.state.generator.context_limit(), owned_by="splitserve")])
 
 
 async def start_grpc_server(state: FrontendState, host: str, port: int) -> tuple[grpc.aio.Server, int]:

@@ -6,7 +6,8 @@ reduced to `GenerateInput`s for the shared `Generator`; answers are OpenAI's JSO
 chunks. Tokenization runs on the tokenizer pool's threads, never on the event loop. The API key is
 checked before a body is read (frontend/http_api.py). Errors are raised as SplitserveError and
 shaped by frontend/http_errors.py; a stream that fails after its headers ends with an in-band
-error event, whatever the failure.
+error event, whatever the failure. A stream with a grammar sends its headers after its first token,
+when a worker has compiled the grammar, so that a bad schema is a 400 there too.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from frontend.generate import Delta, GenerateInput, generate_samples
+from frontend.http_errors import OffLoopJsonRoute
 from frontend.schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                               TokenizeChatRequest, TokenizeCompletionRequest, _Common)
 from frontend.state import FrontendState
@@ -39,7 +41,7 @@ MAX_BATCH_PROMPTS = 64
 
 
 def openai_routes(state: FrontendState) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(route_class=OffLoopJsonRoute)
 
     def check_model(model: str | None) -> None:
         if model is not None and model != state.model_name:
@@ -52,21 +54,27 @@ def openai_routes(state: FrontendState) -> APIRouter:
         check_model(req.model)
         req.check_unsupported()
 
-    def make_inputs(req: _Common, prompt: list[int], default_max: int | None) -> list[GenerateInput]:
-        """The request's `n` samples of one prompt (a given seed s seeds sample i with s + i)."""
+    def make_inputs(req: _Common, prompt: list[int], default_max: int | None,
+                    forced: tuple[list[Tool], bool] | None = None) -> list[GenerateInput]:
+        """The request's `n` samples of one prompt (a given seed s seeds sample i with s + i).
+        `forced`: the tools a forced call may use, and whether it may make several calls."""
         max_tokens = state.generator.check_prompt(prompt, req.max_tokens if isinstance(req, CompletionRequest)
                                                   else req.requested_max_tokens, default_max)
         sampling = req.to_sampling(max_tokens, state.tokenizer.vocab_size)
+        grammar_param = req.response_format.grammar_param if req.response_format else None
+        if forced is not None:
+            sampling = forced_tool_sampling(sampling, *forced)
+            grammar_param = forced[0][0].parameters_param if len(forced[0]) == 1 else "tools"
         stop = req.stop_strings()
         key = req.routing_key()
         return [GenerateInput(prompt, sampling if sampling.seed is None or not i else
                               dataclasses.replace(sampling, seed=(sampling.seed + i) % 2 ** 63),
-                              stop, uuid.uuid4().hex, key) for i in range(req.n)]
+                              stop, uuid.uuid4().hex, key, grammar_param) for i in range(req.n)]
 
     @router.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         accept(req)
-        prompts = await _completion_prompts(req.prompt, state.tokenize, state.max_model_len)
+        prompts = await _completion_prompts(req.prompt, state.tokenize, state.generator.context_limit())
         inputs = [inp for p in prompts for inp in make_inputs(req, p, 16)]
         return await respond(request, req, inputs, chat=False)
 
@@ -79,9 +87,16 @@ def openai_routes(state: FrontendState) -> APIRouter:
             raise InvalidRequest("this model's chat template does not describe tools to the model, so it "
                                  "cannot choose to call one; use tool_choice \"required\" or a named "
                                  "function (enforced by a grammar)", "tool_choice")
-        prompt = await state.tokenize.encode_chat(_turns(req.messages), state.max_model_len,
+        forced = None
+        if mode in ("required", "named"):
+            if req.response_format is not None and req.response_format.type != "text":
+                raise InvalidRequest("a forced tool choice and response_format cannot be combined",
+                                     "response_format")
+            # a named function is one call of it (OpenAI's semantics), as is "required" without parallel calls
+            forced = allowed, mode == "required" and req.parallel_tool_calls is not False
+        prompt = await state.tokenize.encode_chat(_turns(req.messages), state.generator.context_limit(),
                                                   [t.as_openai() for t in tools] or None)
-        inputs = make_inputs(req, prompt, None)
+        inputs = make_inputs(req, prompt, None, forced)
         post = None
         if mode == "auto":
             single = req.parallel_tool_calls is False
@@ -89,12 +104,7 @@ def openai_routes(state: FrontendState) -> APIRouter:
             def post(text: str):
                 content, calls = parse_auto(text, tools)
                 return content, calls[:1] if single else calls
-        elif mode == "forced":
-            if req.response_format is not None and req.response_format.type != "text":
-                raise InvalidRequest("a forced tool choice and response_format cannot be combined",
-                                     "response_format")
-            for inp in inputs:
-                inp.sampling = forced_tool_sampling(inp.sampling, allowed, req.parallel_tool_calls is not False)
+        elif forced is not None:
             post = lambda text: (None, parse_forced(text))   # noqa: E731 (the output is only the calls)
         return await respond(request, req, inputs, chat=True, post=post)
 
@@ -102,7 +112,12 @@ def openai_routes(state: FrontendState) -> APIRouter:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         if req.stream:
-            return StreamingResponse(_sse(rid, created, req, inputs, chat, post), media_type="text/event-stream")
+            events = generate_samples(state.generator, inputs, req.n)
+            # a grammar compiles when a worker admits the request: wait for that (the first token)
+            # before the headers, so that a bad schema is the same 400 as without streaming
+            first = await _first(events) if any(inp.sampling.grammar for inp in inputs) else None
+            return StreamingResponse(_sse(rid, created, req, inputs, chat, _chain(first, events), post),
+                                     media_type="text/event-stream")
         task = asyncio.ensure_future(_collect_all(inputs, req.n))
         while not task.done():      # a client that hangs up stops its generation
             done, _ = await asyncio.wait({task}, timeout=0.5)
@@ -164,7 +179,7 @@ def openai_routes(state: FrontendState) -> APIRouter:
         return {"content": [{**entry(t, lp.logprob), "top_logprobs": [
             entry(tt, v) for tt, v in zip(lp.top_token_ids, lp.top_logprobs)]} for t, lp in zip(ids, lps)]}
 
-    async def _sse(rid, created, req: _Common, inputs, chat: bool, post=None) -> AsyncIterator[bytes]:
+    async def _sse(rid, created, req: _Common, inputs, chat: bool, events, post=None) -> AsyncIterator[bytes]:
         """With tool parsing (`post`) a choice's text is held back and sent, parsed, with its finish."""
         obj = "chat.completion.chunk" if chat else "text_completion"
         usage = _usage(0, 0, 0)
@@ -176,7 +191,7 @@ def openai_routes(state: FrontendState) -> APIRouter:
                                   "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                "finish_reason": None, "logprobs": None}]})
             offsets = [0] * len(inputs)
-            async for i, d in generate_samples(state.generator, inputs, req.n):
+            async for i, d in events:
                 reason = FINISH_TEXT.get(d.finish_reason)
                 logprobs = None
                 if inputs[i].sampling.logprobs is not None and d.token_ids:
@@ -223,7 +238,7 @@ def openai_routes(state: FrontendState) -> APIRouter:
 
     def model_card() -> dict:
         return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "splitserve",
-                "max_model_len": state.max_model_len}
+                "max_model_len": state.generator.context_limit()}
 
     @router.get("/v1/models")
     async def models():
@@ -242,8 +257,9 @@ def openai_routes(state: FrontendState) -> APIRouter:
             text = await state.tokenize.render_chat(_turns(req.messages), req.add_generation_prompt, tools)
         else:
             text = req.prompt
-        tokens = await state.tokenize.encode(text, state.max_model_len, req.add_special_tokens)
-        return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
+        limit = state.generator.context_limit()
+        tokens = await state.tokenize.encode(text, limit, req.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": limit, "tokens": tokens}
 
     @router.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
@@ -257,26 +273,52 @@ def openai_routes(state: FrontendState) -> APIRouter:
 
 
 def forced_tool_sampling(sampling: SamplingParams, tools: list[Tool], parallel: bool) -> SamplingParams:
-    """The sampling of a forced tool call: the output must be a JSON array of calls (a grammar)."""
+    """The sampling of a forced tool call: the output must be one call, or with `parallel` a JSON
+    array of calls (a grammar)."""
+    if sampling.ignore_eos:
+        raise InvalidRequest("ignore_eos cannot be combined with a forced tool choice (its grammar ends the "
+                             "output)", "ignore_eos")
     schema = json.dumps(required_calls_schema(tools, parallel), ensure_ascii=False)
     return dataclasses.replace(sampling, grammar=GrammarSpec(GrammarKind.JSON_SCHEMA, schema))
+
+
+async def _first(events: AsyncIterator):
+    """The first item of `events` (None if there is none); `events` is closed if that fails."""
+    try:
+        return await events.__anext__()
+    except StopAsyncIteration:
+        return None
+    except BaseException:
+        await events.aclose()
+        raise
+
+
+async def _chain(first, events: AsyncIterator) -> AsyncIterator:
+    """`first` (unless None), then the rest of `events`."""
+    try:
+        if first is not None:
+            yield first
+        async for item in events:
+            yield item
+    finally:
+        await events.aclose()
 
 
 def _turns(messages: list[ChatMessage]) -> list[ChatTurn]:
     turns = []
     for i, m in enumerate(messages):
         calls = []
-        for c in m.tool_calls or ():
+        for k, c in enumerate(m.tool_calls or ()):
             try:
                 args = json.loads(c.function.arguments)
             except ValueError:
-                raise InvalidRequest(f"messages[{i}].tool_calls: arguments must be JSON text",
-                                     "messages") from None
+                where = f"messages[{i}].tool_calls[{k}].function.arguments"
+                raise InvalidRequest(f"{where} must be JSON text", where) from None
             calls.append({"id": c.id, "name": c.function.name, "arguments": args})
         if m.role == "tool" and not m.tool_call_id:
-            raise InvalidRequest(f"messages[{i}]: a tool message needs tool_call_id", "messages")
-        turns.append(ChatTurn("system" if m.role == "developer" else m.role, m.text(), tuple(calls),
-                              m.tool_call_id))
+            raise InvalidRequest(f"messages[{i}]: a tool message needs tool_call_id", f"messages[{i}].tool_call_id")
+        role = "system" if m.role == "developer" else m.role
+        turns.append(ChatTurn(role, m.text(f"messages[{i}]"), tuple(calls), m.tool_call_id))
     return turns
 
 

@@ -1,21 +1,31 @@
 """OpenAI request bodies (pydantic), reduced to `GenerateInput` by `to_sampling`.
 
 These models are the FastAPI bodies of the routes, so the served OpenAPI schema describes every
-request (the fuzz tests generate from it). Every body is strict: an unknown field is a 400, every
-integer has its range, floats are finite, strings are valid Unicode (no lone surrogates, which
-JSON's `\\ud800` escapes can carry) and free-form JSON is at most `MAX_JSON_DEPTH` deep. A field
-that OpenAI or vLLM define but this server does not implement (best_of > 1, echo, suffix, message
-names) is declared, so that the 400 names it as unsupported instead of unknown; no field is
-accepted and then ignored.
+request (the fuzz tests generate from it). Every body is strict, and this is what is enforced:
+
+- an unknown field is a 400 naming it;
+- no value is coerced (pydantic's strict mode): a number field takes a JSON number only (an
+  integer field an integer: not `"10"`, `true` or `10.0`; a float field an integer or a float,
+  not `"0.5"` or `true`), and a boolean field takes `true` or `false` only (not `"yes"`, `"true"`
+  or `1`), in nested objects, lists and maps too (`stream_options.include_usage`,
+  `stop_token_ids`, `logit_bias` values);
+- every integer has its range, floats are finite, strings are valid Unicode (no lone surrogates,
+  which JSON's `\\ud800` escapes can carry) and free-form JSON is at most `MAX_JSON_DEPTH` deep;
+- `stream_options` needs `stream: true`;
+- a field that OpenAI or vLLM define but this server does not implement (best_of > 1, echo,
+  suffix, message names, image / audio / file content parts) is declared, so that the 400 names it
+  as unsupported instead of unknown.
+
+No field is accepted and then ignored.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from runtime.types import GrammarKind, GrammarSpec, SamplingParams
 from runtime.errors import InvalidRequest
@@ -58,7 +68,7 @@ def check_json_value(value: Any, where: str = "body") -> None:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class _Body(_Strict):
@@ -85,6 +95,11 @@ class JsonSchemaFormat(_Strict):
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+
+    @property
+    def grammar_param(self) -> str:
+        """The field a grammar that does not compile is blamed on."""
+        return "response_format.json_schema.schema" if self.type == "json_schema" else "response_format"
 
     def grammar(self) -> GrammarSpec | None:
         if self.type == "text":
@@ -146,6 +161,9 @@ def sampling_fields(max_tokens: int, vocab_size: int, *, temperature, top_p, top
         raise InvalidRequest("logit_bias names a token twice", "logit_bias")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
+    if grammar is not None and ignore_eos:
+        raise InvalidRequest("ignore_eos cannot be combined with response_format (its grammar ends the output)",
+                             "ignore_eos")
     return SamplingParams(temperature=t, top_p=top_p, top_k=min(max(top_k, 0), vocab_size),
                           max_tokens=max_tokens, seed=seed, stop_token_ids=stop_ids, ignore_eos=ignore_eos,
                           presence_penalty=presence_penalty or 0.0, frequency_penalty=frequency_penalty or 0.0,
@@ -167,9 +185,6 @@ class _Common(_Body):
     seed: int | None = Field(None, ge=0, lt=2 ** 63)
     ignore_eos: bool = False
     return_token_ids: bool = False
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    user: str | None = None
     prompt_cache_key: str | None = None
 
     def routing_key(self) -> str | None:
@@ -181,6 +196,7 @@ class _Common(_Body):
                 raise InvalidRequest(f"{name} must be at most {MAX_ROUTING_KEY_CHARS} characters", name)
         key = self.prompt_cache_key or self.user
         return f"key:{key}" if self.prompt_cache_key else (f"user:{key}" if key else None)
+
     user: str | None = Field(None, max_length=256, description="an end-user id; informational only")
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -203,6 +219,8 @@ class _Common(_Body):
     def check_unsupported(self) -> None:
         if self.best_of not in (None, 1):
             raise InvalidRequest("best_of is not supported (use n)", "best_of")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed with stream: true", "stream_options")
 
     def requested_logprobs(self) -> int | None:
         return None
@@ -237,6 +255,37 @@ class TextPart(_Strict):
     text: str
 
 
+class ImageUrlPart(_Strict):
+    """Declared so that it is refused as what it is: the served models take text only."""
+    type: Literal["image_url"]
+    image_url: dict[str, Any]
+
+
+class InputAudioPart(_Strict):
+    type: Literal["input_audio"]
+    input_audio: dict[str, Any]
+
+
+class FilePart(_Strict):
+    type: Literal["file"]
+    file: dict[str, Any]
+
+
+_PARTS = {"text": TextPart, "image_url": ImageUrlPart, "input_audio": InputAudioPart, "file": FilePart}
+NOT_TEXT = {"image_url": "images", "input_audio": "audio", "file": "files"}
+
+
+def _part_kind(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return _PARTS[kind].__name__ if isinstance(kind, str) and kind in _PARTS else None
+
+
+# tagged by class name, so that an error's path (frontend/http_errors.py) skips the tag
+ContentPart = Annotated[Union[tuple(Annotated[cls, Tag(cls.__name__)] for cls in _PARTS.values())],
+                        Discriminator(_part_kind, custom_error_type="content_part_type",
+                                      custom_error_message=f"a content part's type must be one of {list(_PARTS)}")]
+
+
 class FunctionCall(_Strict):
     name: str = Field(max_length=64)
     arguments: str                     # JSON text
@@ -251,16 +300,21 @@ class ToolCallIn(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = Field(None, max_length=256)
     tool_calls: list[ToolCallIn] | None = Field(None, max_length=128)
     tool_call_id: str | None = Field(None, max_length=256)
 
-    def text(self) -> str:
+    def text(self, where: str = "messages") -> str:
+        """The message's text; InvalidRequest naming `where`.content[j] for a part that is not text."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
+        for j, p in enumerate(self.content):
+            if not isinstance(p, TextPart):
+                raise InvalidRequest(f"this model takes no {NOT_TEXT[p.type]}: {where}.content[{j}] is of type "
+                                     f"{p.type!r}; send text parts only", f"{where}.content[{j}]")
         return "".join(p.text for p in self.content)
 
 

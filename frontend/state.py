@@ -19,8 +19,7 @@ class FrontendState:
     generator: Generator
     tokenizer: ModelTokenizer
     metrics: FrontendMetrics
-    model_name: str
-    max_model_len: int
+    model_name: str                          # the context limit is the generator's (`context_limit()`)
     api_key: ApiKey
     max_body_bytes: int
     tokenize: TokenizerPool                  # tokenizer work off the event loop (bounded queue)

@@ -5,8 +5,16 @@ template from tokenizer_config.json with a sandboxed jinja2 environment configur
 
 `TokenizerPool` runs the expensive part (encoding a prompt, rendering a template, decoding a long
 list) on a few threads, never on the event loop: `encode_batch_fast` releases the GIL while the
-Rust code works (a 4 MB prompt takes seconds), and the token count is checked against the limit
-before the ids become a Python list. The pool's queue is bounded: a full one refuses (429).
+Rust code works, and the token count is checked against the limit before the ids become a Python
+list. The pool's queue is bounded: a full one refuses (429).
+
+A prompt far longer than the context is refused without being tokenized whole (a 4 MB one took
+seconds of CPU, and sixteen at once took the frontend from 113 to 1,667 MiB): with a limit, a text
+longer than `PREFIX_CHARS_PER_TOKEN` characters per allowed token is first tokenized in a prefix cut
+before a whitespace character, and if that prefix alone has more tokens than the limit (with
+`PREFIX_SLACK_TOKENS` to spare, for a cut that splits a word differently), the whole cannot fit.
+Otherwise the prefix grows 4x until it has enough tokens or is the whole text, so the work is
+bounded by a few times what the context can hold, never by what the client sent.
 """
 
 from __future__ import annotations
@@ -26,6 +34,10 @@ from tokenizers.decoders import DecodeStream
 from runtime.errors import InvalidRequest, Overloaded
 
 T = TypeVar("T")
+
+PREFIX_CHARS_PER_TOKEN = 4     # the first prefix of a long text: this many characters per allowed token
+PREFIX_GROWTH = 4              # then this many times longer, while it is not enough
+PREFIX_SLACK_TOKENS = 8        # a cut prefix may have a few tokens more than its part of the whole
 
 
 def _raise(message: str):
@@ -74,20 +86,37 @@ class ModelTokenizer:
             env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
             self._template = env.from_string(template)
 
-    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
-        return self.encode_batch([text], add_special_tokens, max_tokens)[0]
+    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None,
+               param: str = "prompt") -> list[int]:
+        return self.encode_batch([text], add_special_tokens, max_tokens, param)[0]
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True,
-                     max_tokens: int | None = None) -> list[list[int]]:
-        """Token ids of each text; InvalidRequest for one of `max_tokens` tokens or more (checked before
-        the ids are copied out of Rust, so a huge prompt costs the event loop's thread nothing)."""
+                     max_tokens: int | None = None, param: str = "prompt") -> list[list[int]]:
+        """Token ids of each text; InvalidRequest (naming `param`) for one of `max_tokens` tokens or
+        more, found from a prefix for a text far too long (module docstring), else checked before
+        the ids are copied out of Rust."""
+        if max_tokens is not None:
+            for text in texts:
+                self._refuse_if_surely_longer(text, add_special_tokens, max_tokens, param)
         encodings = self._encode_batch(texts, add_special_tokens=add_special_tokens)
         if max_tokens is not None:
             for e in encodings:
                 if len(e) >= max_tokens:
                     raise InvalidRequest(f"This model's maximum context length is {max_tokens} tokens; the "
-                                         f"prompt has {len(e)} tokens.", "prompt")
+                                         f"prompt has {len(e)} tokens.", param)
         return [e.ids for e in encodings]
+
+    def _refuse_if_surely_longer(self, text: str, add_special_tokens: bool, max_tokens: int, param: str) -> None:
+        window = PREFIX_CHARS_PER_TOKEN * max_tokens
+        while len(text) > window:
+            cut = max(text.rfind(" ", window // 2, window), text.rfind("\n", window // 2, window))
+            prefix = text[:cut if cut > 0 else window]
+            least = len(self._encode_batch([prefix], add_special_tokens)[0]) - PREFIX_SLACK_TOKENS
+            if least >= max_tokens:
+                raise InvalidRequest(f"This model's maximum context length is {max_tokens} tokens; the "
+                                     f"prompt has more than {least} tokens (its first {len(prefix)} of "
+                                     f"{len(text)} characters have that many).", param)
+            window *= PREFIX_GROWTH
 
     def _encode_batch(self, texts: list[str], add_special_tokens: bool):
         # no offsets: 3-4x faster; both release the GIL while encoding
@@ -126,7 +155,7 @@ class ModelTokenizer:
                     tools: list[dict] | None = None) -> list[int]:
         # the template writes special tokens itself
         return self.encode(self.apply_chat_template(turns, tools=tools), add_special_tokens=False,
-                           max_tokens=max_tokens)
+                           max_tokens=max_tokens, param="messages")
 
 
 class TokenizerPool:

@@ -60,3 +60,8 @@ class Overloaded(SplitserveError):
     http_status = 429
     grpc_status = "RESOURCE_EXHAUSTED"
     error_type = "rate_limit_error"
+
+
+class UnsupportedMediaType(InvalidRequest):
+    """A request body of a content type the route does not read (it reads JSON)."""
+    http_status = 415

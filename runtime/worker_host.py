@@ -207,13 +207,14 @@ class WorkerHost:
         await self._lease.start()
         return info
 
-    async def start(self, num_blocks: int, stats: Callable[[], object]) -> WorkerInfo:
-        """The engine is loaded: publish the worker as ready (opening it first if `open` was not called)."""
+    async def start(self, num_blocks: int, stats: Callable[[], object], max_model_len: int = 0) -> WorkerInfo:
+        """The engine is loaded: publish the worker as ready (opening it first if `open` was not
+        called), with its KV blocks and its engine's context (frontends report and enforce both)."""
         if self._lease is None:
             await self.open()
         self._tasks += [asyncio.create_task(self._publish_events(), name="kv-event-publisher"),
                         asyncio.create_task(self._sample(stats), name="metrics-sampler")]
-        await self._set_state(WorkerState.READY, num_blocks=num_blocks)
+        await self._set_state(WorkerState.READY, num_blocks=num_blocks, max_model_len=max_model_len)
         return self._lease.info
 
     def add_task(self, coro, name: str) -> None:
@@ -247,7 +248,8 @@ class WorkerHost:
         for sig in (signal.SIGINT, signal.SIGTERM):
             aio.add_signal_handler(sig, self.request_drain, f"signal {signal.Signals(sig).name}")
         try:
-            info = await self.start(loop.engine.pool.num_blocks, lambda: loop.stats)
+            info = await self.start(loop.engine.pool.num_blocks, lambda: loop.stats,
+                                    loop.engine.runner.max_model_len)
             log.info("%s serving on %s (%d blocks)", describe, info.address, info.num_blocks)
             phases = {**(startup_s or {}), **getattr(loop.engine.runner, "startup_s", {}),
                       "process_start_to_ready": round(process_age_s(), 3)}

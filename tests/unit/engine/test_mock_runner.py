@@ -135,6 +135,18 @@ def test_the_engine_reads_what_the_runner_declares(model_dir):
     assert not eng.has_work
 
 
+def test_the_kv_cache_caps_the_context_and_a_lowered_setting_is_said_once(model_dir, caplog):
+    cfg = EngineConfig(model=model_dir, mock=True, num_blocks=2, max_model_len=999999)
+    with caplog.at_level("WARNING", logger="engine.engine"):
+        engine = Engine(cfg, runner=MockModelRunner(cfg))
+    assert engine.max_model_len == 2 * cfg.block_size
+    (line,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert line == "--max-model-len 999999 lowered to 32: the KV cache holds 32 tokens (2 blocks of 16)"
+    caplog.clear()
+    Engine(EngineConfig(model=model_dir, mock=True, num_blocks=2), runner=MockModelRunner(cfg))   # not configured
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
 def test_tokens_are_deterministic_below_vocab_and_never_eos(model_dir):
     r = MockModelRunner(EngineConfig(model=model_dir, mock=True))
     eos = set(r.model_config.eos_token_ids)
