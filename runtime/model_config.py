@@ -61,6 +61,17 @@ class ModelConfig:
         model_type = cfg.get("model_type", "")
         if model_type not in SUPPORTED:
             raise InvalidRequest(f"unsupported model_type {model_type!r}; supported: {sorted(SUPPORTED)}")
+        try:
+            quantization = parse_quantization_config(cfg.get("quantization_config"))
+        except InvalidRequest as e:
+            raise InvalidRequest(f"{model_dir}: {e.message}") from None
+        try:
+            return ModelConfig._from_json(cfg, model_dir, model_type, quantization)
+        except KeyError as e:
+            raise InvalidRequest(f"{path} lacks {e.args[0]!r}") from None
+
+    @staticmethod
+    def _from_json(cfg: dict, model_dir, model_type: str, quantization: WeightQuant | None) -> "ModelConfig":
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
@@ -72,10 +83,6 @@ class ModelConfig:
         if gen_path.is_file():
             eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        try:
-            quantization = parse_quantization_config(cfg.get("quantization_config"))
-        except InvalidRequest as e:
-            raise InvalidRequest(f"{model_dir}: {e.message}") from None
         return ModelConfig(
             model_type=model_type, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             num_layers=cfg["num_hidden_layers"], num_heads=heads,
