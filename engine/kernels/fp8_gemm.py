@@ -151,7 +151,7 @@ if triton is not None:
         """v (float32, one row) → q = v / s in e4m3 and s = amax / FP8_MAX."""
         scale = tl.maximum(tl.max(tl.abs(v), axis=0) / FP8_MAX, MIN_SCALE)
         q = tl.minimum(tl.maximum(v / scale, -FP8_MAX), FP8_MAX)
-        tl.store(q_ptr + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(q_ptr + cols, q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=ok)
         tl.store(s_ptr, scale)
 
     @triton.jit

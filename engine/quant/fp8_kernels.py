@@ -7,7 +7,8 @@ Candidates (engine/kernels/fp8_gemm.py for the Triton ones):
   registers), BLOCK_M 16, 64 or 128 by the row count;
 - `scaled_mm`: any rows, W8A8: x quantized per token (a Triton kernel, or fused with SiLU·mul for
   the down projection), then torch._scaled_mm with row-wise scales (x's per token, the weight's per
-  channel), i.e. cuBLASLt / CUTLASS FP8 tensor-core GEMMs.
+  channel), i.e. cuBLASLt / CUTLASS FP8 tensor-core GEMMs; `scaled_mm[fast_accum]` the same with
+  Hopper's faster FP8 accumulation (what vLLM runs).
 FlashInfer 0.7.2's FP8 GEMMs are not among them: on Hopper they take per-tensor scales (bmm_fp8) or
 128x128 blocks, not the per-channel weight scales and per-token activation scales used here.
 
@@ -64,9 +65,9 @@ def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / s).clamp(-fp8_gemm.FP8_MAX, fp8_gemm.FP8_MAX).to(torch.float8_e4m3fn), s
 
 
-def scaled_mm(q: torch.Tensor, s: torch.Tensor, layer, out_dtype: torch.dtype) -> torch.Tensor:
+def scaled_mm(q: torch.Tensor, s: torch.Tensor, layer, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     return torch._scaled_mm(q, layer.weight.t(), scale_a=s, scale_b=layer.weight_scale.view(1, -1),
-                            bias=layer.bias, out_dtype=out_dtype)
+                            bias=layer.bias, out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
 def candidates(k: int, n: int) -> list[Candidate]:
@@ -83,7 +84,9 @@ def candidates(k: int, n: int) -> list[Candidate]:
                                      lambda x, l, o, bn=bn, bk=bk, w=w, st=st: fp8_gemm.mma(
                                          x, l.weight, l.weight_scale, l.bias, o, _block_m(x.shape[0]), bn, bk, w, st)))
     if k % 16 == 0 and n % 16 == 0:
-        out.append(Candidate("scaled_mm", 1 << 62, True, lambda x, l, o: scaled_mm(*quant_rows(x), l, o)))
+        for fast in (False, True):
+            out.append(Candidate("scaled_mm" + "[fast_accum]" * fast, 1 << 62, True,
+                                 lambda x, l, o, fast=fast: scaled_mm(*quant_rows(x), l, o, fast)))
     return out
 
 
@@ -117,8 +120,9 @@ class Fp8Kernels:
             self.table[key] = (buckets, [self._choose(key, group, m) for m in buckets])
             picks = " ".join(f"{m}:{c.name}" for m, c in zip(buckets, self.table[key][1]))
             log.info("fp8 kernels for N=%d K=%d: %s", key[0], key[1], picks)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()         # the measurements' buffers: the KV cache is sized from free memory next
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()     # the measurements' buffers: the KV cache is sized from free memory next
         self.tune_s = time.perf_counter() - t0
         log.info("fp8 kernels chosen for %d shapes in %.1f s", len(by_shape), self.tune_s)
 
@@ -163,7 +167,8 @@ class Fp8Kernels:
         return self._pick(layer, rows).quantizes_input
 
     def run_quantized(self, layer, q: torch.Tensor, s: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        return scaled_mm(q, s, layer, out_dtype)
+        """layer(x) for x given quantized (q, s): the chosen W8A8 GEMM at this row count."""
+        return scaled_mm(q, s, layer, out_dtype, fast_accum="fast_accum" in self._pick(layer, q.shape[0]).name)
 
 
 def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -171,16 +176,23 @@ def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _time_us(fn, layers: list) -> float:
-    """Median µs per call of fn(layer) over `layers` in turn (after one untimed call: JIT, plans)."""
+    """Median µs per call of fn(layer) over `layers` in turn (after one untimed call: JIT, plans);
+    device time with CUDA events, wall time on the CPU (the tests' interpreted kernels)."""
     fn(layers[0])
-    torch.cuda.synchronize()
+    cuda = layers[0].weight.is_cuda
+    if cuda:
+        torch.cuda.synchronize()
     times = []
     for _ in range(REPEATS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+        t0 = time.perf_counter()
         for layer in layers:
             fn(layer)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(layers))
+        if cuda:
+            b.record()
+            b.synchronize()
+        elapsed_us = a.elapsed_time(b) * 1e3 if cuda else (time.perf_counter() - t0) * 1e6
+        times.append(elapsed_us / len(layers))
     return statistics.median(times)
