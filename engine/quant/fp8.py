@@ -116,7 +116,9 @@ class Fp8LinearMethod(LinearMethod):
     def fuses_silu_mul(self, layer: Linear, num_tokens: int) -> bool:
         """Whether `apply_silu_mul` is the faster way in: the layer's kernel at this size quantizes
         its input anyway, so SiLU·mul writes fp8 straight away."""
-        return not layer.dequantized and self.kernels is not None and self.kernels.quantizes_input(layer, num_tokens)
+        from engine.kernels import fp8_gemm
+        return (not layer.dequantized and self.kernels is not None and fp8_gemm.available()
+                and self.kernels.quantizes_input(layer, num_tokens))
 
     def apply_silu_mul(self, layer: Linear, gate_up: torch.Tensor) -> torch.Tensor:
         """layer(silu(gate) * up) for gate_up = [gate | up], (T, 2 in_features)."""

@@ -38,7 +38,7 @@ from engine.kernels import fp8_gemm
 
 log = logging.getLogger(__name__)
 
-GEMV_CONFIGS = ((4, 1024, 4), (8, 512, 4), (16, 512, 8))          # block_n, block_k, warps
+GEMV_CONFIGS = ((4, 1024, 4), (8, 512, 4), (8, 1024, 8), (16, 512, 8))   # block_n, block_k, warps
 MMA_CONFIGS = ((16, 256, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3))  # block_n, block_k, warps, stages
 MMA_MAX_ROWS = 512
 ROTATE_LAYERS = 32        # layers of one shape timed in turn (more bytes than L2 holds)
