@@ -488,11 +488,14 @@ def bench_fp8_gemm(emit, runner, common, copies=8) -> None:
     same shape as the bf16 engine runs it (F.linear, or the input-major mm for o|gate_up|down), over
     `copies` weight copies in turn (more bytes than L2 holds)."""
     methods = {id(m.method): m.method for m in runner.model.linears() if getattr(m.method, "kernels", None)}
+    mc = runner.model_config
+    E, I, Q = mc.hidden_size, mc.intermediate_size, mc.num_heads * mc.head_dim
+    input_major_shapes = {(E, Q), (2 * I, E), (E, I)} if runner.cfg.input_major_weights else set()
     for method in methods.values():
         for rec in method.kernels.records:
             n, k, rows = rec["n"], rec["k"], rec["rows"]
             ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
-            input_major = k != runner.model_config.hidden_size or n == runner.model_config.hidden_size
+            input_major = (n, k) in input_major_shapes
             if input_major:                                  # o_proj, gate|up, down: as use_input_major_weights
                 ws = [w.t().contiguous() for w in ws]
             x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
