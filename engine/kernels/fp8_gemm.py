@@ -53,18 +53,27 @@ def gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Te
 
 def mma(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
         out_dtype: torch.dtype, block_m: int, block_n: int, block_k: int, num_warps: int,
-        num_stages: int) -> torch.Tensor:
-    """(M, K) bf16/fp16 x (N, K) e4m3 → (M, N) out_dtype, on the tensor cores (K % block_k == 0)."""
+        num_stages: int, split_k: int = 1) -> torch.Tensor:
+    """(M, K) bf16/fp16 x (N, K) e4m3 → (M, N) out_dtype, on the tensor cores (K % (block_k ·
+    split_k) == 0). split_k > 1: each of split_k programs per tile reduces a slice of K into a
+    float32 partial, and one more kernel sums them (more programs for few output rows: the 8B's
+    o_proj and down have N = 4096, 64 tiles of 64 rows for 132 SMs)."""
     (m, k), n = x.shape, w.shape[0]
-    assert w.shape[1] == k and k % block_k == 0 and x.stride(1) == 1 and w.is_contiguous()
+    assert w.shape[1] == k and k % (block_k * split_k) == 0 and x.stride(1) == 1 and w.is_contiguous()
     y = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m == 0:
         return y
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    out = y if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split_k)
     _mma_kernel[grid](
-        x, w, w_scale, bias if bias is not None else w_scale, y, m, n, k, x.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, EVEN_N=n % block_n == 0,
+        x, w, w_scale, bias if bias is not None else w_scale, out, m, n, k // split_k, k, x.stride(0), n,
+        HAS_BIAS=bias is not None and split_k == 1, EVEN_N=n % block_n == 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    if split_k > 1:
+        block = min(triton.next_power_of_2(m * n), 1024)
+        _sum_partials_kernel[(triton.cdiv(m * n, block),)](
+            out, bias if bias is not None else out, y, m * n, n, SPLIT_K=split_k, HAS_BIAS=bias is not None,
+            BLOCK=block, num_warps=4)
     return y
 
 
@@ -124,17 +133,21 @@ if triton is not None:
         tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
     @triton.jit(do_not_specialize=["M"])
-    def _mma_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+    def _mma_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, M, N, K_SLICE, K, stride_xm, stride_ym,
                     HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Program (n tile, m tile, k slice): y[slice] = x[:, slice] @ w[:, slice]^T · s; the slices'
+        outputs are stacked (M, N) planes of y_ptr (one plane when K_SLICE == K)."""
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rk = tl.arange(0, BLOCK_K)
+        k0 = tl.program_id(2) * K_SLICE
+        rk = k0 + tl.arange(0, BLOCK_K)
         n_ok, m_ok = rn < N, rm < M
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :]           # (BN, BK) e4m3
         x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + rk[:, None]   # (BK, BM) the activations'
+        y_ptr += tl.program_id(2).to(tl.int64) * M * N
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for _ in range(0, K, BLOCK_K):
+        for _ in range(0, K_SLICE, BLOCK_K):
             w = tl.load(w_ptrs) if EVEN_N else tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
             x = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
             acc = tl.dot(w.to(x.dtype), x, acc)
@@ -145,6 +158,18 @@ if triton is not None:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         y_ptrs = y_ptr + rm[None, :].to(tl.int64) * stride_ym + rn[:, None]
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+    @triton.jit
+    def _sum_partials_kernel(p_ptr, b_ptr, y_ptr, MN, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < MN
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            acc += tl.load(p_ptr + s * MN + i, mask=ok, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + i % N, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _store_quantized(v, q_ptr, s_ptr, cols, ok, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):

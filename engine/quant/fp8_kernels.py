@@ -3,8 +3,8 @@ this GPU at start-up, per weight shape and per number of rows.
 
 Candidates (engine/kernels/fp8_gemm.py for the Triton ones):
 - `gemv[BN,BK,W]`: one row (batch-1 decode), CUDA cores, weight-only (activations stay bf16);
-- `mma[BN,BK,W,S]`: up to 512 rows, tensor cores, weight-only (the weight tile converted to bf16 in
-  registers), BLOCK_M 16, 64 or 128 by the row count;
+- `mma[BN,BK,W,S(,splitK)]`: up to 512 rows, tensor cores, weight-only (the weight tile converted
+  to bf16 in registers), BLOCK_M 16, 64 or 128 by the row count; split over K for more programs;
 - `scaled_mm`: any rows, W8A8: x quantized per token (a Triton kernel, or fused with SiLU·mul for
   the down projection), then torch._scaled_mm with row-wise scales (x's per token, the weight's per
   channel), i.e. cuBLASLt / CUTLASS FP8 tensor-core GEMMs; `scaled_mm[fast_accum]` the same with
@@ -14,7 +14,8 @@ FlashInfer 0.7.2's FP8 GEMMs are not among them: on Hopper they take per-tensor 
 
 Every distinct (N, K, bias) shape is timed at M = 1, 2, 4, ... up to the step's token budget. Each
 candidate runs over up to 32 layers of that shape in turn — the weights stream from HBM as in a
-forward pass, not from L2 — three times (the median); the fastest wins the bucket, and a call with M
+forward pass, not from L2 — captured in a CUDA graph whose replays are timed three times (the
+median: GPU time, as the decode graphs spend it); the fastest wins the bucket, and a call with M
 rows runs the winner of the smallest bucket >= M. A candidate that fails on this GPU (a shape
 _scaled_mm refuses, a Triton build error) is left out with a warning; a bucket with no candidate
 left dequantizes (correct and slow). Each candidate's output is first checked against the float32
@@ -39,7 +40,8 @@ from engine.kernels import fp8_gemm
 log = logging.getLogger(__name__)
 
 GEMV_CONFIGS = ((4, 1024, 4), (8, 512, 4), (8, 1024, 8), (16, 512, 8))   # block_n, block_k, warps
-MMA_CONFIGS = ((16, 256, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3))  # block_n, block_k, warps, stages
+# block_n, block_k, warps, stages, split_k
+MMA_CONFIGS = ((16, 256, 4, 4, 1), (64, 128, 4, 4, 1), (128, 128, 8, 3, 1), (64, 128, 4, 4, 4), (32, 256, 4, 3, 2))
 MMA_MAX_ROWS = 512
 ROTATE_LAYERS = 32        # layers of one shape timed in turn (more bytes than L2 holds)
 REPEATS = 3
@@ -78,11 +80,12 @@ def candidates(k: int, n: int) -> list[Candidate]:
                 out.append(Candidate(f"gemv[{bn},{bk},{w}]", 1, False,
                                      lambda x, l, o, bn=bn, bk=bk, w=w: fp8_gemm.gemv(
                                          x, l.weight, l.weight_scale, l.bias, o, bn, bk, w)))
-        for bn, bk, w, st in MMA_CONFIGS:
-            if k % bk == 0:
-                out.append(Candidate(f"mma[{bn},{bk},{w},{st}]", MMA_MAX_ROWS, False,
-                                     lambda x, l, o, bn=bn, bk=bk, w=w, st=st: fp8_gemm.mma(
-                                         x, l.weight, l.weight_scale, l.bias, o, _block_m(x.shape[0]), bn, bk, w, st)))
+        for bn, bk, w, st, sk in MMA_CONFIGS:
+            if k % (bk * sk) == 0:
+                out.append(Candidate(f"mma[{bn},{bk},{w},{st}" + f",split{sk}" * (sk > 1) + "]", MMA_MAX_ROWS, False,
+                                     lambda x, l, o, bn=bn, bk=bk, w=w, st=st, sk=sk: fp8_gemm.mma(
+                                         x, l.weight, l.weight_scale, l.bias, o, _block_m(x.shape[0]), bn, bk, w, st,
+                                         sk)))
     if k % 16 == 0 and n % 16 == 0:
         for fast in (False, True):
             out.append(Candidate("scaled_mm" + "[fast_accum]" * fast, 1 << 62, True,
@@ -176,23 +179,33 @@ def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _time_us(fn, layers: list) -> float:
-    """Median µs per call of fn(layer) over `layers` in turn (after one untimed call: JIT, plans);
-    device time with CUDA events, wall time on the CPU (the tests' interpreted kernels)."""
+    """Median µs per call of fn(layer) over `layers` in turn (after one untimed call: JIT, plans).
+    On the GPU the calls are captured in one CUDA graph and its replays timed with events: device
+    time as decode steps spend it, without Python's launch cost (~50 µs a call from a Python loop,
+    measured on the H100: more than a whole GEMV, so an eager loop ranks the launchers, not the
+    kernels). Wall time on the CPU (the tests' interpreted kernels)."""
     fn(layers[0])
-    cuda = layers[0].weight.is_cuda
-    if cuda:
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(REPEATS):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-        t0 = time.perf_counter()
+    if not layers[0].weight.is_cuda:
+        times = []
+        for _ in range(REPEATS):
+            t0 = time.perf_counter()
+            for layer in layers:
+                fn(layer)
+            times.append((time.perf_counter() - t0) * 1e6 / len(layers))
+        return statistics.median(times)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         for layer in layers:
             fn(layer)
-        if cuda:
-            b.record()
-            b.synchronize()
-        elapsed_us = a.elapsed_time(b) * 1e3 if cuda else (time.perf_counter() - t0) * 1e6
-        times.append(elapsed_us / len(layers))
+    graph.replay()
+    times = []
+    for _ in range(REPEATS):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(layers))
+    del graph
     return statistics.median(times)

@@ -68,7 +68,8 @@ def test_every_candidate_computes_the_dequantized_product(n, k, bias, rows):
         # weight-only kernels: bf16 output rounding (~3e-3); W8A8: e4m3 activations (~3e-2)
         assert err < (6e-2 if cand.quantizes_input else 8e-3), (cand.name, err)
         ran.append(cand.name)
-    assert "scaled_mm" in ran and any(r.startswith("mma") for r in ran if rows <= fp8_kernels.MMA_MAX_ROWS)
+    assert ran == [c.name for c in fp8_kernels.candidates(k, n) if rows <= c.max_rows]
+    assert ("scaled_mm" in ran) == (n % 16 == 0) and any(r.startswith("mma") for r in ran) == (rows <= 512)
 
 
 def test_quantization_kernels_round_as_torch_does():

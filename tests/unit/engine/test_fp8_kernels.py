@@ -46,8 +46,9 @@ SCRIPT = textwrap.dedent('''
         x = torch.randn(m, 512, generator=g).half()
         if m == 1:
             assert rel(fp8_gemm.gemv(x, l.weight, l.weight_scale, l.bias, torch.float32, 16, 128, 4), x, l) < 1e-5
-        y = fp8_gemm.mma(x, l.weight, l.weight_scale, l.bias, torch.float16, 16, 64, 128, 4, 2)
-        assert y.shape == (m, 200) and rel(y, x, l) < 2e-3, rel(y, x, l)
+        for split in (1, 2):
+            y = fp8_gemm.mma(x, l.weight, l.weight_scale, l.bias, torch.float16, 16, 64, 128, 4, 2, split)
+            assert y.shape == (m, 200) and rel(y, x, l) < 2e-3, (split, rel(y, x, l))
     x = torch.randn(7, 300, generator=g).half() * torch.logspace(-3, 3, 7)[:, None].half()
     q, s = fp8_gemm.quant_rows(x)
     assert ((q.float() * s - x.float()).norm(dim=1) / x.float().norm(dim=1)).max() < 0.1   # see below
