@@ -32,6 +32,7 @@ import time
 import torch
 
 from common import Emitter, cuda_time_ms, graph_us, measure_ceilings  # noqa: E402  (sets sys.path)
+from fp8_gemms import fp8_gemm_table  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.loader import write_arch_dir  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
@@ -482,35 +483,6 @@ def bench_profile(emit, runner, common, steps=200) -> None:
     emit(**common, metric="gemm_batch1_bandwidth", **res)
 
 
-def bench_fp8_gemm(emit, runner, common, copies=8) -> None:
-    """The FP8 kernels' choice at start-up, shape by shape and row count by row count: every candidate's
-    µs (engine/quant/fp8_kernels.py: up to 32 layers of the shape in turn, from a CUDA graph) beside a
-    bf16 GEMM of the same shape as the bf16 engine runs it (F.linear, or the input-major mm for
-    o|gate_up|down), over `copies` weight copies in turn (more bytes than L2 holds), from a graph too."""
-    methods = {id(m.method): m.method for m in runner.model.linears() if getattr(m.method, "kernels", None)}
-    mc = runner.model_config
-    E, I, Q = mc.hidden_size, mc.intermediate_size, mc.num_heads * mc.head_dim
-    input_major_shapes = {(E, Q), (2 * I, E), (E, I)} if runner.cfg.input_major_weights else set()
-    for method in methods.values():
-        for rec in method.kernels.records:
-            n, k, rows = rec["n"], rec["k"], rec["rows"]
-            ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
-            input_major = (n, k) in input_major_shapes
-            if input_major:                                  # o_proj, gate|up, down: as use_input_major_weights
-                ws = [w.t().contiguous() for w in ws]
-            x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
-            it = iter(range(1 << 30))
-            fn = (lambda: torch.mm(x, ws[next(it) % copies])) if input_major else \
-                (lambda: torch.nn.functional.linear(x, ws[next(it) % copies]))
-            bf16_us = graph_us(fn, calls=copies)           # replayed from a graph, as the tuner times
-            best = rec["us"].get(rec["chosen"])
-            emit(**common, metric="fp8_gemm", n=n, k=k, rows=rows, candidates_us=rec["us"], chosen=rec["chosen"],
-                 chosen_us=best, bf16_us=round(bf16_us, 2),
-                 speedup_vs_bf16=round(bf16_us / best, 3) if best else None,
-                 fp8_GBps=round(n * k / best / 1e3, 1) if best else None)
-            del ws
-
-
 def bench_hf(emit, model_dir, common, decode_tokens=32, prompt_len=128, prefill_len=4096) -> None:
     import transformers
     cfg = transformers.AutoConfig.from_pretrained(model_dir)
@@ -595,7 +567,7 @@ def main() -> None:
         steps = [("b1", lambda: bench_decode_b1(emit, runner, sizes, ceil, common)),
                  ("batches", lambda: bench_decode_batches(emit, runner, common, _ints(args.batches),
                                                           modes=(True,) if args.async_only else (True, False))),
-                 ("fp8_gemm", lambda: bench_fp8_gemm(emit, runner, common)),
+                 ("fp8_gemm", lambda: fp8_gemm_table(emit, runner, common)),
                  ("prefill", lambda: bench_prefill(emit, runner, sizes, ceil, common)),
                  ("kv", lambda: bench_kv_write(emit, runner, common)),
                  ("profile", lambda: bench_profile(emit, runner, common)),
