@@ -16,23 +16,38 @@ next norm. Both kernel sets round as FlashInfer's kernels do: add, norm × weigh
 computed in float32 and rounded to the model dtype once (the residual sum is stored rounded, the norm
 reads it unrounded). HF's Llama rounds twice in the norm (x̂ to the dtype, then × weight) and in
 SiLU·mul; in float32 the two are the same, in bf16 this is the closer one to float32.
+
+Every projection is an engine/layers/linear.py `Linear` whose method (model dtype, or FP8 from
+engine/quant/) owns its storage and GEMM; `method_for` picks it per HF module name at construction.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend
+from engine.layers.linear import Linear, LinearMethod
 from runtime.model_config import ModelConfig
 from engine.rope import RotaryEmbedding
 
+MethodFor = Callable[[tuple[str, ...]], LinearMethod]   # HF module names of a (fused) Linear -> its method
+
+
+def _dense(modules: tuple[str, ...]) -> LinearMethod:
+    return _DENSE
+
+
+_DENSE = LinearMethod()
+
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
         self.eps = eps
         self.fi = None                       # the flashinfer module when its kernels are on
 
@@ -53,32 +68,18 @@ class RMSNorm(nn.Module):
         return (xf * self.weight.float()).to(dtype or x.dtype)
 
 
-class InputMajorLinear(nn.Module):
-    """y = x @ weight_t (+ bias), the weight stored (in, out) row-major — the transpose of
-    nn.Linear's. On the H100 cuBLAS reads an (in, out) weight faster for one activation row:
-    o_proj 13.9 vs 16.5 µs, down 43.0 vs 44.5, gate|up 79.6 vs 81.6, lm_head 351 vs 374
-    (bench/device/gemv_layouts.py); qkv is the exception (22.0 vs 20.9) and keeps nn.Linear."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
-        self.bias = linear.bias
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.mm(x, self.weight_t)
-        return y if self.bias is None else y + self.bias
-
-
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, method_for: MethodFor) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        hf = f"model.layers.{layer}.self_attn."
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias,
+                               method_for((hf + "q_proj", hf + "k_proj", hf + "v_proj")), dtype,
+                               parts=(self.q_size, self.kv_size, self.kv_size))
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, False, method_for((hf + "o_proj",)), dtype)
         self.fi = None
         self.rope_kv = None                  # engine.kernels.rope_kv.rope_and_write_kv when it is on
 
@@ -109,15 +110,20 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, method_for: MethodFor) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.intermediate = I = cfg.intermediate_size
+        hf = f"model.layers.{layer}.mlp."
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * I, False, method_for((hf + "gate_proj", hf + "up_proj")),
+                                   dtype, parts=(I, I))
+        self.down_proj = Linear(I, cfg.hidden_size, False, method_for((hf + "down_proj",)), dtype)
         self.fi = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)                                        # (T, 2I)
+        down = self.down_proj
+        if down.method.fuses_silu_mul(down, gate_up.shape[0]):   # FP8 W8A8: SiLU·mul writes fp8 itself
+            return down.method.apply_silu_mul(down, gate_up)
         if self.fi:
             return self.down_proj(self.fi.activation.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
@@ -125,12 +131,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype, method_for: MethodFor) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, layer, dtype, method_for)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, layer, dtype, method_for)
 
     def forward(self, x, residual, positions, rope, backend, kv_layer, cos_sin_cache=None):
         """x: the previous sublayer's output (or the embeddings, with residual None)."""
@@ -145,13 +151,16 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, method_for: MethodFor = _dense) -> None:
+        """`method_for`: the LinearMethod of each projection, by its HF module names (default: the
+        model dtype everywhere). A tied lm_head is the embedding table: always the model dtype."""
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, method_for) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        head = _DENSE if cfg.tie_word_embeddings else method_for(("lm_head",))
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, head, dtype)
         self.rope: RotaryEmbedding | None = None
         self.cos_sin_cache: torch.Tensor | None = None   # (P, D) float32: FlashInfer's RoPE table
         self.layer_waits: list | None = None    # per-layer CUDA events for one step (KV tiers' layered onboard)
@@ -162,15 +171,30 @@ class CausalLM(nn.Module):
         self.rope = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling, max_positions, device)
         self.cos_sin_cache = torch.cat((self.rope.cos, self.rope.sin), dim=-1).contiguous()
 
+    def linears(self) -> list[Linear]:
+        return [m for m in self.modules() if isinstance(m, Linear)]
+
+    def finish_loading(self) -> None:
+        """Every weight is in: each method quantizes, dequantizes or re-lays out its layers."""
+        for m in self.linears():
+            m.method.finish_loading(m)
+
+    def prepare_kernels(self, max_tokens: int) -> None:
+        """Let each method pick its kernels for up to `max_tokens` rows (before CUDA graphs)."""
+        by_method: dict[int, tuple[LinearMethod, list[Linear]]] = {}
+        for m in self.linears():
+            by_method.setdefault(id(m.method), (m.method, []))[1].append(m)
+        for method, layers in by_method.values():
+            method.prepare(layers, max_tokens)
+
     def use_input_major_weights(self) -> None:
-        """Store o_proj, gate|up, down and an untied lm_head as InputMajorLinear (GPU decode speed;
-        a tied lm_head stays, its weight is the embedding table)."""
+        """Store o_proj, gate|up, down and an untied lm_head (in, out) where their method keeps the
+        model dtype (GPU decode speed; a tied lm_head stays, its weight is the embedding table)."""
         for layer in self.layers:
-            layer.self_attn.o_proj = InputMajorLinear(layer.self_attn.o_proj)
-            layer.mlp.gate_up_proj = InputMajorLinear(layer.mlp.gate_up_proj)
-            layer.mlp.down_proj = InputMajorLinear(layer.mlp.down_proj)
+            for m in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                m.method.make_input_major(m)
         if self.lm_head.weight is not self.embed_tokens.weight:
-            self.lm_head = InputMajorLinear(self.lm_head)
+            self.lm_head.method.make_input_major(self.lm_head)
 
     def use_flashinfer_kernels(self, flashinfer_module, fused_rope_kv: bool = True) -> None:
         """Switch norms, RoPE and SiLU·mul to FlashInfer's fused kernels (None: back to torch), and
@@ -204,7 +228,7 @@ class CausalLM(nn.Module):
         """(R, E) → (R, V) float32. On CUDA the bf16/fp16 matmul writes float32 directly: rounding
         logits of ~50 to bf16 (steps of 0.25) would create exact ties and flip greedy choices."""
         head = self.lm_head
-        w_t = head.weight_t if isinstance(head, InputMajorLinear) else head.weight.t()
+        w_t = head.weight_t if head.weight_t is not None else head.weight.t()   # the lm_head is never fp8
         if hidden.is_cuda and w_t.dtype != torch.float32 and _MM_OUT_DTYPE[0]:
             try:
                 return torch.mm(hidden, w_t, out_dtype=torch.float32)

@@ -40,6 +40,7 @@ from engine.sampler import Sampled, sample_on_device, sample_step
 from engine.sampling_state import PenaltySlots, build_processing
 from engine.step_inputs import HostStep, PendingInputs, build_host_step
 from runtime.config import EngineConfig
+from runtime.quantization import resolve_quantization
 from runtime.types import TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -129,9 +130,10 @@ class ModelRunner(Runner):
         self.steps_beside_host = self.device.type == "cuda"
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype)
+        self.quantization = resolve_quantization(self.model_config.quantization, cfg.quantization)
         torch.manual_seed(cfg.seed)
         self.model = load_model(cfg.model, self.model_config, self.dtype, self.device,
-                                cfg.load_format, cfg.seed)
+                                cfg.load_format, cfg.seed, self.quantization)
         phase("weights")
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
@@ -139,6 +141,9 @@ class ModelRunner(Runner):
         if self.device.type == "cuda" and cfg.input_major_weights:
             self.model.use_input_major_weights()
         phase("rope_and_layout")
+        if self.device.type == "cuda":     # FP8 layers measure their kernels here, before graphs capture them
+            self.model.prepare_kernels(max(cfg.max_num_batched_tokens, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs)))
+            phase("kernel_choice")
         self.num_blocks = cfg.num_blocks or self._blocks_that_fit()
         self.scratch_block = self.num_blocks
         mc = self.model_config
@@ -190,8 +195,10 @@ class ModelRunner(Runner):
         self._grammars = None                               # engine/grammar.py, built at the first grammar request
         self._masks = None                                  # engine/grammar.py GrammarMasks, with _grammars
         self._penalties: PenaltySlots | None = None         # per-request penalty state, at the first penalized row
-        log.info("model %s on %s (%s, KV %s), %d KV blocks of %d tokens, attention=%s (decode %s), cuda graphs=%s",
-                 mc.model_type, self.device, self.dtype, self.kv_dtype, self.num_blocks, cfg.block_size,
+        log.info("model %s on %s (%s, weights %s, KV %s), %d KV blocks of %d tokens, attention=%s (decode %s), "
+                 "cuda graphs=%s", mc.model_type, self.device, self.dtype,
+                 self.quantization.describe() if self.quantization else "unquantized", self.kv_dtype,
+                 self.num_blocks, cfg.block_size,
                  self.backend.name, getattr(self.backend, "decode_kernel", "-"),
                  self.graphs.sizes if self.graphs else None)
 

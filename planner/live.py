@@ -100,9 +100,11 @@ def sla_planner_config(sla: SlaConfig, profile: Profile, pools: dict[str, PoolVi
     return PlannerConfig.from_settings(sla, profile.startup_s, PoolLimitsConfig(**limits))
 
 
-def check_sla(sla: SlaConfig) -> Profile:
-    """The planner's profile, its settings checked by building the core's config (ValueError, OSError)."""
-    profile = load_profile(sla.profile)
+def check_sla(sla: SlaConfig, quantization: str | None = None) -> Profile:
+    """The planner's profile, its settings checked by building the core's config (ValueError, OSError).
+    `quantization`: the workers' weights ("none" | "fp8"), where known: the default profile is the one
+    for them, and a profile measured with other weights is refused."""
+    profile = load_profile(sla.profile, quantization)
     sla_planner_config(sla, profile)
     return profile
 

@@ -15,6 +15,7 @@ from dataclasses import MISSING, dataclass, field
 from enum import StrEnum
 
 from runtime.config_fields import arg
+from runtime.quantization import QUANTIZATION_CHOICES
 from runtime.config_planner import (HARD_MAX_WORKERS, PLANNER_INTERVAL_S, PoolLimitsConfig, PrefillOrder,  # noqa: F401
                                     SlaConfig)
 
@@ -51,6 +52,9 @@ class EngineConfig:
     kv_cache_dtype: str = arg("auto", "KV cache storage: auto (the model dtype) or fp8 (e4m3, unscaled: half "
                               "the bytes of bf16, so twice the blocks and less to read per decode step)",
                               choices=("auto", "fp8"))
+    quantization: str = arg("auto", "weights: auto (as the checkpoint stores them: its dtype, or FP8 from its "
+                            "quantization_config) or fp8 (quantize a bf16 checkpoint to FP8 at load, per-channel "
+                            "scales: half the weight bytes; docs/quantization.md)", choices=QUANTIZATION_CHOICES)
     block_size: int = arg(16, "tokens per KV block (the frontend learns it from the workers)")
     num_blocks: int | None = arg(None, "KV blocks in the GPU tier; none: as many as fit")
     kv_memory_fraction: float = arg(0.85, "share of free GPU memory a worker takes for weights' leftovers "

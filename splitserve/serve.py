@@ -49,7 +49,9 @@ from runtime.config import FrontendConfig, ServeConfig, WorkerConfig
 from runtime.config_file import write_config
 from runtime.errors import InvalidRequest
 from runtime.metrics import PoolMetrics, start_metrics_server
+from runtime.model_config import ModelConfig
 from runtime.process import bounded, run_component, with_parent_death
+from runtime.quantization import quantization_name, resolve_quantization
 from runtime.redis_embedded import EmbeddedRedis
 from splitserve.models import resolve_model
 
@@ -120,6 +122,8 @@ def serve(cfg: ServeConfig, launcher: type[Launcher] | None = None, connect=None
     launcher = launcher or Launcher
     try:
         model_dir = resolve_model(cfg.engine.model)
+        checkpoint = ModelConfig.from_dir(model_dir).quantization      # an unsupported one is refused here
+        weights = quantization_name(resolve_quantization(checkpoint, cfg.engine.quantization))
     except InvalidRequest as e:
         print(f"splitserve serve: {e.message}", file=sys.stderr)
         return 2
@@ -135,7 +139,7 @@ def serve(cfg: ServeConfig, launcher: type[Launcher] | None = None, connect=None
     if cfg.planner.enabled:
         try:
             from planner.live import check_sla
-            profile = check_sla(cfg.planner)
+            profile = check_sla(cfg.planner, weights)
         except (InvalidRequest, ValueError, OSError) as e:
             print(f"splitserve serve: --planner: {getattr(e, 'message', e)}", file=sys.stderr)
             return 2

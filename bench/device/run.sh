@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command on the GPU machine, from the repository root there:
-#   bench/device/run.sh [jit] [pytest] [bench] [bench_cc] [kernels] [correctness] [serve] [gemv] [compare] [startup] [profile] [tiers] [tiers_engine] [sampling] ...
+#   bench/device/run.sh [jit] [pytest] [pytest_fp8] [bench] [bench_cc] [kernels] [correctness] [fp8acc] [serve] [gemv] [compare] [startup] [profile] [tiers] [tiers_engine] [sampling] ...
 # (jit: FlashInfer's JIT modules built in the background, all at once, for the stages after it;
 #  bench: the engine's defaults; bench_cc: the same with the CUDA-core decode kernel, to compare)
 # Installs the wheels from $WHL_DIRS (default: .whl .whl_web, carried beside the tree) into .site once,
@@ -34,6 +34,11 @@ for stage in "$@"; do
   case "$stage" in
     jit) timeout "$(left 0 "${T_JIT:-420}")" python3 bench/device/jit_warm.py ${JIT_ARGS:-} > "$OUT/jit_warm.log" 2>&1 &   # builds while the next stage loads or trains
          ;;
+    pytest_fp8) timeout "$(left 0 "${T_PYTEST:-300}")" python3 -m pytest tests/gpu/test_fp8.py -q -p no:cacheprovider \
+              -o asyncio_mode=strict --tb=short ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu_fp8.log" | tail -30 ;;
+    fp8acc) # FP8 against bf16 weights: the trained subject's held-out loss and top-1 agreement, the 8B's logits
+            timeout "$(left 0 "${T_FP8ACC:-330}")" python3 bench/device/fp8_accuracy.py --out "$OUT/fp8_accuracy.jsonl" \
+              ${FP8ACC_ARGS:-} 2>&1 | tee "$OUT/fp8_accuracy.log" | grep -v Warning | tail -30 ;;
     pytest) timeout "$(left 0 "${T_PYTEST:-420}")" python3 -m pytest tests/gpu -q -p no:cacheprovider -o asyncio_mode=strict \
               --tb=short ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -30 ;;
     bench) timeout "$(left 0 "${T_BENCH:-330}")" python3 bench/device/engine_bench.py --out "$OUT/engine_bench.jsonl" ${BENCH_ARGS:-} \

@@ -81,3 +81,18 @@ def test_fp8_kv_cache_disaggregated_matches_aggregated(reference):
         assert asyncio.run(complete_each(c.url, parity_prompts(), 32)) == want
         assert metric(c.url, "splitserve_kv_handoffs_total") >= 8
         c.wait_idle()
+
+
+def test_fp8_weights_disaggregated_match_aggregated(reference):
+    """--quantization fp8 (per-channel FP8 weights, dequantized on the CPU) moves the same KV as
+    before: prefill and decode workers both quantizing at load give the tokens of one aggregated
+    FP8 worker, which differ from float32's somewhere (the flag reached the workers)."""
+    fp8 = ("--quantization", "fp8", "--max-num-batched-tokens", "64")
+    with own_cluster("--prefill-workers", "0", *fp8) as c:
+        want = asyncio.run(complete_all(c.url, parity_prompts(), 32))
+    assert want != reference
+    with own_cluster("--prefill-workers", "1", "--decode-workers", "1", "--remote-prefill-min-tokens", "1",
+                     *fp8) as c:
+        assert asyncio.run(complete_all(c.url, parity_prompts(), 32)) == want
+        assert metric(c.url, "splitserve_kv_handoffs_total") >= 8
+        c.wait_idle()

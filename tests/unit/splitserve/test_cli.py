@@ -85,11 +85,12 @@ def test_the_flags_users_know_keep_their_names_and_meaning(model_dir, monkeypatc
     w = parse("decode-worker", "--model", model_dir, "--redis-url", "redis://h:6379/0", "--no-prefix-caching",
               "--no-cuda-graphs", "--kv-cpu-mib", "64", "--async-scheduling", "off", "--decode-tensor-cores", "on",
               "--mock", "--metrics-port", "9100", "--worker-id", "w", "--role", "aggregated", "--block-size", "32",
-              "--kv-cache-dtype", "fp8", "--decode-kernel", "xqa", "--namespace", "ns", "--lease-ttl-s", "2")
+              "--kv-cache-dtype", "fp8", "--decode-kernel", "xqa", "--namespace", "ns", "--lease-ttl-s", "2",
+              "--quantization", "fp8")
     e = w.engine
     assert (e.enable_prefix_caching, e.cuda_graphs, e.kv_cpu_mib, e.async_scheduling, e.decode_tensor_cores,
-            e.mock, e.block_size, e.kv_cache_dtype, e.decode_kernel) == (False, False, 64, False, True, True, 32,
-                                                                        "fp8", "xqa")
+            e.mock, e.block_size, e.kv_cache_dtype, e.decode_kernel, e.quantization) == \
+        (False, False, 64, False, True, True, 32, "fp8", "xqa", "fp8")
     assert (w.metrics_port, w.worker_id, w.role) == (9100, "w", "aggregated")
     assert (w.redis.url, w.redis.namespace, w.redis.lease_ttl_s) == ("redis://h:6379/0", "ns", 2.0)
     assert parse("prefill-worker", "--model", model_dir, "--redis-url", "redis://h/0").role == "prefill"
@@ -194,3 +195,17 @@ def test_config_classes_declare_help_for_every_field():
         assert {f.name for f in fields(cls)} == leaves
         assert all(s.meta.help for s in settings(cls))
         assert all(s.default is not MISSING or s.meta.cli_default for s in settings(cls))
+
+
+def test_serve_refuses_a_checkpoint_it_cannot_run_in_one_line(tmp_path, capsys):
+    """An unsupported quantization_config stops `serve` before it starts anything: exit 2, one line
+    naming the format; with --planner and FP8 weights, the missing FP8 profile is named too."""
+    model = tmp_path / "gptq"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {
+        "quant_method": "gptq", "bits": 4}}))
+    assert main(["serve", "--model", str(model)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "quant_method 'gptq'" in err and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert main(["serve", "--quantization", "fp8", "--planner", "--mock"]) == 2
+    assert "no performance profile is shipped for fp8" in capsys.readouterr().err
