@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = p.add_subparsers(dest="bench_command", required=True)
     from splitserve.bench import serve as bench_serve
     bench_serve.add_arguments(bsub.add_parser("serve", help="load-generate against a running server"))
+    from splitserve.bench import goodput as bench_goodput
+    bench_goodput.add_arguments(bsub.add_parser(
+        "goodput", help="the highest request rate at which a server meets TTFT and ITL targets"))
     from splitserve.bench import replay as bench_replay
     bench_replay.add_arguments(bsub.add_parser("replay", help="replay a trace on a local mock cluster"))
     from splitserve.bench import routesim as bench_routesim
@@ -84,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         "routesim", help="the real router driving simulated workers on a virtual clock"))
     from splitserve.bench import plan as bench_plan
     bench_plan.add_arguments(bsub.add_parser("plan", help="simulate the SLA planner on a trace (virtual clock)"))
-    for p in (msub.choices["tiny"], bsub.choices["serve"], bsub.choices["replay"]):
+    for p in (msub.choices["tiny"], bsub.choices["serve"], bsub.choices["goodput"], bsub.choices["replay"]):
         show_defaults(p)
     return parser
 
@@ -109,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "bench" and args.bench_command == "plan":
         from splitserve.bench import plan as bench_plan
         return bench_plan.main(args)
+    if cmd == "bench" and args.bench_command == "goodput":
+        from splitserve.bench import goodput as bench_goodput
+        return bench_goodput.main(args)
     if cmd == "bench" and args.bench_command == "replay":
         from splitserve.bench import replay as bench_replay
         return bench_replay.main(args)
