@@ -164,7 +164,10 @@ def component_config(args: argparse.Namespace) -> (ServeConfig | FrontendConfig 
     cmd = args.command
     if cmd == "serve":        # serve resolves the model itself, to report a bad one its own way
         engine = config_from_args(EngineConfig, args, prefix="engine.")
-        return config_from_args(ServeConfig, args, given={"frontend.model": engine.model})
+        cfg = config_from_args(ServeConfig, args, given={"frontend.model": engine.model})
+        from splitserve.serve import itl_guard_settings
+        check_itl_guard(dataclasses.replace(cfg.frontend, **itl_guard_settings(cfg)))
+        return cfg
     if cmd == "planner":
         cfg = config_from_args(PlannerComponentConfig, args)
         from planner.live import check_sla
@@ -176,6 +179,7 @@ def component_config(args: argparse.Namespace) -> (ServeConfig | FrontendConfig 
         cfg = config_from_args(ControllerComponentConfig, args)
     elif cmd == "frontend":
         cfg = config_from_args(FrontendConfig, args)
+        check_itl_guard(cfg)
         cfg = dataclasses.replace(cfg, model=resolve_model(cfg.model))
     else:
         cfg = config_from_args(WorkerConfig, args, given={"role": "prefill"} if cmd == "prefill-worker" else None)
@@ -185,3 +189,12 @@ def component_config(args: argparse.Namespace) -> (ServeConfig | FrontendConfig 
     if not cfg.redis.url:
         raise ConfigError("--redis-url (or SPLITSERVE_REDIS_URL, or redis.url in --config) is required")
     return cfg
+
+
+def check_itl_guard(cfg: FrontendConfig) -> None:
+    """A bad --itl-target-ms or --decode-profile is a start-up error, not a frontend that dies later."""
+    from frontend.disagg_policy import make_itl_guard
+    try:
+        make_itl_guard(cfg.itl_target_ms, cfg.decode_profile)
+    except ValueError as e:
+        raise ConfigError(f"--itl-target-ms / --decode-profile: {e}") from None

@@ -129,6 +129,8 @@ def test_rendered_configs_build_the_component_configs(value_set):
     if "prefill" in configs:       # the planner's TTFT target orders the prefill queues; none without it
         want = configs["planner"]["ttft_ms"] if "planner" in configs else None
         assert configs["prefill"].get("prefill_deadline_ms") == want
+    # the planner's ITL target keeps long prefills off the decode workers; none without it
+    assert fe.itl_target_ms == (configs["planner"]["itl_ms"] if "planner" in configs else None)
 
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)
