@@ -14,8 +14,8 @@ targets more often than the goal allows, no rate can meet them: the command says
 goodput of 0 without searching. Otherwise each probe sends Poisson arrivals at one rate for
 `--duration-s` (at least `--min-requests` requests), waits for every response, and counts the
 requests that met both targets; rate_search.py picks the rates (doubling/halving to a bracket,
-then bisection) and says when to stop. The first rate is `--start-rate`, else two requests in flight
-at the idle latency (2 / mean E2E of the requests sent alone).
+then bisection) and says when to stop. The first rate is `--start-rate`, else `--start-in-flight`
+requests in flight at the idle latency (that many / the median E2E of the requests sent alone).
 
 The load generator is `bench serve`'s: its clients (HTTP OpenAI or gRPC), workloads (random or
 corpus prompts of --isl/--osl or a --scenario, or a trace's lengths and prefixes: Mooncake JSONL or
@@ -87,7 +87,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="arrivals of one probe last this long (a probe then waits for its responses)")
     p.add_argument("--min-requests", type=int, default=10, help="requests of one probe at least")
     p.add_argument("--start-rate", type=float, default=None,
-                   help="first rate probed, requests/s; none: 2 / the median E2E of requests sent alone")
+                   help="first rate probed, requests/s; none: --start-in-flight / the median E2E of the "
+                        "requests sent alone")
+    p.add_argument("--start-in-flight", type=float, default=2.0,
+                   help="without --start-rate, the first rate keeps this many requests in flight at the idle "
+                        "server's latency (Little's law); a batching server starts sooner higher")
     p.add_argument("--min-rate", type=float, default=0.01, help="halving stops here, requests/s")
     p.add_argument("--max-rate", type=float, default=1000.0, help="doubling stops here, requests/s")
     p.add_argument("--precision", type=float, default=0.1,
@@ -112,6 +116,8 @@ def check_args(args: argparse.Namespace) -> tuple[Targets, bench_serve.Plan]:
         raise BenchInputError(f"--min-requests must be >= 1, got {args.min_requests}")
     if args.warmup < 0:
         raise BenchInputError(f"--warmup must be >= 0, got {args.warmup}")
+    if not args.start_in_flight > 0:
+        raise BenchInputError(f"--start-in-flight must be > 0, got {args.start_in_flight}")
     if args.time_budget_s is not None and not args.time_budget_s > 0:
         raise BenchInputError(f"--time-budget-s must be > 0, got {args.time_budget_s}")
     try:
@@ -223,7 +229,7 @@ async def run_search(args: argparse.Namespace, plan: bench_serve.Plan, targets: 
         await bench_serve.warm_up(args, plan, model)
     idle = await alone(s)
     emit(idle, args.output)
-    start_rate = args.start_rate or (2.0 / idle["e2e_p50_s"] if idle["e2e_p50_s"] else args.min_rate)
+    start_rate = args.start_rate or (args.start_in_flight / idle["e2e_p50_s"] if idle["e2e_p50_s"] else args.min_rate)
     search = RateSearch(SearchLimits(min(max(start_rate, args.min_rate), args.max_rate), args.min_rate,
                                      args.max_rate, args.precision, args.max_probes))
     probes: list[dict] = []

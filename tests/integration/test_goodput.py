@@ -104,3 +104,24 @@ def test_goodput_of_splitserve(tmp_path):
     assert summary["model"] == "tiny" and summary["total_errors"] == 0
     assert summary["goodput_req_s"] >= 1.0 and summary["stop_reason"] in ("max_probes", "converged")
     assert all(x["token_mismatches"] == 0 for x in lines[:-1])
+
+
+def test_device_study_runs_its_smallest_configuration_on_the_cpu(tmp_path):
+    """bench/device/goodput_study.py as the lead runs it on the GPUs, here with mock workers: it
+    starts Redis, the worker and a frontend by hand, runs bench goodput within its budget, and
+    writes every record to its output."""
+    r = subprocess.run([sys.executable, "bench/device/goodput_study.py", "--mock", "--gpus", "1",
+                        "--workloads", "64/8", "--targets", "loose", "--budget-s", "150", "--min-run-s", "20",
+                        "--probe-duration-s", "2", "--max-probes", "2", "--start-in-flight", "2",
+                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(x) for x in (tmp_path / "goodput_study.jsonl").read_text().splitlines()]
+    kinds = [x["bench"] for x in lines]
+    assert kinds[0] == "goodput_alone" and kinds[-2:] == ["goodput_study_run", "goodput_study_logs"]
+    result = next(x for x in lines if x["bench"] == "goodput")
+    assert result["goodput_req_s"] > 0 and result["total_errors"] == 0 and "agg1" in result["label"]
+    run = lines[-2]
+    assert (run["config"], run["workload"], run["target"], run["exit"]) == ("agg1", "64/8", "loose", 0)
+    assert run["counters"]["splitserve_prefill_remote_total"] == 0          # aggregated: nothing remote
+    assert all(log["error_lines"] == 0 and log["tracebacks"] == 0 for log in lines[-1]["logs"].values())
+    assert (tmp_path / "goodput_agg1_64x8_loose.png").is_file()
