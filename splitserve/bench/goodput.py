@@ -183,7 +183,7 @@ async def measure(s: Session, specs: list[RequestSpec], concurrency: int | None,
 
 
 async def probe(s: Session, rate: float, index: int) -> dict:
-    n = max(math.ceil(rate * s.args.duration_s), s.args.min_requests)
+    n = probe_size(s.args, rate)
     specs = probe_specs(s.plan, s.args, rate, n, salt=index)
     span = specs[-1].arrival_s
     record = s.header | {"bench": "goodput_probe", "rate_req_s": rate,
@@ -213,9 +213,7 @@ def say(text: str) -> None:
     print(f"bench goodput: {text}", file=sys.stderr, flush=True)
 
 
-async def run_search(args: argparse.Namespace, plan: bench_serve.Plan, targets: Targets) -> int:
-    started = time.monotonic()
-    model, _ = await bench_serve.discover_model(args)
+def make_header(args: argparse.Namespace, plan: bench_serve.Plan, model: str) -> dict:
     header = {"bench": "goodput", "git_sha": git_sha(), "url": args.url,
               "api": "grpc" if args.url.startswith("grpc://") else "http", "model": model,
               "label": args.label, "gpus": args.gpus, "seed": args.seed, "ttft_ms": args.ttft_ms,
@@ -224,7 +222,47 @@ async def run_search(args: argparse.Namespace, plan: bench_serve.Plan, targets: 
     if plan.trace_rows:
         header |= {"trace": os.path.basename(args.trace), "trace_scale": args.trace_scale,
                    "max_input_len": args.max_input_len}
-    s = Session(args, plan, targets, model, header)
+    return header
+
+
+def probe_size(args: argparse.Namespace, rate: float) -> int:
+    return max(math.ceil(rate * args.duration_s), args.min_requests)
+
+
+class ProbeClock:
+    """How long the next probe will take: its arrivals (requests / rate) plus the longest drain seen
+    (a probe's wall time past its arrivals; at first the idle server's E2E p99)."""
+
+    def __init__(self, args: argparse.Namespace, idle: dict) -> None:
+        self.args, self.started = args, time.monotonic()
+        self.drain_s = idle["e2e_p99_s"] or 0.0
+
+    def fits(self, rate: float) -> bool:
+        budget = self.args.time_budget_s
+        expected_s = probe_size(self.args, rate) / rate + self.drain_s
+        return budget is None or time.monotonic() - self.started + expected_s <= budget
+
+    def ran(self, rate: float, wall_s: float) -> None:
+        self.drain_s = max(self.drain_s, wall_s - probe_size(self.args, rate) / rate)
+
+
+def idle_verdict(args: argparse.Namespace, idle: dict) -> str | None:
+    """Why the search cannot start (None: it can)."""
+    if idle["errors"] == idle["requests"]:
+        return (f"every request sent alone failed ({', '.join(idle['error_kinds'])}): is {args.url} an "
+                "OpenAI-compatible completions server that streams?")
+    if idle["passed"]:
+        return None
+    return (f"the targets are never met: requests sent one at a time met TTFT <= {args.ttft_ms:g} ms and "
+            f"mean ITL <= {args.itl_ms:g} ms {idle['met']} of {idle['requests']} times (TTFT p50 "
+            f"{_ms(idle['ttft_p50_s'])}, mean ITL p50 {_ms(idle['request_mean_itl_p50_s'])}, "
+            f"{idle['errors']} failed); no request rate can reach {args.attainment:g}. Goodput: 0")
+
+
+async def run_search(args: argparse.Namespace, plan: bench_serve.Plan, targets: Targets) -> int:
+    started = time.monotonic()
+    model, _ = await bench_serve.discover_model(args)
+    s = Session(args, plan, targets, model, make_header(args, plan, model))
     if args.warmup > 0:
         await bench_serve.warm_up(args, plan, model)
     idle = await alone(s)
@@ -232,25 +270,19 @@ async def run_search(args: argparse.Namespace, plan: bench_serve.Plan, targets: 
     start_rate = args.start_rate or (args.start_in_flight / idle["e2e_p50_s"] if idle["e2e_p50_s"] else args.min_rate)
     search = RateSearch(SearchLimits(min(max(start_rate, args.min_rate), args.max_rate), args.min_rate,
                                      args.max_rate, args.precision, args.max_probes))
-    probes: list[dict] = []
-    if idle["errors"] == idle["requests"]:
-        say(f"every request sent alone failed ({', '.join(idle['error_kinds'])}): is {args.url} an "
-            f"OpenAI-compatible completions server that streams?")
-        return 1
-    if not idle["passed"]:
+    if (why := idle_verdict(args, idle)) is not None:
+        say(why)
+        if idle["errors"] == idle["requests"]:
+            return 1
         search.stop(StopReason.UNATTAINABLE)
-        say(f"the targets are never met: requests sent one at a time met TTFT <= {args.ttft_ms:g} ms and "
-            f"mean ITL <= {args.itl_ms:g} ms {idle['met']} of {idle['requests']} times (TTFT p50 "
-            f"{_ms(idle['ttft_p50_s'])}, mean ITL p50 {_ms(idle['request_mean_itl_p50_s'])}, "
-            f"{idle['errors']} failed); no request rate can reach {args.attainment:g}. Goodput: 0")
-    longest_s = args.duration_s + (idle["e2e_p99_s"] or 0.0)
+    clock, probes = ProbeClock(args, idle), []
     while (rate := search.next_rate()) is not None:
-        if args.time_budget_s is not None and time.monotonic() - started + longest_s > args.time_budget_s:
+        if not clock.fits(rate):
             search.stop(StopReason.TIME_BUDGET)
             break
         probe_start = time.monotonic()
         record = await probe(s, rate, len(probes))
-        longest_s = max(longest_s, time.monotonic() - probe_start)
+        clock.ran(rate, time.monotonic() - probe_start)
         search.record(rate, record["passed"])
         emit(record, args.output)
         probes.append(record)

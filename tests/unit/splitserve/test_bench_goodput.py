@@ -196,3 +196,16 @@ def test_targets_an_idle_server_misses_end_the_run_at_once(capsys):
     assert got[0]["ttft_attainment"] == 1.0 and got[0]["itl_attainment"] == 0.0
     assert "the targets are never met" in err and "Goodput: 0" in err
     assert len(server.prompts) == gp.ALONE_REQUESTS
+
+
+def test_a_time_budget_starts_no_probe_that_would_end_past_it(capsys):
+    with FakeOpenAI(delay_s=0.001, max_chunk=1) as server:
+        rc = gp.main(parse("--url", server.url, "--ttft-ms", "2000", "--itl-ms", "500", "--isl", "16", "--osl", "4",
+                           "--duration-s", "1", "--start-rate", "4", "--min-requests", "12", "--warmup", "0",
+                           "--time-budget-s", "4"))
+    assert rc == 0
+    got, err = lines(capsys)
+    # 12 requests at 4/s take 3 s; the next probe (12 at 8/s) would need 1.5 s more
+    assert [p["rate_req_s"] for p in got if p["bench"] == "goodput_probe"] == [4.0]
+    assert got[-1]["stop_reason"] == "time_budget" and got[-1]["goodput_req_s"] == 4.0
+    assert "the time budget ran out" in err
