@@ -109,10 +109,10 @@ class Cluster:
     """An embedded Redis, the configuration's workers, and (per target pair) a frontend."""
 
     def __init__(self, cfg: Config, args: argparse.Namespace, model: str, out: Path) -> None:
-        from runtime.redis_embedded import EmbeddedRedis, free_port
+        from runtime.redis_embedded import EmbeddedRedis
         self.cfg, self.args, self.model, self.out = cfg, args, model, out
         self.redis = EmbeddedRedis()
-        self.port = free_port()
+        self.port = 0
         self.frontend: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen] = []
         self.logs: list[Path] = []
@@ -152,6 +152,8 @@ class Cluster:
                                             None if self.args.mock or self.args.device == "cpu" else gpu))
 
     def start_frontend(self, itl_ms: float) -> None:
+        from runtime.redis_embedded import free_port
+        self.port = free_port()                 # a fresh port: the last frontend's may linger
         self.frontend = self._spawn("frontend", self.frontend_argv(itl_ms), None)
         deadline = time.monotonic() + START_TIMEOUT_S
         want = {"decode": self.cfg.decode, "prefill": self.cfg.prefill}
