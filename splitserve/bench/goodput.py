@@ -320,13 +320,16 @@ def finish(s: Session, search: RateSearch, idle: dict, probes: list[dict], elaps
         "elapsed_s": round(elapsed_s, 3),
         "plot": args.plot,
     }
+    emit(summary, args.output)        # before the plot: a host without matplotlib keeps the result
     if args.plot:
         from splitserve.bench.goodput_plot import plot_attainment
         what = s.header.get("scenario") or s.header.get("trace") or f"isl{args.isl}/osl{args.osl}"
-        plot_attainment(curve, args.attainment, search.goodput, args.plot,
-                        f"{s.model} | {what} | TTFT {args.ttft_ms:g} ms, ITL {args.itl_ms:g} ms | "
-                        f"{args.label or s.header['api']}")
-    emit(summary, args.output)
+        try:
+            plot_attainment(curve, args.attainment, search.goodput, args.plot,
+                            f"{s.model} | {what} | TTFT {args.ttft_ms:g} ms, ITL {args.itl_ms:g} ms | "
+                            f"{args.label or s.header['api']}")
+        except ImportError as e:
+            say(f"no plot ({e})")
     bound = {StopReason.MAX_RATE: " (at least: the search stopped at --max-rate)",
              StopReason.MAX_PROBES: " (the probe budget ran out before the bracket closed)",
              StopReason.TIME_BUDGET: " (the time budget ran out before the bracket closed)",

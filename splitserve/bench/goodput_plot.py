@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 
 def plot_attainment(curve: Sequence[dict], goal: float, goodput_req_s: float, path: str, title: str) -> None:
-    """`curve`: {"rate_req_s", "attainment", "requests"} per probe, sorted by rate."""
+    """`curve`: {"rate_req_s", "attainment", "requests"} per probe, sorted by rate. ImportError
+    without matplotlib."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
