@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from runtime.types import FinishReason, SamplingParams
+from frontend.disagg_policy import ItlGuard, must_wait
 from frontend.tokenizer import IncrementalDetokenizer, ModelTokenizer
 from frontend.workers import SHUTTING_DOWN, WORKER_LOST, WorkerPool
 from kvstore.hashing import block_hashes
@@ -115,12 +116,14 @@ def _refused(inp: GenerateInput, error: str, started: bool) -> InvalidRequest:
 class Generator:
     def __init__(self, pool: WorkerPool, tokenizer: ModelTokenizer, metrics: FrontendMetrics,
                  max_model_len: int, wait_for_workers_s: float = 10.0,
-                 remote_prefill_min_tokens: int = 128, max_prefill_queue_tokens: int = 32768) -> None:
+                 remote_prefill_min_tokens: int = 128, max_prefill_queue_tokens: int = 32768,
+                 itl_guard: ItlGuard | None = None) -> None:
         self.pool, self.tokenizer, self.metrics = pool, tokenizer, metrics
         self.max_model_len = max_model_len
         self.wait_for_workers_s = wait_for_workers_s
         self.remote_prefill_min_tokens = remote_prefill_min_tokens
         self.max_prefill_queue_tokens = max_prefill_queue_tokens
+        self.itl_guard = itl_guard     # None: a saturated prefill worker sends every prompt back to D
         self.num_active = 0
         self.shutting_down = False
         self.on_first_token = None     # (ttft_s, prefilled_remotely) -> None: the latency window
@@ -177,9 +180,11 @@ class Generator:
         return max_tokens
 
     def _remote_prefill(self, rid: str, hashes: list[int], inp: GenerateInput, overlap_blocks: int,
-                        migrated: bool) -> worker_pb2.RemotePrefill | None:
+                        migrated: bool, decode_batch: int) -> worker_pb2.RemotePrefill | None:
         """Conditional disaggregation (docs/architecture.md, step 3): a prefill worker computes the prompt
-        when the decode worker would have many uncached tokens and the prefill pool has room."""
+        when the decode worker would have many uncached tokens and the prefill pool has room, or
+        when computing it on the decode worker (`decode_batch` requests there) would break the ITL
+        target (frontend/disagg_policy.py)."""
         to_prefill = len(inp.prompt_token_ids) - overlap_blocks * self.pool.block_size
         local = self.metrics.prefill_local
         if migrated or not self.pool.num_alive(prefill=True):
@@ -194,9 +199,11 @@ class Generator:
             local.labels("no_prefill_pool").inc()
             return None
         if self.pool.router.queued_prefill_tokens(choice.conn.worker_id) > self.max_prefill_queue_tokens:
-            self.pool.router.finished(rid, choice.conn.worker_id)
-            local.labels("saturated").inc()
-            return None
+            if not must_wait(self.itl_guard, len(inp.prompt_token_ids), to_prefill, decode_batch):
+                self.pool.router.finished(rid, choice.conn.worker_id)
+                local.labels("saturated").inc()
+                return None
+            self.metrics.prefill_held_for_itl.inc()
         self.metrics.prefill_remote.inc()
         return worker_pb2.RemotePrefill(prefill_worker_id=choice.conn.worker_id,
                                         prefill_address=choice.conn.info.address)
@@ -240,7 +247,8 @@ class Generator:
                     else:
                         raise
                 conn = choice.conn
-                remote = self._remote_prefill(rid, hashes, inp, choice.overlap_blocks, bool(output))
+                remote = self._remote_prefill(rid, hashes, inp, choice.overlap_blocks, bool(output),
+                                              conn.num_active)
                 q = conn.submit(worker_pb2.WorkerSubmit(
                     request_id=rid, prompt_token_ids=inp.prompt_token_ids,
                     sampling=sampling_to_pb(inp.sampling), output_token_ids=output, remote_prefill=remote))

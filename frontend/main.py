@@ -20,6 +20,7 @@ import uvicorn
 
 from runtime.model_config import ModelConfig, model_fingerprint
 from frontend.admission import Admission
+from frontend.disagg_policy import make_itl_guard
 from frontend.generate import Generator
 from frontend.grpc_api import start_grpc_server
 from frontend.auth import ApiKey
@@ -84,7 +85,8 @@ async def serve_frontend(cfg: FrontendConfig) -> None:
     max_model_len = cfg.max_model_len or model_cfg.max_position_embeddings
     generator = Generator(pool, tokenizer, metrics, max_model_len,
                           remote_prefill_min_tokens=cfg.remote_prefill_min_tokens,
-                          max_prefill_queue_tokens=cfg.max_prefill_queue_tokens)
+                          max_prefill_queue_tokens=cfg.max_prefill_queue_tokens,
+                          itl_guard=make_itl_guard(cfg.itl_target_ms, cfg.decode_profile))
     latency = LatencyPublisher(redis, cfg.redis.namespace)
     generator.on_first_token, generator.on_itl = latency.first_token, latency.inter_token
     generator.on_arrival, generator.on_done = latency.arrival, latency.done

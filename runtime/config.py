@@ -166,7 +166,18 @@ class FrontendConfig:
     remote_prefill_min_tokens: int = arg(128, "send a prompt to a prefill worker only with more uncached "
                                          "tokens than this")
     max_prefill_queue_tokens: int = arg(32768, "a prefill worker with more queued prompt tokens counts "
-                                        "as saturated")
+                                        "as saturated: a prompt then goes to its decode worker, unless "
+                                        "--itl-target-ms says that would break the decode worker's ITL")
+    itl_target_ms: float | None = arg(None, "the decode workers' inter-token latency target: a long prompt "
+                                      "whose prefill on its decode worker would make a step there (its decodes "
+                                      "plus a prefill chunk, at --decode-profile's speed) take longer waits "
+                                      "in a saturated prefill worker's queue instead (docs/disaggregation.md); "
+                                      "none: `serve --planner` passes its --itl-ms, else the queue threshold "
+                                      "alone decides")
+    decode_profile: str | None = arg(None, "JSON performance profile of the decode workers (format 2, "
+                                     "`splitserve profile`) that prices a local prefill for --itl-target-ms; "
+                                     "none: `serve --planner` passes its --planner-profile, else the shipped "
+                                     "H100 Llama-3.1-8B one")
     max_model_len: int | None = arg(None, "longest prompt + output accepted; none: the model's "
                                     "max_position_embeddings")
     drain_timeout_s: float = arg(60.0, "on SIGTERM, open requests may finish for this long before they end "

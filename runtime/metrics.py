@@ -131,6 +131,9 @@ class FrontendMetrics:
                                      registry=r)
         self.generation_tokens = Counter("splitserve_generation_tokens", "Generated tokens", registry=r)
         self.prefill_remote = Counter("splitserve_prefill_remote", "Prompts sent to a prefill worker", registry=r)
+        self.prefill_held_for_itl = Counter(
+            "splitserve_prefill_held_for_itl", "Prompts sent to a saturated prefill worker because computing "
+            "them on their decode worker would break --itl-target-ms", registry=r)
         self.prefill_local = Counter("splitserve_prefill_local", "Prompts prefilled on their decode worker, by "
                                      "reason", ["reason"], registry=r)
         self.migrations = Counter("splitserve_request_migrations", "Requests moved to another worker, by "

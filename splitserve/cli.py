@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = p.add_subparsers(dest="bench_command", required=True)
     from splitserve.bench import serve as bench_serve
     bench_serve.add_arguments(bsub.add_parser("serve", help="load-generate against a running server"))
+    from splitserve.bench import goodput as bench_goodput
+    bench_goodput.add_arguments(bsub.add_parser(
+        "goodput", help="the highest request rate at which a server meets TTFT and ITL targets"))
     from splitserve.bench import replay as bench_replay
     bench_replay.add_arguments(bsub.add_parser("replay", help="replay a trace on a local mock cluster"))
     from splitserve.bench import routesim as bench_routesim
@@ -84,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         "routesim", help="the real router driving simulated workers on a virtual clock"))
     from splitserve.bench import plan as bench_plan
     bench_plan.add_arguments(bsub.add_parser("plan", help="simulate the SLA planner on a trace (virtual clock)"))
-    for p in (msub.choices["tiny"], bsub.choices["serve"], bsub.choices["replay"]):
+    for p in (msub.choices["tiny"], bsub.choices["serve"], bsub.choices["goodput"], bsub.choices["replay"]):
         show_defaults(p)
     return parser
 
@@ -109,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "bench" and args.bench_command == "plan":
         from splitserve.bench import plan as bench_plan
         return bench_plan.main(args)
+    if cmd == "bench" and args.bench_command == "goodput":
+        from splitserve.bench import goodput as bench_goodput
+        return bench_goodput.main(args)
     if cmd == "bench" and args.bench_command == "replay":
         from splitserve.bench import replay as bench_replay
         return bench_replay.main(args)
@@ -158,7 +164,10 @@ def component_config(args: argparse.Namespace) -> (ServeConfig | FrontendConfig 
     cmd = args.command
     if cmd == "serve":        # serve resolves the model itself, to report a bad one its own way
         engine = config_from_args(EngineConfig, args, prefix="engine.")
-        return config_from_args(ServeConfig, args, given={"frontend.model": engine.model})
+        cfg = config_from_args(ServeConfig, args, given={"frontend.model": engine.model})
+        from splitserve.serve import itl_guard_settings
+        check_itl_guard(dataclasses.replace(cfg.frontend, **itl_guard_settings(cfg)))
+        return cfg
     if cmd == "planner":
         cfg = config_from_args(PlannerComponentConfig, args)
         from planner.live import check_sla
@@ -170,6 +179,7 @@ def component_config(args: argparse.Namespace) -> (ServeConfig | FrontendConfig 
         cfg = config_from_args(ControllerComponentConfig, args)
     elif cmd == "frontend":
         cfg = config_from_args(FrontendConfig, args)
+        check_itl_guard(cfg)
         cfg = dataclasses.replace(cfg, model=resolve_model(cfg.model))
     else:
         cfg = config_from_args(WorkerConfig, args, given={"role": "prefill"} if cmd == "prefill-worker" else None)
@@ -179,3 +189,12 @@ def component_config(args: argparse.Namespace) -> (ServeConfig | FrontendConfig 
     if not cfg.redis.url:
         raise ConfigError("--redis-url (or SPLITSERVE_REDIS_URL, or redis.url in --config) is required")
     return cfg
+
+
+def check_itl_guard(cfg: FrontendConfig) -> None:
+    """A bad --itl-target-ms or --decode-profile is a start-up error, not a frontend that dies later."""
+    from frontend.disagg_policy import make_itl_guard
+    try:
+        make_itl_guard(cfg.itl_target_ms, cfg.decode_profile)
+    except ValueError as e:
+        raise ConfigError(f"--itl-target-ms / --decode-profile: {e}") from None

@@ -439,7 +439,8 @@ def worker_config(cfg: ServeConfig, model_dir: str, role: str, index: int | str)
 
 
 def frontend_config(cfg: ServeConfig, model_dir: str) -> FrontendConfig:
-    """The frontend's: the workers' model, named for clients; no key (it comes by environment)."""
+    """The frontend's: the workers' model, named for clients; no key (it comes by environment).
+    With the planner, the decode workers' ITL target and profile are the planner's unless given."""
     spec = cfg.engine.model
     model_name = cfg.frontend.model_name or (spec.split(":")[0] if spec.startswith("tiny") else Path(model_dir).name)
     max_model_len = cfg.engine.max_model_len
@@ -447,7 +448,17 @@ def frontend_config(cfg: ServeConfig, model_dir: str) -> FrontendConfig:
         from perf.profile import DEFAULT_MAX_MODEL_LEN
         max_model_len = DEFAULT_MAX_MODEL_LEN
     return dataclasses.replace(cfg.frontend, model=model_dir, model_name=model_name, api_key=None,
-                               max_model_len=max_model_len)
+                               max_model_len=max_model_len, **itl_guard_settings(cfg))
+
+
+def itl_guard_settings(cfg: ServeConfig) -> dict:
+    """The frontend's --itl-target-ms and --decode-profile under `serve`: its own when given, else
+    the planner's --itl-ms and --planner-profile when the planner runs."""
+    f, planner = cfg.frontend, cfg.planner
+    if not planner.enabled:
+        return {}
+    return {"itl_target_ms": planner.itl_ms if f.itl_target_ms is None else f.itl_target_ms,
+            "decode_profile": planner.profile if f.decode_profile is None else f.decode_profile}
 
 
 def wait_ready(cluster: Cluster, health_url: str, num_decode: int, num_prefill: int, timeout_s: float,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command on the GPU machine, from the repository root there:
-#   bench/device/run.sh [jit] [pytest] [pytest_fp8] [bench] [bench_cc] [kernels] [correctness] [fp8acc] [serve] [gemv] [compare] [startup] [profile] [tiers] [tiers_engine] [sampling] ...
+#   bench/device/run.sh [jit] [pytest] [pytest_fp8] [bench] [bench_cc] [kernels] [correctness] [fp8acc] [serve] [goodput] [gemv] [compare] [startup] [profile] [tiers] [tiers_engine] [sampling] ...
 # (jit: FlashInfer's JIT modules built in the background, all at once, for the stages after it;
 #  bench: the engine's defaults; bench_cc: the same with the CUDA-core decode kernel, to compare)
 # Installs the wheels from $WHL_DIRS (default: .whl .whl_web, carried beside the tree) into .site once,
@@ -50,6 +50,10 @@ for stage in "$@"; do
                    ${CORR_ARGS:-} 2>&1 | tee "$OUT/correctness.log" | grep -v Warning | tail -40 ;;
     serve) timeout "$(left 0 "${T_SERVE:-560}")" python3 bench/device/serve_e2e.py --out "$OUT" \
              ${SERVE_ARGS:---arch llama-3.1-8b --scenario 1k1k --concurrency 4,16,64,128} 2>&1 | tail -40 | tee "$OUT/serve.log" ;;
+    goodput) # bench goodput per configuration (aggN, every xPyD), workload and target pair (docs/benchmarking.md)
+             timeout "$(left 0 "${T_GOODPUT:-560}")" python3 bench/device/goodput_study.py --out "$OUT" \
+               --budget-s "$(left 20 "${T_GOODPUT:-540}")" ${GOODPUT_ARGS:---gpus 2 --configs all --workloads 8k256 --targets tight} \
+               2>&1 | tee "$OUT/goodput_study.log" | grep -v '"goodput_probe"' | tail -40 ;;
     kernels) timeout "$(left 0 "${T_KERNELS:-300}")" python3 bench/device/decode_kernels.py --out "$OUT/decode_kernels.jsonl" \
                ${KERNELS_ARGS:-} 2>&1 | tee "$OUT/decode_kernels.log" | grep -v Warning ;;
     compare) # HEAD against the baseline tree carried in .base (git archive of the commit before a change),

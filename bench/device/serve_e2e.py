@@ -69,7 +69,8 @@ def bench_serve_args(args: argparse.Namespace) -> list[str]:
 
 
 MODES = ("agg", "disagg")
-COUNTED = ("splitserve_prefill_remote_total", "splitserve_prefill_local_total", "splitserve_prefill_fallback_total",
+COUNTED = ("splitserve_prefill_remote_total", "splitserve_prefill_local_total", "splitserve_prefill_held_for_itl_total",
+           "splitserve_prefill_fallback_total",
            "splitserve_prefill_timeouts_total", "splitserve_prefill_refused_total", "splitserve_kv_handoffs_total",
            "splitserve_request_migrations_total", "splitserve_request_errors_total")
 

@@ -52,7 +52,7 @@ from runtime.config import LOWER_TIER_WEIGHT, RoutingPolicy
 from sim.oracle import PooledCacheOracle
 from splitserve.bench.sessions import SessionsConfig, load_azure, session_specs
 from splitserve.bench.clients import RequestSpec
-from splitserve.bench.serve import _event_loop_factory, emit, git_sha, run_level
+from splitserve.bench.serve import event_loop_factory, emit, git_sha, run_level
 from splitserve.bench.stats import summarize_level
 from splitserve.bench.workloads import BenchInputError, load_trace, random_prompt, trace_specs
 
@@ -315,7 +315,7 @@ def run_policy(args: argparse.Namespace, policy: str, specs: list[RequestSpec]) 
             if not wait_ready(cluster, f"http://127.0.0.1:{http_port}/health", args.workers, 0,
                               args.startup_timeout_s, {"sig": None}):
                 raise RuntimeError(f"the {policy} cluster did not start")
-            with asyncio.Runner(loop_factory=_event_loop_factory("http://")) as runner:
+            with asyncio.Runner(loop_factory=event_loop_factory("http://")) as runner:
                 run, statuses = runner.run(replay(args, specs, f"http://127.0.0.1:{http_port}", policy,
                                                   redis.url, namespace))
         finally:

@@ -130,10 +130,32 @@ async def run_replay(send, specs: Sequence[RequestSpec],
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_target_arguments(parser)
+    add_workload_arguments(parser)
     p = parser
+    p.add_argument("--speedup", type=float, default=1.0,
+                   help="trace replay: divide arrival times by this")
+    p.add_argument("--concurrency", default=None,
+                   help=f"comma-separated closed-loop levels (default {DEFAULT_CONCURRENCY}); "
+                        "with --trace, given = closed loop over the trace, absent = replay arrivals")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help=f"requests per level (default max(4*concurrency, 16), at most "
+                        f"{DEFAULT_REQUESTS_CAP}; replay: the whole trace)")
+    add_report_arguments(parser, "the Pareto plot")
+
+
+def add_target_arguments(p: argparse.ArgumentParser) -> None:
+    """The server and how to reach it (shared with `bench goodput`)."""
     p.add_argument("--url", default="http://127.0.0.1:8000",
                    help="http://host:port (OpenAI API) or grpc://host:port (gRPC API)")
     p.add_argument("--model", default=None, help="model id (default: the first the server lists)")
+    p.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"),
+                   help="bearer token (default: $SPLITSERVE_API_KEY)")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="per-request limit, whole stream")
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """What each request asks for (shared with `bench goodput`)."""
     p.add_argument("--isl", type=int, default=None,
                    help="input tokens per request (random ids; the maximum if --random-range-ratio < 1)")
     p.add_argument("--osl", type=int, default=None,
@@ -146,12 +168,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "benchmark_serving --random-range-ratio that InferenceMAX runs; default "
                         f"{SCENARIO_RANGE_RATIO} with --scenario (InferenceMAX's value), 1 (exact "
                         "lengths) with --isl/--osl; not with --trace")
-    p.add_argument("--trace", default=None, help="Mooncake JSONL trace (timestamp, lengths, hash_ids)")
+    p.add_argument("--trace", default=None,
+                   help="Mooncake JSONL trace (timestamp, lengths, hash_ids) or Azure LLM CSV "
+                        "(TIMESTAMP, ContextTokens, GeneratedTokens)")
     p.add_argument("--trace-scale", type=float, default=1.0,
                    help="multiply trace lengths and the 512-token block size by this")
     p.add_argument("--max-input-len", type=int, default=None, help="cap trace input lengths")
-    p.add_argument("--speedup", type=float, default=1.0,
-                   help="trace replay: divide arrival times by this")
     p.add_argument("--corpus", default=None, metavar="PATH",
                    help="send text prompts: windows of the input length cut from this text file (or the "
                         ".txt/.md/.py/.rst files under this directory), so that the server tokenizes them "
@@ -160,21 +182,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --corpus: the served model's directory (its tokenizer.json), or tiny")
     p.add_argument("--vocab-size", type=int, default=4000,
                    help="prompt token ids are drawn from [0, vocab-size), below the special tokens")
-    p.add_argument("--concurrency", default=None,
-                   help=f"comma-separated closed-loop levels (default {DEFAULT_CONCURRENCY}); "
-                        "with --trace, given = closed loop over the trace, absent = replay arrivals")
-    p.add_argument("--num-requests", type=int, default=None,
-                   help=f"requests per level (default max(4*concurrency, 16), at most "
-                        f"{DEFAULT_REQUESTS_CAP}; replay: the whole trace)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def add_report_arguments(p: argparse.ArgumentParser, plot: str) -> None:
+    """Warm-up, GPUs, where results go (shared with `bench goodput`)."""
     p.add_argument("--warmup", type=int, default=2, help="requests sent before the sweep, not measured")
     p.add_argument("--gpus", type=int, default=1, help="GPUs serving; divides throughput per GPU")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout-s", type=float, default=600.0, help="per-request limit, whole stream")
     p.add_argument("--output", default=None, help="append the JSON lines to this file")
-    p.add_argument("--plot", default=None, help="write the Pareto plot to this PNG")
+    p.add_argument("--plot", default=None, help=f"write {plot} to this PNG")
     p.add_argument("--label", default="", help="device label for the plot title and the JSON")
-    p.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"),
-                   help="bearer token (default: $SPLITSERVE_API_KEY)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -369,7 +386,7 @@ def finish_sweep(args: argparse.Namespace, header: dict, levels: list[dict]) -> 
     return 0
 
 
-def _event_loop_factory(url: str):
+def event_loop_factory(url: str):
     if url.startswith("grpc://"):
         return None  # grpc.aio is only supported on the standard asyncio loop
     try:
@@ -383,7 +400,7 @@ def main(args: argparse.Namespace) -> int:
     """Run the sweep; 0 when it ran (failed requests are reported, not fatal), 2 on bad input."""
     try:
         plan = make_plan(args)
-        with asyncio.Runner(loop_factory=_event_loop_factory(args.url)) as runner:
+        with asyncio.Runner(loop_factory=event_loop_factory(args.url)) as runner:
             return runner.run(run_sweep(args, plan))
     except BenchInputError as e:
         print(f"bench serve: {e}", file=sys.stderr)

@@ -1,5 +1,6 @@
-"""The workloads of `splitserve bench serve`: named scenarios, random and corpus prompts, Mooncake-style
-traces rebuilt from their prefix-block hash ids, and the request specs built from them.
+"""The workloads of `splitserve bench serve` and `bench goodput`: named scenarios, random and corpus
+prompts, Mooncake-style traces rebuilt from their prefix-block hash ids (or an Azure CSV's lengths,
+each request a prompt of its own), and the request specs built from them.
 
 Pure data in, `RequestSpec`s out; it knows nothing of clients or servers.
 """
@@ -107,7 +108,7 @@ def trace_prompt(hash_ids: Sequence[int], input_len: int, block_size: int, vocab
 
 def load_trace(path: str, scale: float = 1.0, max_input_len: int | None = None,
                limit: int | None = None) -> tuple[list[TraceRow], int]:
-    """Read a Mooncake JSONL trace; returns the rows and the (scaled) block size in tokens.
+    """Read a Mooncake JSONL trace or an Azure CSV; returns the rows and the (scaled) block size in tokens.
 
     Lengths and the block size are multiplied by `scale` together (at least 1 token each);
     `max_input_len` then caps the input length.
@@ -115,6 +116,8 @@ def load_trace(path: str, scale: float = 1.0, max_input_len: int | None = None,
     if scale <= 0:
         raise BenchInputError(f"--trace-scale must be > 0, got {scale}")
     block_size = max(1, round(TRACE_BLOCK_TOKENS * scale))
+    if _is_azure_csv(path):
+        return _azure_rows(path, scale, max_input_len, limit, block_size), block_size
     rows: list[TraceRow] = []
     try:
         with open(path) as f:
@@ -138,6 +141,39 @@ def load_trace(path: str, scale: float = 1.0, max_input_len: int | None = None,
     if not rows:
         raise BenchInputError(f"trace {path} has no requests")
     return rows, block_size
+
+
+AZURE_BLOCK_ID_BASE = 1 << 40   # the Azure trace's own block ids, apart from any Mooncake id
+
+
+def _is_azure_csv(path: str) -> bool:
+    try:
+        with open(path) as f:
+            return f.readline().startswith("TIMESTAMP")
+    except OSError as e:
+        raise BenchInputError(f"cannot read trace {path}: {e}") from None
+
+
+def _azure_rows(path: str, scale: float, max_input_len: int | None, limit: int | None,
+                block_size: int) -> list[TraceRow]:
+    """An Azure LLM inference CSV as trace rows. It records lengths, not content: each request gets
+    block ids of its own (AZURE_BLOCK_ID_BASE + row * 2^20 + block), so no two share a prefix."""
+    from sim.workload import WorkloadError, load_workload
+    try:
+        w = load_workload(path)
+    except WorkloadError as e:
+        raise BenchInputError(str(e)) from None
+    n = len(w) if limit is None else min(limit, len(w))
+    rows = []
+    for i in range(n):
+        input_len = max(1, round(int(w.prompt[i]) * scale))
+        if max_input_len is not None:
+            input_len = min(input_len, max_input_len)
+        first = AZURE_BLOCK_ID_BASE + (i << 20)
+        rows.append(TraceRow(float(w.arrival_s[i]) * 1000.0, input_len,
+                             max(1, round(int(w.output[i]) * scale)),
+                             tuple(range(first, first + -(-input_len // block_size)))))
+    return rows
 
 
 def random_lengths(seed: Sequence[int], isl: int, osl: int, range_ratio: float) -> tuple[int, int]:

@@ -163,6 +163,8 @@ def test_rendered_configs_build_the_component_configs(value_set):
         assert configs["prefill"].get("prefill_deadline_ms") == want
     if "planner" in configs:
         config_from_dict(config_module.PlannerComponentConfig, configs["planner"], "planner.json")
+    # the planner's ITL target keeps long prefills off the decode workers; none without it
+    assert fe.itl_target_ms == (configs["planner"]["itl_ms"] if "planner" in configs else None)
 
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)

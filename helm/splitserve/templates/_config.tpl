@@ -10,6 +10,9 @@ SPLITSERVE_ADMIN_TOKEN).
 {{- define "splitserve.frontendConfig" -}}
 {{- $c := dict }}
 {{- range $k, $v := .Values.frontend.config }}{{ $_ := set $c $k $v }}{{ end }}
+{{- if and .Values.planner.enabled (eq (toString $c.itl_target_ms) "<nil>") }}
+{{- $_ := set $c "itl_target_ms" .Values.planner.config.itl_ms }}
+{{- end }}
 {{- $_ := set $c "model" (include "splitserve.modelDir" .) }}
 {{- $_ := set $c "host" "0.0.0.0" }}
 {{- $_ := set $c "http_port" .Values.frontend.httpPort }}

@@ -13,6 +13,7 @@ import pytest
 from runtime.cli_args import config_from_args
 from runtime.config import EngineConfig, FrontendConfig, ServeConfig, WorkerConfig
 from runtime.config_fields import TRI_STATE, settings
+from perf.profile import CURVE_PROFILE_PATH
 from splitserve import serve
 from splitserve.cli import build_parser, component_config, main
 
@@ -67,7 +68,10 @@ def test_every_engine_field_reaches_the_workers_through_their_config_files(tmp_p
 def test_every_frontend_field_reaches_the_frontend(model_dir):
     argv, expected = ["--model", model_dir], {}
     for s in settings(FrontendConfig):
-        if s.path.split(".")[0] not in ("model", "block_size", "max_model_len", "api_key"):
+        if s.path == "decode_profile":       # read when the config is built: a real profile
+            flag_args, expected[s.path] = [s.flag, str(CURVE_PROFILE_PATH)], str(CURVE_PROFILE_PATH)
+            argv += flag_args
+        elif s.path.split(".")[0] not in ("model", "block_size", "max_model_len", "api_key"):
             flag_args, expected[s.path] = not_default(s)
             argv += flag_args
     cfg = parse("serve", *argv)
@@ -151,6 +155,21 @@ def test_help_shows_every_flag_with_its_default(capsys):
         text = " ".join(capsys.readouterr().out.split())
         assert "(default: $SPLITSERVE_REDIS_URL, else none)" in text
         assert command == "frontend" or "--async-scheduling auto|on|off" in text
+
+
+def test_the_planners_itl_target_and_profile_reach_the_frontend_unless_it_has_its_own(model_dir, capsys):
+    def frontend(*argv):
+        return serve.frontend_config(parse("serve", "--model", model_dir, *argv), model_dir)
+    assert (frontend().itl_target_ms, frontend().decode_profile) == (None, None)
+    fe = frontend("--planner", "--itl-ms", "20", "--planner-profile", str(CURVE_PROFILE_PATH))
+    assert (fe.itl_target_ms, fe.decode_profile) == (20.0, str(CURVE_PROFILE_PATH))
+    assert frontend("--planner", "--itl-ms", "20", "--itl-target-ms", "35").itl_target_ms == 35.0
+    assert frontend("--itl-target-ms", "35").itl_target_ms == 35.0
+    assert main(["serve", "--model", model_dir, "--itl-target-ms", "0"]) == 2
+    assert "the ITL target must be > 0" in capsys.readouterr().err
+    assert main(["frontend", "--model", model_dir, "--redis-url", "redis://h/0", "--itl-target-ms", "15",
+                 "--decode-profile", "/nonexistent.json"]) == 2
+    assert "cannot read profile /nonexistent.json" in capsys.readouterr().err
 
 
 def test_api_key_comes_from_the_environment_and_never_reaches_a_file(tmp_path, model_dir, monkeypatch):
