@@ -34,6 +34,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from runtime.config import WorkerConfig
 from runtime.discovery import Lease, WorkerInfo
+from runtime.errors import StartupError
+from runtime.host_checks import disk_dir_problem
 from runtime.kv_events import KvEventPublisher
 from runtime.lifecycle import WORKER_HEALTH_SERVICE, WorkerState
 from runtime.logging import Throttled
@@ -104,9 +106,11 @@ def worker_engine_config(cfg: WorkerConfig):
     e = cfg.engine
     if not (e.kv_disk_dir and cfg.worker_id):
         return e
+    problem = disk_dir_problem(e.kv_disk_dir)     # said of the directory the user gave, not of ours
+    if problem:
+        raise StartupError(problem)
     sub = os.path.join(e.kv_disk_dir, cfg.worker_id)
-    if os.path.isdir(e.kv_disk_dir):          # a missing parent stays the tier's start-up error
-        os.makedirs(sub, exist_ok=True)
+    os.makedirs(sub, exist_ok=True)
     return dataclasses.replace(e, kv_disk_dir=sub)
 
 

@@ -19,7 +19,8 @@ from runtime.cli_args import add_config_args, config_from_args
 from runtime.config import (ControllerComponentConfig, EngineConfig, FrontendConfig, PlannerComponentConfig,
                             ServeConfig, WorkerConfig)
 from runtime.config_fields import ConfigError
-from runtime.errors import InvalidRequest
+from runtime.errors import InvalidRequest, StartupError
+from runtime.host_checks import device_problem
 from runtime.logging import setup_logging
 from runtime.process import enable_stack_dumps, run_component
 
@@ -141,13 +142,21 @@ def main(argv: list[str] | None = None) -> int:
         from frontend.main import serve_frontend
         run_component(serve_frontend(cfg))
         return 0
+    problem = device_problem(cfg.engine.device)
+    if problem:                      # before the engine loads: no traceback 15 s later
+        print(f"splitserve {cmd}: {problem}", file=sys.stderr)
+        return 2
     setup_logging(cfg.worker_id or cmd)
-    if cmd == "prefill-worker":
-        from prefill_worker.main import serve_prefill_worker
-        run_component(serve_prefill_worker(cfg))
-    else:
-        from decode_worker.main import serve_worker
-        run_component(serve_worker(cfg))
+    try:
+        if cmd == "prefill-worker":
+            from prefill_worker.main import serve_prefill_worker
+            run_component(serve_prefill_worker(cfg))
+        else:
+            from decode_worker.main import serve_worker
+            run_component(serve_worker(cfg))
+    except StartupError as e:        # e.g. an unusable --kv-disk-dir: one line, not a traceback
+        print(f"splitserve {cmd}: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

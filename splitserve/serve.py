@@ -48,6 +48,7 @@ from runtime.admin_auth import new_token, write_token_file
 from runtime.config import FrontendConfig, ServeConfig, WorkerConfig
 from runtime.config_file import write_config
 from runtime.errors import InvalidRequest
+from runtime.host_checks import device_problem, disk_dir_problem
 from runtime.metrics import PoolMetrics, start_metrics_server
 from runtime.process import bounded, run_component, with_parent_death
 from runtime.redis_embedded import EmbeddedRedis
@@ -57,7 +58,8 @@ log = logging.getLogger("splitserve.serve")
 
 STOP_MARGIN_S = 15.0          # beyond the drain timeout, before stragglers are killed
 CLOSE_TIMEOUT_S = 5.0         # for each of serve's own clean-up steps; the workers' drain goes on regardless
-SECRETS_ENV = ("SPLITSERVE_ADMIN_TOKEN",)
+# never passed on as they are: the admin token reaches no child, the API key only the frontend
+SECRETS_ENV = ("SPLITSERVE_ADMIN_TOKEN", "SPLITSERVE_API_KEY")
 
 
 class Cluster:
@@ -118,19 +120,19 @@ def serve(cfg: ServeConfig, launcher: type[Launcher] | None = None, connect=None
     """Run the cluster `cfg` describes until stopped. `serve --ray` passes its launcher and how it
     connects to Ray (splitserve/ray_serve.py); `connect(cfg)` False: exit 2."""
     launcher = launcher or Launcher
+    problem = machine_problem(cfg)
+    if problem:
+        print(f"splitserve serve: {problem}", file=sys.stderr)
+        return 2
     try:
         model_dir = resolve_model(cfg.engine.model)
     except InvalidRequest as e:
         print(f"splitserve serve: {e.message}", file=sys.stderr)
         return 2
-    from kvstore.movers.transfer import nixl_available
-    if cfg.prefill_workers and cfg.engine.mock:
-        print("splitserve serve: mock workers hold no KV to move; serving aggregated", file=sys.stderr)
-        cfg = dataclasses.replace(cfg, prefill_workers=0)
-    if cfg.prefill_workers and not nixl_available():
-        print("splitserve serve: NIXL is not installed (pip install 'splitserve[nixl]'); serving aggregated",
-              file=sys.stderr)
-        cfg = dataclasses.replace(cfg, prefill_workers=0)
+    cfg, aggregated_why = serving_mode(cfg)
+    if aggregated_why:
+        print(f"splitserve serve: {aggregated_why}: serving aggregated, {cfg.decode_workers} worker(s) that "
+              "prefill their own prompts", file=sys.stderr)
     profile = None
     if cfg.planner.enabled:
         try:
@@ -140,26 +142,54 @@ def serve(cfg: ServeConfig, launcher: type[Launcher] | None = None, connect=None
             print(f"splitserve serve: --planner: {getattr(e, 'message', e)}", file=sys.stderr)
             return 2
     try:
-        book = pool_book(cfg)
+        book = pool_book(cfg, aggregated_why)
     except InvalidRequest as e:
         print(f"splitserve serve: {e.message}", file=sys.stderr)
         return 2
     if connect is not None and not connect(cfg):
         return 2
     runner = launcher(cfg, model_dir, book)
+    runner.aggregated_why = aggregated_why
     runner.planner_profile = profile
     return run_component(runner.run())
 
 
-def pool_book(cfg: ServeConfig) -> PoolBook:
-    """The pools' start sizes and limits; aggregated serving (--prefill-workers 0) fixes the prefill pool at 0."""
+def machine_problem(cfg: ServeConfig) -> str:
+    """Why this machine cannot run the workers `cfg` asks for ("" when it can), found before anything
+    starts. Workers on a Ray cluster's other nodes are theirs to check."""
+    if cfg.ray.address not in (None, "local"):
+        return ""
+    return device_problem(cfg.engine.device) or disk_dir_problem(cfg.engine.kv_disk_dir)
+
+
+def serving_mode(cfg: ServeConfig) -> tuple[ServeConfig, str]:
+    """`cfg` as it can serve here, and why it serves aggregated although it was asked for prefill
+    workers ("": as asked). Mock workers hold no KV to move; without NIXL no KV moves at all."""
+    n = cfg.prefill_workers
+    if not n:
+        return cfg, ""
+    if cfg.engine.mock:
+        why = "--mock workers hold no KV to move"
+    else:
+        from kvstore.movers.transfer import nixl_available
+        if nixl_available():
+            return cfg, ""
+        why = ("NIXL, which moves the KV from prefill to decode workers, is not installed here "
+               "(`make serve` installs it; or pip install 'splitserve[nixl]')")
+    return dataclasses.replace(cfg, prefill_workers=0), f"--prefill-workers {n} was asked, but {why}"
+
+
+def pool_book(cfg: ServeConfig, aggregated_why: str = "") -> PoolBook:
+    """The pools' start sizes and limits; aggregated serving fixes the prefill pool at 0, saying why
+    (--prefill-workers 0, or `aggregated_why` from `serving_mode`)."""
     c = cfg.controller
     decode = PoolSpec(cfg.decode_workers, c.min_decode_workers, c.max_decode_workers)
     if cfg.prefill_workers:
         prefill = PoolSpec(cfg.prefill_workers, c.min_prefill_workers, c.max_prefill_workers)
     else:
-        prefill = PoolSpec(0, 0, 0, fixed="this cluster serves aggregated (started with --prefill-workers 0): "
-                                          "every worker prefills its own prompts")
+        why = aggregated_why or "started with --prefill-workers 0"
+        prefill = PoolSpec(0, 0, 0, fixed=f"this cluster serves aggregated ({why}): every worker prefills "
+                                          "its own prompts")
     for name, spec, n in (("decode", decode, cfg.decode_workers), ("prefill", prefill, cfg.prefill_workers)):
         if not spec.min <= n <= spec.max:
             raise InvalidRequest(f"--{name}-workers {n} lies outside the {name} pool's limits "
@@ -187,11 +217,13 @@ class Launcher:
         self.controller: PoolController | None = None
         self.planner = None                           # with --planner: a planner.live.PlannerLoop (an actor on Ray)
         self.planner_profile = None
+        self.aggregated_why = ""                      # serving_mode's: why no prefill pool although asked
         self.admin = None
         self.admin_token = ""                         # in memory only; a planner actor gets it by environment
         self.token_path: Path | None = None
         self.admin_address = ""
-        self.env: dict[str, str] = {}
+        self.env: dict[str, str] = {}                 # every child's environment: no secret in it
+        self.frontend_env: dict[str, str] = {}        # the frontend's: that and the API key
 
     # ---- the run ----------------------------------------------------------------------------
     async def run(self) -> int:
@@ -219,8 +251,9 @@ class Launcher:
                 cfg.frontend, redis=dataclasses.replace(cfg.frontend.redis, url=self.redis.url)))
         self.env = {k: v for k, v in os.environ.items() if k not in SECRETS_ENV}
         self.env["PYTHONUNBUFFERED"] = "1"
-        if cfg.frontend.api_key:
-            self.env["SPLITSERVE_API_KEY"] = cfg.frontend.api_key    # by environment, never argv or a file
+        self.frontend_env = dict(self.env)
+        if cfg.frontend.api_key:       # the frontend's alone: by environment, never argv or a file
+            self.frontend_env["SPLITSERVE_API_KEY"] = cfg.frontend.api_key
         if not await self._start_controller():
             return 2
         self._start_frontend()
@@ -279,7 +312,7 @@ class Launcher:
 
     def _start_frontend(self) -> None:
         self.frontend = self.cluster.spawn_component("frontend", "frontend", frontend_config(self.cfg, self.model_dir),
-                                                     self.env)
+                                                     self.frontend_env)
         self.frontend_started = time.monotonic()
 
     async def _wait_ready(self) -> bool:
@@ -399,14 +432,18 @@ class Launcher:
         url = f"http://{cfg.frontend.host}:{cfg.frontend.http_port}"
         pools = (f"{cfg.prefill_workers} prefill + {cfg.decode_workers} decode worker(s)" if cfg.prefill_workers
                  else f"{cfg.decode_workers} aggregated worker(s)")
+        if self.aggregated_why:
+            pools += f" ({self.aggregated_why})"
         token = (f"token in {self.token_path}" if self.token_path
                  else "token: --admin-token / SPLITSERVE_ADMIN_TOKEN")
+        # the key itself is never printed: a placeholder the shell fills from the environment
+        auth = " -H \"Authorization: Bearer $SPLITSERVE_API_KEY\"" if cfg.frontend.api_key else ""
         return (f"\nSplitserve is ready: model {model_name!r}, {pools}\n"
                 f"  OpenAI HTTP  {url}/v1   (health {url}/health, metrics {url}/metrics)\n"
                 f"  gRPC         {cfg.frontend.host}:{cfg.frontend.grpc_port}   (splitserve.v1.Generation)\n"
                 f"  Admin        {self.admin_address}   (splitserve pools status --admin-url "
                 f"{self.admin_address}; {token})\n"
-                f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "
+                f"  try: curl {url}/v1/completions{auth} -H 'Content-Type: application/json' "
                 f"-d '{{\"model\": \"{model_name}\", \"prompt\": \"def hello\", \"max_tokens\": 16}}'\n"
                 f"Ctrl-C drains and stops everything.\n")
 

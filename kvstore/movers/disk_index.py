@@ -29,13 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.block_format import BlockFormat
+from runtime.errors import StartupError
 
 FORMAT_VERSION = 1
 _I64 = 1 << 63
 _U64 = 1 << 64
 
 
-class DiskTierError(RuntimeError):
+class DiskTierError(StartupError):
     """The disk tier cannot start: a bad directory, too little space, or a foreign format."""
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 from dataclasses import MISSING, fields
 
 import pytest
@@ -194,3 +195,51 @@ def test_config_classes_declare_help_for_every_field():
         assert {f.name for f in fields(cls)} == leaves
         assert all(s.meta.help for s in settings(cls))
         assert all(s.default is not MISSING or s.meta.cli_default for s in settings(cls))
+
+
+def test_device_cuda_without_cuda_is_one_line_within_three_seconds(capsys, monkeypatch):
+    from runtime.host_checks import cuda_problem
+    if not cuda_problem():
+        pytest.skip("this machine has CUDA")
+    monkeypatch.setenv("SPLITSERVE_REDIS_URL", "redis://127.0.0.1:1/0")
+    for argv in (["serve", "--device", "cuda"], ["decode-worker", "--device", "cuda"],
+                 ["prefill-worker", "--device", "cuda"]):
+        t0 = time.monotonic()
+        assert main(argv) == 2, argv
+        took_s = time.monotonic() - t0
+        err = capsys.readouterr().err
+        assert took_s < 3.0, (argv, took_s)
+        assert "--device cuda" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_missing_kv_disk_dir_is_named_as_given_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_REDIS_URL", "redis://127.0.0.1:1/0")
+    missing = tmp_path / "no-such-dir"
+    tiers = ["--kv-host-gib", "0.01", "--kv-disk-gib", "0.01", "--kv-disk-dir", str(missing), "--device", "cpu"]
+    assert main(["serve", *tiers]) == 2
+    err = capsys.readouterr().err
+    assert f"--kv-disk-dir {missing} does not exist" in err and "Traceback" not in err, err
+    from runtime.worker_host import worker_engine_config
+    from runtime.errors import StartupError
+    cfg = parse("decode-worker", *tiers, "--worker-id", "decode-0")
+    with pytest.raises(StartupError, match=f"--kv-disk-dir {missing} does not exist"):
+        worker_engine_config(cfg)              # the worker names the user's directory, not decode-0
+    assert not missing.exists()
+
+
+@pytest.mark.parametrize("why, flags", [("NIXL", []), ("--mock", ["--mock"])])
+def test_serving_aggregated_against_the_flags_says_what_was_asked_and_why(why, flags, monkeypatch, capsys):
+    import sys
+    from runtime.errors import InvalidRequest
+    monkeypatch.setitem(sys.modules, "nixl", None)         # NIXL not installed
+    monkeypatch.setenv("SPLITSERVE_REDIS_URL", "redis://127.0.0.1:1/0")
+    cfg, reason = serve.serving_mode(parse("serve", "--prefill-workers", "1", "--decode-workers", "2", *flags))
+    assert (cfg.prefill_workers, cfg.decode_workers) == (0, 2)
+    assert "--prefill-workers 1 was asked" in reason and why in reason, reason
+    note = serve.pool_book(cfg, reason).pools["prefill"].fixed      # what `pools status|limits` show
+    assert "--prefill-workers 1 was asked" in note and why in note and "started with" not in note, note
+    with pytest.raises(InvalidRequest, match="--prefill-workers 1 was asked") as e:
+        serve.pool_book(cfg, reason).scale({"prefill": 1})           # `pools scale --prefill 1`
+    assert "started with --prefill-workers 0" not in e.value.message
+    asked_zero, none = serve.serving_mode(parse("serve", "--prefill-workers", "0"))
+    assert none == "" and "started with --prefill-workers 0" in serve.pool_book(asked_zero).pools["prefill"].fixed
