@@ -90,7 +90,8 @@ async def run_controller(cfg: ControllerComponentConfig) -> int:
     if mhost in ("0.0.0.0", "::", ""):     # the frontends merge this /metrics: this pod's address
         mhost = os.environ.get("POD_IP") or "127.0.0.1"
     controller = PoolController(book, connector, roles, cfg.redis.url, cfg.redis.namespace, metrics,
-                                metrics_url=f"http://{mhost}:{mport}/metrics", name="controller")
+                                metrics_url=f"http://{mhost}:{mport}/metrics", name="controller",
+                                lease_ttl_s=cfg.redis.lease_ttl_s)
     holder["c"] = controller
     token = c.admin_token or new_token()
     try:

@@ -6,23 +6,20 @@ runtime/config.py (runtime/cli_args.py); a component also takes `--config FILE`,
 config, which is how `serve` hands each child its config. Secrets (the API key) are read from the
 environment (SPLITSERVE_API_KEY, SPLITSERVE_ADMIN_TOKEN) as well as flags, so launchers can pass
 them without putting them on a command line that `ps` shows. `pools` and `workers` talk to a running
-cluster's admin API (splitserve/admin_cli.py). Engine code is imported only by the commands that run one.
+cluster's admin API (splitserve/admin_cli.py).
+
+Each command imports only what it runs: engine code only for the commands that run one, and
+`pools`/`workers` go straight to the admin CLI (its own parser, gRPC and the admin stubs; no config
+classes, no asyncio, no numpy), so that an operator's `pools status` answers in a fraction of a second.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
-from runtime.cli_args import add_config_args, config_from_args
-from runtime.config import (ControllerComponentConfig, EngineConfig, FrontendConfig, PlannerComponentConfig,
-                            ServeConfig, WorkerConfig)
-from runtime.config_fields import ConfigError
-from runtime.errors import InvalidRequest, StartupError
-from runtime.host_checks import device_problem
-from runtime.logging import setup_logging
-from runtime.process import enable_stack_dumps, run_component
+DESCRIPTION = ("The splitserve command: serve a cluster on this machine (or on Ray), run one of its "
+               "components, operate its pools, make the tiny model, profile and benchmark.")
 
 # serve's frontend follows the engine: its model is the workers', its block size is learned
 SERVE_SKIPS = ("frontend.model", "frontend.block_size", "frontend.max_model_len")
@@ -45,8 +42,10 @@ def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    from runtime.cli_args import add_config_args
+    from runtime.config import ControllerComponentConfig, FrontendConfig, PlannerComponentConfig, ServeConfig, WorkerConfig
+    parser = argparse.ArgumentParser(prog="splitserve", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("serve", help="a whole cluster on this machine")
     add_config_args(p, ServeConfig, skip=SERVE_SKIPS, config_file=False)
@@ -91,6 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] in (["pools"], ["workers"]):          # the operator's commands: nothing else to load
+        from splitserve import admin_cli
+        return admin_cli.main(admin_cli.parse(argv))
+    from runtime.config_fields import ConfigError
+    from runtime.errors import InvalidRequest, StartupError
+    from runtime.host_checks import device_problem
+    from runtime.logging import setup_logging
+    from runtime.process import enable_stack_dumps, run_component
     args = build_parser().parse_args(argv)
     enable_stack_dumps()
     cmd = args.command
@@ -160,9 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def component_config(args: argparse.Namespace) -> (ServeConfig | FrontendConfig | WorkerConfig | PlannerComponentConfig
-                                                     | ControllerComponentConfig):
-    """The config of the command in `args`, its model resolved (tiny → the generated directory)."""
+def component_config(args: argparse.Namespace):
+    """The config of the command in `args` (a ServeConfig, FrontendConfig, WorkerConfig,
+    PlannerComponentConfig or ControllerComponentConfig), its model resolved (tiny → the generated
+    directory). ConfigError or InvalidRequest for bad input."""
+    import dataclasses
+
+    from runtime.cli_args import config_from_args
+    from runtime.config import (ControllerComponentConfig, EngineConfig, FrontendConfig, PlannerComponentConfig,
+                                ServeConfig, WorkerConfig)
+    from runtime.config_fields import ConfigError
     from splitserve.models import resolve_model
     cmd = args.command
     if cmd == "serve":        # serve resolves the model itself, to report a bad one its own way

@@ -280,7 +280,8 @@ class Launcher:
         self.connector.restart_crashed = False        # during start-up a crash fails serve
         self.controller = PoolController(self.book, self.connector, self.roles, cfg.frontend.redis.url,
                                          cfg.frontend.redis.namespace, self.metrics,
-                                         metrics_url=f"http://{mhost}:{mport}/metrics")
+                                         metrics_url=f"http://{mhost}:{mport}/metrics",
+                                         lease_ttl_s=cfg.frontend.redis.lease_ttl_s)
         try:
             self.admin, port = await start_admin_server(self.controller, c.admin_host, c.admin_port, token)
         except OSError as e:

@@ -117,13 +117,26 @@ def test_the_key_is_in_no_log_and_no_child_command_line(keyed):
     completion(keyed, {"Authorization": f"Bearer {KEY}"})
     kids = descendants(keyed.proc.pid)
     assert len(kids) >= 3                        # redis-server, a worker, the frontend
+    holders = []
     for pid in kids:
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
         except OSError:
             continue
         assert KEY not in argv, argv
+        if KEY.encode() in environ:
+            holders.append(argv)
+    # the frontend alone holds the key (by environment); no worker, no Redis
+    assert len(holders) == 1 and " frontend " in holders[0], holders
     assert KEY not in keyed.log()
+
+
+def test_the_ready_banner_shows_a_curl_that_sends_the_key_by_placeholder(keyed):
+    banner = keyed.log()[keyed.log().index("Splitserve is ready"):]
+    curl = next(line for line in banner.splitlines() if "curl " in line)
+    assert '-H "Authorization: Bearer $SPLITSERVE_API_KEY"' in curl, curl
+    assert KEY not in banner
 
 
 def test_the_admin_api_needs_the_admin_token_which_reaches_no_child(keyed):
