@@ -30,6 +30,7 @@ from pools.book import Drain, PoolBook, PoolName, PoolSpec, Start, Stop, WorkerV
 from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from runtime.discovery import WorkerInfo, list_workers
 from runtime.errors import NotFound
+from runtime.grpc_links import cluster_metadata, worker_channel
 from runtime.latency import merge, quantile_s, total
 from runtime.lifecycle import WorkerState
 from runtime.logging import Throttled
@@ -188,8 +189,9 @@ class PoolController:
             await self.connector.drain(row.name)
         else:
             log.info("asking %s (%s, not started by us) to drain", row.worker_id, row.address)
-            async with grpc.aio.insecure_channel(row.address) as ch:
-                await worker_pb2_grpc.WorkerStub(ch).Drain(worker_pb2.DrainRequest(), timeout=5.0)
+            async with worker_channel(row.address) as ch:
+                await worker_pb2_grpc.WorkerStub(ch).Drain(worker_pb2.DrainRequest(), timeout=5.0,
+                                                           metadata=cluster_metadata())
         return row
 
     def rows(self) -> list[WorkerRow]:
@@ -257,9 +259,10 @@ class PoolController:
     async def _status_of(self, info: WorkerInfo) -> worker_pb2.WorkerStatus | None:
         ch = self._channels.get(info.address)
         if ch is None:
-            ch = self._channels[info.address] = grpc.aio.insecure_channel(info.address)
+            ch = self._channels[info.address] = worker_channel(info.address)
         try:
-            return await worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.WorkerStatusRequest(), timeout=1.0)
+            return await worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.WorkerStatusRequest(), timeout=1.0,
+                                                                  metadata=cluster_metadata())
         except grpc.aio.AioRpcError:
             # a cancel of this task can come back as the call's CANCELLED error: it stays a cancel
             # (swallowed, the controller's loop went on and close() waited for it: a CI hang)

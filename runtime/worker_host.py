@@ -35,6 +35,7 @@ from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from runtime.config import WorkerConfig
 from runtime.discovery import Lease, WorkerInfo
 from runtime.errors import StartupError
+from runtime.grpc_links import worker_server
 from runtime.host_checks import disk_dir_problem
 from runtime.kv_events import KvEventPublisher
 from runtime.lifecycle import WORKER_HEALTH_SERVICE, WorkerState
@@ -170,8 +171,7 @@ class WorkerHost:
         self.redis = aioredis.Redis.from_url(cfg.redis.url)
         self.publisher = KvEventPublisher(self.redis, cfg.redis.namespace, worker_id, track_blocks=True)
         self.metrics = WorkerMetrics(worker_id)
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
-                                               ("grpc.max_send_message_length", 64 << 20)])
+        self.server = worker_server(max_message_bytes=64 << 20)     # keepalive, the cluster token
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.state = WorkerState.STARTING

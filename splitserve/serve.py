@@ -20,7 +20,8 @@ Each child gets its whole config as a file (`splitserve decode-worker --config D
 derived from the ServeConfig: the workers' from its engine, the frontend's from its frontend, all
 sharing its Redis and host. The files lie in a private directory (mode 0700) that is removed at
 exit; the API key is not in them but in the frontend's environment, and the admin token reaches no
-child at all.
+child at all. The cluster token that worker RPCs require (runtime/grpc_links.py: SPLITSERVE_CLUSTER_TOKEN,
+generated per run unless set) reaches every child by environment.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from runtime.admin_auth import new_token, write_token_file
 from runtime.config import FrontendConfig, ServeConfig, WorkerConfig
 from runtime.config_file import write_config
 from runtime.errors import InvalidRequest
+from runtime.grpc_links import ensure_cluster_token
 from runtime.host_checks import device_problem, disk_dir_problem
 from runtime.metrics import PoolMetrics, start_metrics_server
 from runtime.process import bounded, run_component, with_parent_death
@@ -148,6 +150,7 @@ def serve(cfg: ServeConfig, launcher: type[Launcher] | None = None, connect=None
         return 2
     if connect is not None and not connect(cfg):
         return 2
+    ensure_cluster_token()       # this process's (its controller asks the workers) and every child's
     runner = launcher(cfg, model_dir, book)
     runner.aggregated_why = aggregated_why
     runner.planner_profile = profile

@@ -120,9 +120,9 @@ def settled(cluster, n: int) -> bool:
             and httpx.get(f"{cluster.url}/health", timeout=10).json().get("decode") == n)
 
 
-def load(address: str) -> worker_pb2.WorkerStatus:
+def load(address: str, metadata) -> worker_pb2.WorkerStatus:
     with grpc.insecure_channel(address) as ch:
-        return worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.WorkerStatusRequest(), timeout=5)
+        return worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.WorkerStatusRequest(), timeout=5, metadata=metadata)
 
 
 def _proc(pid: str) -> tuple[int, str]:
@@ -164,7 +164,7 @@ def test_completions_are_served_by_worker_actors(cluster):
         assert actor_of(pid)[1].startswith("ray::ComponentActor"), actor_of(pid)     # a Ray actor runs it
     streams = asyncio.run(stream_all(cluster.url, PROMPTS, 16))
     assert failures(streams, 16) == []
-    served = {w.name: load(w.address).num_prompt_tokens for w in workers}
+    served = {w.name: load(w.address, cluster.worker_metadata).num_prompt_tokens for w in workers}
     assert all(v > 0 for v in served.values()), served
     assert "On the Ray cluster at 127.0.0.1:" in cluster.log()
 
@@ -194,15 +194,16 @@ def test_pools_scale_adds_and_drains_actors_with_no_failed_request(cluster):
     until(lambda: settled(cluster, 3), 90, 0.2, "three ready decode workers")
     assert len(worker_pids()) == 3
     new = next(w for w in ready(cluster) if w.name == "aggregated-2")
-    before = load(new.address).num_prompt_tokens
+    md = cluster.worker_metadata
+    before = load(new.address, md).num_prompt_tokens
     streams = asyncio.run(stream_all(cluster.url, PROMPTS, 16))
-    assert failures(streams, 16) == [] and load(new.address).num_prompt_tokens > before    # it took traffic
+    assert failures(streams, 16) == [] and load(new.address, md).num_prompt_tokens > before    # it took traffic
 
     addresses = [w.address for w in ready(cluster)]
 
     async def scale_down_when_all_busy():
         deadline = time.monotonic() + 60
-        while not all(await asyncio.gather(*(asyncio.to_thread(lambda a=a: load(a).num_running) for a in addresses))):
+        while not all(await asyncio.gather(*(asyncio.to_thread(lambda a=a: load(a, md).num_running) for a in addresses))):
             assert time.monotonic() < deadline, "not every worker got work"
             await asyncio.sleep(0.02)
         await asyncio.to_thread(cluster.cli, "pools", "scale", "--decode", "1")
