@@ -130,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"splitserve {cmd}: {e}", file=sys.stderr)
         return 2
     if cmd == "serve" and cfg.ray.address:
+        if cfg.ray.address == "local":
+            # a Ray of this machine alone binds loopback, not the machine's address (Ray reads this
+            # when it is imported; Redis, the workers and the frontend follow the node's address)
+            import os
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         from splitserve.ray_serve import serve_ray
         setup_logging("serve")
         return serve_ray(cfg)

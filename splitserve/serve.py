@@ -41,20 +41,22 @@ from pathlib import Path
 import httpx
 
 from pools.admin import start_admin_server
+from pools.connector import ConnectorError
 from pools.controller import PoolController
 from pools.local_connector import LocalProcessConnector, describe_exit
-from pools.book import PoolBook, PoolName, PoolSpec
+from pools.book import PoolBook, PoolName
 from pools.restarts import CrashHistory, RestartPolicy
 from runtime.admin_auth import new_token, write_token_file
 from runtime.config import FrontendConfig, ServeConfig, WorkerConfig
 from runtime.config_file import write_config
 from runtime.errors import InvalidRequest
 from runtime.grpc_links import ensure_cluster_token
-from runtime.host_checks import device_problem, disk_dir_problem
 from runtime.metrics import PoolMetrics, start_metrics_server
 from runtime.process import bounded, run_component, with_parent_death
 from runtime.redis_embedded import EmbeddedRedis
 from splitserve.models import resolve_model
+from splitserve.serve_plan import (WorkerPorts, connect_host, frontend_config, machine_problem,  # noqa: F401
+                                   pool_book, serving_mode, worker_config)
 
 log = logging.getLogger("splitserve.serve")
 
@@ -145,6 +147,7 @@ def serve(cfg: ServeConfig, launcher: type[Launcher] | None = None, connect=None
             return 2
     try:
         book = pool_book(cfg, aggregated_why)
+        ports = WorkerPorts.parse(cfg.worker_ports, cfg.decode_workers + cfg.prefill_workers)
     except InvalidRequest as e:
         print(f"splitserve serve: {e.message}", file=sys.stderr)
         return 2
@@ -152,52 +155,9 @@ def serve(cfg: ServeConfig, launcher: type[Launcher] | None = None, connect=None
         return 2
     ensure_cluster_token()       # this process's (its controller asks the workers) and every child's
     runner = launcher(cfg, model_dir, book)
-    runner.aggregated_why = aggregated_why
+    runner.aggregated_why, runner.worker_ports = aggregated_why, ports
     runner.planner_profile = profile
     return run_component(runner.run())
-
-
-def machine_problem(cfg: ServeConfig) -> str:
-    """Why this machine cannot run the workers `cfg` asks for ("" when it can), found before anything
-    starts. Workers on a Ray cluster's other nodes are theirs to check."""
-    if cfg.ray.address not in (None, "local"):
-        return ""
-    return device_problem(cfg.engine.device) or disk_dir_problem(cfg.engine.kv_disk_dir)
-
-
-def serving_mode(cfg: ServeConfig) -> tuple[ServeConfig, str]:
-    """`cfg` as it can serve here, and why it serves aggregated although it was asked for prefill
-    workers ("": as asked). Mock workers hold no KV to move; without NIXL no KV moves at all."""
-    n = cfg.prefill_workers
-    if not n:
-        return cfg, ""
-    if cfg.engine.mock:
-        why = "--mock workers hold no KV to move"
-    else:
-        from kvstore.movers.transfer import nixl_available
-        if nixl_available():
-            return cfg, ""
-        why = ("NIXL, which moves the KV from prefill to decode workers, is not installed here "
-               "(`make serve` installs it; or pip install 'splitserve[nixl]')")
-    return dataclasses.replace(cfg, prefill_workers=0), f"--prefill-workers {n} was asked, but {why}"
-
-
-def pool_book(cfg: ServeConfig, aggregated_why: str = "") -> PoolBook:
-    """The pools' start sizes and limits; aggregated serving fixes the prefill pool at 0, saying why
-    (--prefill-workers 0, or `aggregated_why` from `serving_mode`)."""
-    c = cfg.controller
-    decode = PoolSpec(cfg.decode_workers, c.min_decode_workers, c.max_decode_workers)
-    if cfg.prefill_workers:
-        prefill = PoolSpec(cfg.prefill_workers, c.min_prefill_workers, c.max_prefill_workers)
-    else:
-        why = aggregated_why or "started with --prefill-workers 0"
-        prefill = PoolSpec(0, 0, 0, fixed=f"this cluster serves aggregated ({why}): every worker prefills "
-                                          "its own prompts")
-    for name, spec, n in (("decode", decode, cfg.decode_workers), ("prefill", prefill, cfg.prefill_workers)):
-        if not spec.min <= n <= spec.max:
-            raise InvalidRequest(f"--{name}-workers {n} lies outside the {name} pool's limits "
-                                 f"(--min-{name}-workers {spec.min}, --max-{name}-workers {spec.max})")
-    return PoolBook({PoolName.DECODE: decode, PoolName.PREFILL: prefill})
 
 
 class Launcher:
@@ -221,6 +181,7 @@ class Launcher:
         self.planner = None                           # with --planner: a planner.live.PlannerLoop (an actor on Ray)
         self.planner_profile = None
         self.aggregated_why = ""                      # serving_mode's: why no prefill pool although asked
+        self.worker_ports = WorkerPorts()             # --worker-ports (serve() parses it)
         self.admin = None
         self.admin_token = ""                         # in memory only; a planner actor gets it by environment
         self.token_path: Path | None = None
@@ -249,7 +210,13 @@ class Launcher:
     async def _run(self) -> int:
         cfg = self.cfg
         if not cfg.frontend.redis.url:
-            self.redis = EmbeddedRedis(own_group=True, host=self.redis_host())
+            try:
+                self.redis = EmbeddedRedis(port=cfg.redis_port or None, own_group=True, host=self.redis_host())
+            except RuntimeError as e:
+                print(f"splitserve serve: the embedded Redis did not start on {self.redis_host()}:"
+                      f"{cfg.redis_port or 'a free port'} ({str(e).strip().splitlines()[-1] if str(e).strip() else e}); "
+                      "choose another --redis-port (0 picks a free one)", file=sys.stderr)
+                return 2
             cfg = self.cfg = dataclasses.replace(cfg, frontend=dataclasses.replace(
                 cfg.frontend, redis=dataclasses.replace(cfg.frontend.redis, url=self.redis.url)))
         self.env = {k: v for k, v in os.environ.items() if k not in SECRETS_ENV}
@@ -311,8 +278,16 @@ class Launcher:
         role = self.roles[pool]
         command = "prefill-worker" if role == "prefill" else "decode-worker"
         index = name.rsplit("-", 1)[1]
-        return self.cluster.spawn_component(command, name, worker_config(self.cfg, self.model_dir, role, index),
-                                            self.env)
+        wcfg = worker_config(self.cfg, self.model_dir, role, index, self.ports_of(name))
+        return self.cluster.spawn_component(command, name, wcfg, self.env)
+
+    def ports_of(self, name: str) -> tuple[int, int]:
+        """Worker `name`'s gRPC and metrics ports (--worker-ports; 0: free ones). ConnectorError
+        when the range has no free pair."""
+        try:
+            return self.worker_ports.assign(name, {h.name for h in self.connector.list()})
+        except ValueError as e:
+            raise ConnectorError(str(e)) from None
 
     def _start_frontend(self) -> None:
         self.frontend = self.cluster.spawn_component("frontend", "frontend", frontend_config(self.cfg, self.model_dir),
@@ -457,34 +432,6 @@ async def _wait(event: asyncio.Event, timeout_s: float) -> None:
         await asyncio.wait_for(event.wait(), timeout_s)
     except asyncio.TimeoutError:
         pass
-
-
-def connect_host(host: str) -> str:
-    """Where a process on this node reaches a server bound to `host` (a wildcard: loopback)."""
-    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-
-
-def worker_config(cfg: ServeConfig, model_dir: str, role: str, index: int | str) -> WorkerConfig:
-    """Worker ROLE-INDEX's: the cluster's engine, Redis, host and drain timeout; metrics on a free port.
-    With the planner, prefill workers order their queues by its TTFT target (unless it sizes for FIFO ones)."""
-    deadline_ordered = cfg.planner.enabled and cfg.planner.deadline_ordered
-    deadline = cfg.planner.ttft_ms if role == "prefill" and deadline_ordered else None
-    return WorkerConfig(engine=dataclasses.replace(cfg.engine, model=model_dir), redis=cfg.frontend.redis,
-                        role=role, host=cfg.frontend.host, metrics_port=0, worker_id=f"{role}-{index}",
-                        drain_timeout_s=cfg.frontend.drain_timeout_s, prefill_lease_s=cfg.prefill_lease_s,
-                        prefill_deadline_ms=deadline)
-
-
-def frontend_config(cfg: ServeConfig, model_dir: str) -> FrontendConfig:
-    """The frontend's: the workers' model, named for clients; no key (it comes by environment)."""
-    spec = cfg.engine.model
-    model_name = cfg.frontend.model_name or (spec.split(":")[0] if spec.startswith("tiny") else Path(model_dir).name)
-    max_model_len = cfg.engine.max_model_len
-    if max_model_len is None and cfg.engine.mock:
-        from perf.profile import DEFAULT_MAX_MODEL_LEN
-        max_model_len = DEFAULT_MAX_MODEL_LEN
-    return dataclasses.replace(cfg.frontend, model=model_dir, model_name=model_name, api_key=None,
-                               max_model_len=max_model_len)
 
 
 def wait_ready(cluster: Cluster, health_url: str, num_decode: int, num_prefill: int, timeout_s: float,

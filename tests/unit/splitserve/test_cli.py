@@ -243,3 +243,39 @@ def test_serving_aggregated_against_the_flags_says_what_was_asked_and_why(why, f
     assert "started with --prefill-workers 0" not in e.value.message
     asked_zero, none = serve.serving_mode(parse("serve", "--prefill-workers", "0"))
     assert none == "" and "started with --prefill-workers 0" in serve.pool_book(asked_zero).pools["prefill"].fixed
+
+
+def test_worker_ports_come_from_the_range_two_each_and_a_restart_keeps_its_own():
+    from splitserve.serve_plan import WorkerPorts
+    ports = WorkerPorts.parse("52000-52005", 3)
+    assert ports.assign("decode-0", set()) == (52000, 52001)
+    assert ports.assign("prefill-0", {"decode-0"}) == (52002, 52003)
+    assert ports.assign("decode-0", {"decode-0", "prefill-0"}) == (52000, 52001)     # restarted: the same
+    assert ports.assign("decode-1", {"prefill-0"}) == (52000, 52001)                 # decode-0 left: free again
+    assert ports.assign("decode-2", {"prefill-0", "decode-1"}) == (52004, 52005)
+    with pytest.raises(ValueError, match="no two free ports for decode-3: widen it"):
+        ports.assign("decode-3", {"prefill-0", "decode-1", "decode-2"})
+    assert WorkerPorts.parse(None, 3).assign("decode-0", set()) == (0, 0)            # free ones
+
+
+@pytest.mark.parametrize("value, message", [
+    ("52000", "give LOW-HIGH"), ("52010-52000", "give LOW-HIGH"), ("0-10", "give LOW-HIGH"),
+    ("x-y", "give LOW-HIGH"), ("52000-52002", "holds 3 ports: 2 workers need 4"),
+])
+def test_bad_worker_ports_are_one_line_before_anything_starts(value, message, capsys, monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_REDIS_URL", "redis://127.0.0.1:1/0")
+    assert main(["serve", "--device", "cpu", "--worker-ports", value]) == 2
+    err = capsys.readouterr().err
+    assert f"--worker-ports {value}" in err and message in err and "Traceback" not in err, err
+
+
+def test_an_embedded_redis_port_in_use_is_one_line(capsys):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["serve", "--device", "cpu", "--redis-port", str(port), "--admin-port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"the embedded Redis did not start on 127.0.0.1:{port}" in err and "--redis-port" in err, err
+    assert "Traceback" not in err
