@@ -87,8 +87,10 @@ class Load:
 
 
 def worker_pid(cluster, name: str, ray: bool) -> int:
-    """The pid to kill: the worker process (`local`) or its Ray actor's process (`ray`)."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    """The pid to kill: the worker process (`local`) or its Ray actor's process (`ray`), among this
+    cluster's own processes only (other clusters on the machine run workers of the same names)."""
+    from tests.integration.test_api_key import descendants
+    for pid in map(str, descendants(cluster.proc.pid)):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
             stat = Path(f"/proc/{pid}/stat").read_text()
@@ -102,8 +104,9 @@ def worker_pid(cluster, name: str, ray: bool) -> int:
 
 
 def kill_and_time(cluster, pool: str, load_n: int, ray: bool, timeout_s: float) -> None:
-    st = status(cluster)
-    victim = next(w for w in st.workers if w.pool == pool and w.state == READY)
+    def ready_one():
+        return next((w for w in status(cluster).workers if w.pool == pool and w.state == READY), None)
+    victim = until(ready_one, 60, 0.2, f"a ready {pool} worker in `pools status`")
     load = Load(cluster.url, load_n)
     try:
         if load_n:

@@ -73,6 +73,7 @@ def ray_head(tmp_path_factory):
     try:
         until(lambda: head.poll() is not None or "Ray runtime started" in log.read_text(), 90, 0.2, "Ray's head")
         assert head.poll() is None, log.read_text()[-3000:]
+        RAY_ROOTS.add(head.pid)             # its processes (and no other cluster's) are the tests' to find
         yield f"127.0.0.1:{port}", env
     finally:
         head.send_signal(signal.SIGTERM)         # --block: stops the processes it started (no `ray stop`)
@@ -133,11 +134,16 @@ def _proc(pid: str) -> tuple[int, str]:
         return ppid, f.read().replace(b"\0", b" ").decode()
 
 
+RAY_ROOTS: set[int] = set()      # the Ray head this module started: what the tests look under (and kill)
+
+
 def component_pids(command: str, name: str = "") -> list[int]:
-    """Processes of `splitserve COMMAND` started by a Ray actor (their config comes through a pipe;
-    a worker's command line ends with its handle's name)."""
+    """Processes of `splitserve COMMAND` started by an actor of this module's Ray head (their config
+    comes through a pipe; a worker's command line ends with its handle's name). Other Ray clusters
+    on the machine, another test's, run processes of the same names: they are not looked at."""
+    from tests.integration.test_api_key import descendants
     out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in [str(p) for root in RAY_ROOTS for p in descendants(root)]:
         try:
             _, cmd = _proc(pid)
         except (OSError, ValueError, IndexError):
