@@ -18,6 +18,7 @@ from kvstore.events import Tier
 from proto.splitserve.v1 import worker_pb2
 from router import NoWorkerAvailable, Router, RouterConfig, RoutingPolicy, WorkerRole
 from runtime.errors import Unavailable
+from runtime.grpc_links import cluster_metadata
 from runtime.kv_events import KvEventConsumer
 
 log = logging.getLogger(__name__)

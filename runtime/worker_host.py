@@ -27,7 +27,6 @@ import time
 import uuid
 from typing import Callable, Protocol
 
-import grpc
 import redis.asyncio as aioredis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 

@@ -131,3 +131,38 @@ async def test_a_worker_refuses_calls_without_the_cluster_token_and_keeps_health
     finally:
         await channel.close()
         await host.server.stop(None)
+
+
+async def test_the_frontends_router_resyncs_and_polls_load_through_the_token(monkeypatch):
+    """The frontend's calls beside the Session stream (a resync from a worker's snapshot, the load
+    poll) carry the token too: a worker that requires it answers them."""
+    from frontend.routing import FrontendRouter
+    from kvstore.events import Tier
+    from runtime.discovery import WorkerInfo
+    monkeypatch.setenv(grpc_links.TOKEN_ENV, "cluster-token-77a1")
+    host = worker_host()
+    asked = []
+
+    def stats():
+        asked.append(1)
+        return SimpleNamespace(num_total_blocks=8, num_free_blocks=5, num_running=1, num_waiting=0,
+                               num_prefix_hit_tokens=0, num_prompt_tokens=0, num_waiting_prefill_tokens=32)
+    publisher = SimpleNamespace(snapshot=lambda: (7, [(Tier.GPU, [(123, None), (456, 123)])]))
+    worker_pb2_grpc.add_WorkerServicer_to_server(StatusService("decode-test", "decode", 16, stats, publisher),
+                                                 host.server)
+    port = host.server.add_insecure_port("127.0.0.1:0")
+    await host.server.start()
+    channel = grpc_links.worker_channel(f"127.0.0.1:{port}")
+    router = FrontendRouter("kv")
+    router.add_worker("decode-test", WorkerInfo("decode-test", "decode", f"127.0.0.1:{port}", "m", 16, 8),
+                      worker_pb2_grpc.WorkerStub(channel))
+    try:
+        last_seq, entries = await router._resync("decode-test")
+        assert last_seq == 7 and entries == [(Tier.GPU, [(123, None), (456, 123)])]
+        poll = asyncio.create_task(router._poll_load(0.02))
+        await asyncio.sleep(0.5)
+        poll.cancel()
+        assert asked                                  # GetStatus got through
+    finally:
+        await channel.close()
+        await host.server.stop(None)
