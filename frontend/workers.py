@@ -132,8 +132,9 @@ class WorkerConnection:
             while True:
                 await self.channel.wait_for_state_change(state)
                 state = self.channel.get_state(try_to_connect=True)
-                if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
-                    log.warning("the connection to prefill worker %s failed; it leaves the pool", self.worker_id)
+                if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:     # expected once it drained
+                    log.log(logging.INFO if self.draining else logging.WARNING,
+                            "the connection to prefill worker %s failed; it leaves the pool", self.worker_id)
                     break
         except asyncio.CancelledError:
             pass
