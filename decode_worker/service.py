@@ -162,7 +162,10 @@ class WorkerService(StatusService):
                     if rid in session.active:
                         session.active.discard(rid)
                         self._abort(rid)
-        except (asyncio.CancelledError, grpc.aio.AioRpcError):
+        except asyncio.CancelledError:
             pass
+        except grpc.aio.AioRpcError as e:     # the frontend's side of the link ended without closing it
+            log.warning("a frontend's session ended without closing (%s: %s); its %d unfinished request(s) "
+                        "are aborted here", e.code().name, e.details(), len(session.active))
         finally:
             session.queue.put_nowait(None)

@@ -30,6 +30,7 @@ from frontend.tokenizer import ChatTurn
 from proto.splitserve.v1 import generation_pb2, generation_pb2_grpc
 from runtime.convert import FINISH_TO_PB
 from runtime.errors import InvalidRequest, NotFound, SplitserveError
+from runtime.grpc_links import server_options
 
 MAX_STOP_STRINGS = 16
 
@@ -152,7 +153,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
 
 async def start_grpc_server(state: FrontendState, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20)])
+    # clients that ping every 5 s or more keep their connection (runtime/grpc_links.py)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20), *server_options()])
     service = GenerationService(state)
     name = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, {

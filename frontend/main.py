@@ -53,6 +53,12 @@ def return_big_buffers_to_the_os() -> None:
     except (OSError, AttributeError):
         pass
 
+# An idle keep-alive connection is closed after this. uvicorn's default (5 s) equals httpx's pool
+# expiry (the OpenAI client's too): a client could send its next request on a connection in the
+# very moment the server closed it, and get a ReadError with no response and nothing logged here.
+# The common clients' pools let idle connections go sooner (httpx 5 s, aiohttp 15 s): they close first.
+HTTP_KEEP_ALIVE_S = 75
+
 
 class HttpServer(uvicorn.Server):
     """uvicorn without its own signal handling. Its handler (installed with signal.signal whatever
@@ -97,7 +103,8 @@ async def serve_frontend(cfg: FrontendConfig) -> None:
                           extra_metrics=WorkerMetricsScraper(pool).scrape)
     grpc_server, grpc_port = await start_grpc_server(state, cfg.host, cfg.grpc_port)
     http = HttpServer(uvicorn.Config(create_app(state), host=cfg.host, port=cfg.http_port,
-                                     log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
+                                     log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
+                                     timeout_keep_alive=HTTP_KEEP_ALIVE_S))
     http_task = asyncio.create_task(http.serve())
     # Start-up objects (tokenizer, protobufs, router) never die: move them out of the collector's
     # sight so a full collection cannot land inside a routing decision (~4 ms measured, router bench).

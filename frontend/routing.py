@@ -18,6 +18,7 @@ from kvstore.events import Tier
 from proto.splitserve.v1 import worker_pb2
 from router import LOWER_TIER_WEIGHT, NoWorkerAvailable, Router, RouterConfig, RoutingPolicy, WorkerRole
 from runtime.errors import Unavailable
+from runtime.grpc_links import cluster_metadata
 from runtime.kv_events import KvEventConsumer
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class FrontendRouter:
         stub = self._stubs.get(worker_id)
         if stub is None:
             raise Unavailable(f"no connection to {worker_id}")
-        snap = await stub.Snapshot(worker_pb2.SnapshotRequest(), timeout=5.0)
+        snap = await stub.Snapshot(worker_pb2.SnapshotRequest(), timeout=5.0, metadata=cluster_metadata())
         by_tier: dict[Tier, list[tuple[int, int | None]]] = {}
         parents = snap.parent_hashes if len(snap.has_parent) == len(snap.block_hashes) else None
         for i, (h, t) in enumerate(zip(snap.block_hashes, snap.tiers)):
@@ -110,7 +111,8 @@ class FrontendRouter:
             await asyncio.sleep(interval_s)
             for wid, stub in list(self._stubs.items()):
                 try:
-                    s = await stub.GetStatus(worker_pb2.WorkerStatusRequest(), timeout=1.0)
+                    s = await stub.GetStatus(worker_pb2.WorkerStatusRequest(), timeout=1.0,
+                                             metadata=cluster_metadata())
                     self.router.update_worker_load(wid, s.num_total_blocks - s.num_free_blocks,
                                                    s.num_waiting_prefill_tokens)
                 except Exception:   # a dying worker; discovery removes it

@@ -30,6 +30,7 @@ import redis.asyncio as aioredis
 from frontend.admission import Admission
 from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from runtime.discovery import WorkerInfo, list_workers
+from runtime.grpc_links import cluster_metadata, worker_channel
 from runtime.lifecycle import WorkerState
 from runtime.logging import Throttled
 from runtime.pool_record import PoolsRecord, read_pools
@@ -47,8 +48,7 @@ class WorkerConnection:
 
     def __init__(self, info: WorkerInfo) -> None:
         self.info = info
-        self.channel = grpc.aio.insecure_channel(info.address, options=[
-            ("grpc.max_receive_message_length", 64 << 20), ("grpc.keepalive_time_ms", 10_000)])
+        self.channel = worker_channel(info.address, max_message_bytes=64 << 20)   # runtime/grpc_links.py
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self._out: asyncio.Queue[worker_pb2.SessionRequest | None] = asyncio.Queue()
         self._streams: dict[str, asyncio.Queue] = {}
@@ -107,7 +107,7 @@ class WorkerConnection:
 
     async def _run(self) -> None:
         try:
-            call = self.stub.Session(self._outgoing())
+            call = self.stub.Session(self._outgoing(), metadata=cluster_metadata())
             async for step in call:
                 if step.draining and not self.draining:
                     log.info("worker %s is draining", self.worker_id)
@@ -119,8 +119,9 @@ class WorkerConnection:
             log.info("worker %s closed its session", self.worker_id)
         except asyncio.CancelledError:
             pass
-        except grpc.aio.AioRpcError as e:
-            log.warning("session with worker %s broke: %s", self.worker_id, e.code().name)
+        except grpc.aio.AioRpcError as e:     # what ended it, said whole (a GOAWAY names its reason)
+            log.warning("session with worker %s broke (%s: %s); %d request(s) on it move to other workers",
+                        self.worker_id, e.code().name, e.details(), len(self._streams))
         finally:
             self._lost()
 
@@ -131,7 +132,9 @@ class WorkerConnection:
             while True:
                 await self.channel.wait_for_state_change(state)
                 state = self.channel.get_state(try_to_connect=True)
-                if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:     # expected once it drained
+                    log.log(logging.INFO if self.draining else logging.WARNING,
+                            "the connection to prefill worker %s failed; it leaves the pool", self.worker_id)
                     break
         except asyncio.CancelledError:
             pass

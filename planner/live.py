@@ -321,7 +321,8 @@ class AdminTarget:
 
         from proto.splitserve.v1 import admin_pb2, admin_pb2_grpc
         self._pb = admin_pb2
-        self._channel = grpc.aio.insecure_channel(address)
+        from runtime.grpc_links import client_options
+        self._channel = grpc.aio.insecure_channel(address, options=client_options())   # the admin API accepts its pings
         self._stub = admin_pb2_grpc.AdminStub(self._channel)
         self._md = [("authorization", f"Bearer {token}")] if token else []
 

@@ -94,6 +94,9 @@ class PoolBook:
         specs = {pool: self.spec(pool) for pool in sizes}
         for pool, n in sizes.items():
             s = specs[pool]
+            if not 0 <= n <= HARD_MAX_WORKERS:
+                raise InvalidRequest(f"a pool's size is a number of workers from 0 to {HARD_MAX_WORKERS} "
+                                     f"(got {n} for the {pool} pool)")
             if s.fixed and n != s.desired:
                 raise InvalidRequest(f"the {pool} pool cannot be scaled: {s.fixed}")
             if n > s.max:

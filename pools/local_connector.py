@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from pools.connector import HandleState, WorkerHandle
+from pools.connector import ConnectorError, HandleState, WorkerHandle
 from pools.book import PoolName
 from pools.restarts import CrashHistory, RestartPolicy, record_crash
 
@@ -74,7 +74,11 @@ class LocalProcessConnector:
         name = f"{self._roles[pool]}-{next(self._numbers[pool])}"
         slot = _Slot(name, pool, None, CrashHistory(self._policy))
         self._slots[name] = slot
-        self._launch(slot)
+        try:
+            self._launch(slot)
+        except Exception as e:               # nothing runs under this name: forget it
+            del self._slots[name]
+            raise e if isinstance(e, ConnectorError) else ConnectorError(f"starting {name} failed: {e}") from e
         return slot.handle()
 
     async def drain(self, name: str) -> None:

@@ -265,6 +265,9 @@ class ServeConfig:
     prefill_workers: int = arg(1, "prefill workers; 0: aggregated serving (each worker prefills its own "
                                "prompts)")
     startup_timeout_s: float = arg(300.0, "how long to wait for every worker to be healthy")
+    redis_port: int = arg(0, "port of the embedded Redis (without --redis-url); 0 picks a free one")
+    worker_ports: str | None = arg(None, "LOW-HIGH: each worker's gRPC and /metrics ports come from this range, "
+                                   "two per worker (a restarted worker keeps its own); none: free ones")
     prefill_lease_s: float = arg(15.0, "how long a prefill worker may take to compute and push a prompt "
                                  "before the decode worker computes it itself")
     controller: ControllerConfig = field(default_factory=ControllerConfig)

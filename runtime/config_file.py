@@ -79,8 +79,13 @@ def read_config(cls: type, path: str | os.PathLike) -> dict[str, Any]:
     return flatten(cls, data, str(path))
 
 
+def config_json(cfg: Any) -> str:
+    """`cfg` (secrets left out) as the JSON a config file holds."""
+    return json.dumps(config_to_dict(cfg), indent=1)
+
+
 def write_config(cfg: Any, path: str | os.PathLike) -> None:
     """Write `cfg` (secrets left out) as JSON, readable by its owner only."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump(config_to_dict(cfg), f, indent=1)
+        f.write(config_json(cfg))

@@ -27,13 +27,15 @@ import time
 import uuid
 from typing import Callable, Protocol
 
-import grpc
 import redis.asyncio as aioredis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from runtime.config import WorkerConfig
 from runtime.discovery import Lease, WorkerInfo
+from runtime.errors import StartupError
+from runtime.grpc_links import worker_server
+from runtime.host_checks import disk_dir_problem
 from runtime.kv_events import KvEventPublisher
 from runtime.lifecycle import WORKER_HEALTH_SERVICE, WorkerState
 from runtime.logging import Throttled
@@ -104,9 +106,11 @@ def worker_engine_config(cfg: WorkerConfig):
     e = cfg.engine
     if not (e.kv_disk_dir and cfg.worker_id):
         return e
+    problem = disk_dir_problem(e.kv_disk_dir)     # said of the directory the user gave, not of ours
+    if problem:
+        raise StartupError(problem)
     sub = os.path.join(e.kv_disk_dir, cfg.worker_id)
-    if os.path.isdir(e.kv_disk_dir):          # a missing parent stays the tier's start-up error
-        os.makedirs(sub, exist_ok=True)
+    os.makedirs(sub, exist_ok=True)
     return dataclasses.replace(e, kv_disk_dir=sub)
 
 
@@ -166,8 +170,7 @@ class WorkerHost:
         self.redis = aioredis.Redis.from_url(cfg.redis.url)
         self.publisher = KvEventPublisher(self.redis, cfg.redis.namespace, worker_id, track_blocks=True)
         self.metrics = WorkerMetrics(worker_id)
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
-                                               ("grpc.max_send_message_length", 64 << 20)])
+        self.server = worker_server(max_message_bytes=64 << 20)     # keepalive, the cluster token
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.state = WorkerState.STARTING

@@ -6,22 +6,20 @@ runtime/config.py (runtime/cli_args.py); a component also takes `--config FILE`,
 config, which is how `serve` hands each child its config. Secrets (the API key) are read from the
 environment (SPLITSERVE_API_KEY, SPLITSERVE_ADMIN_TOKEN) as well as flags, so launchers can pass
 them without putting them on a command line that `ps` shows. `pools` and `workers` talk to a running
-cluster's admin API (splitserve/admin_cli.py). Engine code is imported only by the commands that run one.
+cluster's admin API (splitserve/admin_cli.py).
+
+Each command imports only what it runs: engine code only for the commands that run one, and
+`pools`/`workers` go straight to the admin CLI (its own parser, gRPC and the admin stubs; no config
+classes, no asyncio, no numpy), so that an operator's `pools status` answers in a fraction of a second.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
-from runtime.cli_args import add_config_args, config_from_args
-from runtime.config import (ControllerComponentConfig, EngineConfig, FrontendConfig, PlannerComponentConfig,
-                            ServeConfig, WorkerConfig)
-from runtime.config_fields import ConfigError
-from runtime.errors import InvalidRequest
-from runtime.logging import setup_logging
-from runtime.process import enable_stack_dumps, run_component
+DESCRIPTION = ("The splitserve command: serve a cluster on this machine (or on Ray), run one of its "
+               "components, operate its pools, make the tiny model, profile and benchmark.")
 
 # serve's frontend follows the engine: its model is the workers', its block size is learned
 SERVE_SKIPS = ("frontend.model", "frontend.block_size", "frontend.max_model_len")
@@ -44,8 +42,10 @@ def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    from runtime.cli_args import add_config_args
+    from runtime.config import ControllerComponentConfig, FrontendConfig, PlannerComponentConfig, ServeConfig, WorkerConfig
+    parser = argparse.ArgumentParser(prog="splitserve", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("serve", help="a whole cluster on this machine")
     add_config_args(p, ServeConfig, skip=SERVE_SKIPS, config_file=False)
@@ -93,6 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] in (["pools"], ["workers"]):          # the operator's commands: nothing else to load
+        from splitserve import admin_cli
+        return admin_cli.main(admin_cli.parse(argv))
+    from runtime.config_fields import ConfigError
+    from runtime.errors import InvalidRequest, StartupError
+    from runtime.host_checks import device_problem
+    from runtime.logging import setup_logging
+    from runtime.process import enable_stack_dumps, run_component
     args = build_parser().parse_args(argv)
     enable_stack_dumps()
     cmd = args.command
@@ -127,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"splitserve {cmd}: {e}", file=sys.stderr)
         return 2
     if cmd == "serve" and cfg.ray.address:
+        if cfg.ray.address == "local":
+            # a Ray of this machine alone binds loopback, not the machine's address (Ray reads this
+            # when it is imported; Redis, the workers and the frontend follow the node's address)
+            import os
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         from splitserve.ray_serve import serve_ray
         setup_logging("serve")
         return serve_ray(cfg)
@@ -147,25 +161,40 @@ def main(argv: list[str] | None = None) -> int:
         from frontend.main import serve_frontend
         run_component(serve_frontend(cfg))
         return 0
+    problem = device_problem(cfg.engine.device)
+    if problem:                      # before the engine loads: no traceback 15 s later
+        print(f"splitserve {cmd}: {problem}", file=sys.stderr)
+        return 2
     setup_logging(cfg.worker_id or cmd)
-    if cmd == "prefill-worker":
-        from prefill_worker.main import serve_prefill_worker
-        run_component(serve_prefill_worker(cfg))
-    else:
-        from decode_worker.main import serve_worker
-        run_component(serve_worker(cfg))
+    try:
+        if cmd == "prefill-worker":
+            from prefill_worker.main import serve_prefill_worker
+            run_component(serve_prefill_worker(cfg))
+        else:
+            from decode_worker.main import serve_worker
+            run_component(serve_worker(cfg))
+    except StartupError as e:        # e.g. an unusable --kv-disk-dir: one line, not a traceback
+        print(f"splitserve {cmd}: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
-def component_config(args: argparse.Namespace) -> (ServeConfig | FrontendConfig | WorkerConfig | PlannerComponentConfig
-                                                     | ControllerComponentConfig):
-    """The config of the command in `args`, its model resolved (tiny → the generated directory)."""
+def component_config(args: argparse.Namespace):
+    """The config of the command in `args` (a ServeConfig, FrontendConfig, WorkerConfig,
+    PlannerComponentConfig or ControllerComponentConfig), its model resolved (tiny → the generated
+    directory). ConfigError or InvalidRequest for bad input."""
+    import dataclasses
+
+    from runtime.cli_args import config_from_args
+    from runtime.config import (ControllerComponentConfig, EngineConfig, FrontendConfig, PlannerComponentConfig,
+                                ServeConfig, WorkerConfig)
+    from runtime.config_fields import ConfigError
     from splitserve.models import resolve_model
     cmd = args.command
     if cmd == "serve":        # serve resolves the model itself, to report a bad one its own way
         engine = config_from_args(EngineConfig, args, prefix="engine.")
         cfg = config_from_args(ServeConfig, args, given={"frontend.model": engine.model})
-        from splitserve.serve import itl_guard_settings
+        from splitserve.serve_plan import itl_guard_settings
         check_itl_guard(dataclasses.replace(cfg.frontend, **itl_guard_settings(cfg)))
         return cfg
     if cmd == "planner":

@@ -2,7 +2,9 @@
 
 This process (the Ray driver) connects to the Ray cluster at ADDRESS (or starts a local one with
 `--ray` alone), runs the embedded Redis on its own node bound to that node's address (or uses
---redis-url), the pool controller and its admin API, and places:
+--redis-url), the pool controller and its admin API, and places the components below. A local Ray
+cluster (`--ray` alone) is this machine's only: Ray, Redis, the workers and the frontend's links
+bind loopback (splitserve/cli.py sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray loads).
 
 - the frontend as one actor pinned to this node (clients connect where they would without Ray);
 - each worker as one actor with --ray-worker-gpus GPUs and --ray-worker-cpus CPUs, anywhere Ray
@@ -169,7 +171,7 @@ class RayLauncher(Launcher):
     def _launch_worker(self, pool: PoolName, name: str, actor_name: str):
         role = self.roles[pool]
         command = "prefill-worker" if role == "prefill" else "decode-worker"
-        wcfg = worker_config(self.cfg, self.actor_model, role, name.rsplit("-", 1)[1])
+        wcfg = worker_config(self.cfg, self.actor_model, role, name.rsplit("-", 1)[1], self.ports_of(name))
         return start_component(actor_name, command, wcfg, self.actor_env, self.cfg.ray.worker_cpus, self.gpus)
 
     def _start_frontend(self) -> None:

@@ -111,14 +111,17 @@ _LOGIT_STD = 16.0
 _BIAS_STD = 0.25  # larger q biases make every query favour the same keys: more loops
 
 
-def write_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0) -> Path:
-    """Write the tiny model for `arch` ("llama" or "qwen2") into `out_dir` and return its path."""
+def write_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, weights: bool = True) -> Path:
+    """Write the tiny model for `arch` ("llama" or "qwen2") into `out_dir` and return its path.
+    `weights` False leaves model.safetensors out: the rest (what a frontend reads: config, tokenizer,
+    chat template) needs no torch, so the control-plane image writes it."""
     assert arch in ARCHS, f"unknown arch {arch!r}; expected one of {ARCHS}"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "config.json", model_config(arch))
-    from safetensors.torch import save_file   # torch only here: the CLI imports this module to parse
-    save_file(init_weights(arch, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    if weights:
+        from safetensors.torch import save_file   # torch only here: the CLI imports this module to parse
+        save_file(init_weights(arch, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     build_tokenizer(arch).save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", tokenizer_config(arch))
     _write_json(out / "generation_config.json", {
@@ -253,10 +256,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="directory to write the model into")
     parser.add_argument("--arch", choices=ARCHS, default="llama")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-weights", dest="weights", action="store_false",
+                        help="leave model.safetensors out: config, tokenizer and chat template only, what a "
+                             "frontend reads (no torch needed: the control-plane image writes it)")
 
 
 def main(args: argparse.Namespace) -> int:
-    print(write_tiny_model(args.out, arch=args.arch, seed=args.seed))
+    print(write_tiny_model(args.out, arch=args.arch, seed=args.seed, weights=args.weights))
     return 0
 
 

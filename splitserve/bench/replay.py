@@ -262,11 +262,11 @@ def serve_argv(args: argparse.Namespace, policy: str, redis_url: str, namespace:
 
 
 async def worker_statuses(redis_url: str, namespace: str) -> list:
-    import grpc
     import redis.asyncio as aioredis
 
     from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
     from runtime.discovery import list_workers
+    from runtime.grpc_links import cluster_metadata, worker_channel
 
     client = aioredis.Redis.from_url(redis_url)
     try:
@@ -275,9 +275,9 @@ async def worker_statuses(redis_url: str, namespace: str) -> list:
         await client.aclose()
     out = []
     for info in infos:
-        async with grpc.aio.insecure_channel(info.address) as channel:
+        async with worker_channel(info.address) as channel:
             out.append(await worker_pb2_grpc.WorkerStub(channel).GetStatus(
-                worker_pb2.WorkerStatusRequest(), timeout=5.0))
+                worker_pb2.WorkerStatusRequest(), timeout=5.0, metadata=cluster_metadata()))
     return out
 
 
@@ -307,6 +307,8 @@ def run_policy(args: argparse.Namespace, policy: str, specs: list[RequestSpec]) 
     http_port, grpc_port = free_port(), free_port()
     with EmbeddedRedis() as redis, disk_dir_for(args, policy) as disk_dir:
         cluster = Cluster()
+        from runtime.grpc_links import ensure_cluster_token
+        ensure_cluster_token()          # the cluster's, so that worker_statuses may ask its workers
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         # the banner goes to stderr: this command's stdout carries only JSON
         cluster.spawn("serve", serve_argv(args, policy, redis.url, namespace, http_port, grpc_port, disk_dir),

@@ -178,3 +178,31 @@ async def test_close_returns_promptly_when_the_loops_cancel_is_swallowed(redis_u
         assert connector.swallowed == 1 and c._task.done() and time.monotonic() - t0 < 2.0
     finally:
         connector.kill_all()
+
+
+async def test_after_a_redis_restart_the_pools_show_their_workers_as_they_last_were():
+    """Redis comes back empty until the workers renew their leases: meanwhile `pools status` keeps
+    showing them ready (it showed "0 ready, 2 starting" for seconds while both served)."""
+    with EmbeddedRedis() as redis:
+        metrics = PoolMetrics()
+
+        def spawn(pool, name):
+            return subprocess.Popen([sys.executable, STAND_IN, redis.url, name, ROLES[pool]])
+        connector = LocalProcessConnector(spawn, ROLES, RestartPolicy(backoff_s=0.1))
+        book = PoolBook({PoolName.DECODE: PoolSpec(2, 1, 3), PoolName.PREFILL: PoolSpec(0, 0, 2)})
+        c = PoolController(book, connector, ROLES, redis.url, "splitserve", metrics, tick_s=0.05, lease_ttl_s=2.0)
+        c.start()
+        try:
+            await until(lambda: states(c) == ["ready", "ready"], what="two ready workers")
+            await asyncio.to_thread(redis.restart)
+            seen = set()
+            deadline = time.monotonic() + 3.0           # beyond the stand-ins' renewal (a third of 2 s)
+            while time.monotonic() < deadline:
+                seen.add(tuple(states(c)))
+                await asyncio.sleep(0.01)
+            assert seen == {("ready", "ready")}, seen
+            from runtime.discovery import list_workers
+            assert len(await list_workers(c.redis, "splitserve")) == 2        # they did re-register
+        finally:
+            await c.close()
+            connector.kill_all()

@@ -148,3 +148,11 @@ def test_a_crash_while_restarts_are_off_fails_the_worker_at_once_and_quietly(cap
     [h] = c.failed()
     assert h.detail == "exit code 1 after 0.0 s" and h.restarts == 0
     assert "decode-0" not in caplog.text             # serve reports it, not the connector
+
+
+def test_a_negative_size_is_refused_as_such_not_as_below_the_min():
+    b = PoolBook({D: PoolSpec(1, 1, 4), P: PoolSpec(1, 0, 4)})
+    for n in (-1, 10_000):
+        with pytest.raises(InvalidRequest, match=f"number of workers from 0 to 256 \\(got {n} for the decode"):
+            b.scale({"decode": n, "prefill": 2})
+    assert b.spec("prefill").override is None          # all or nothing

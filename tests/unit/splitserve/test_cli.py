@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 from dataclasses import MISSING, fields
 
 import pytest
@@ -228,3 +229,87 @@ def test_serve_refuses_a_checkpoint_it_cannot_run_in_one_line(tmp_path, capsys):
     assert "quant_method 'gptq'" in err and len(err.splitlines()) == 1 and "Traceback" not in err
     assert main(["serve", "--quantization", "fp8", "--planner", "--mock"]) == 2
     assert "no performance profile is shipped for fp8" in capsys.readouterr().err
+
+
+def test_device_cuda_without_cuda_is_one_line_within_three_seconds(capsys, monkeypatch):
+    from runtime.host_checks import cuda_problem
+    if not cuda_problem():
+        pytest.skip("this machine has CUDA")
+    monkeypatch.setenv("SPLITSERVE_REDIS_URL", "redis://127.0.0.1:1/0")
+    for argv in (["serve", "--device", "cuda"], ["decode-worker", "--device", "cuda"],
+                 ["prefill-worker", "--device", "cuda"]):
+        t0 = time.monotonic()
+        assert main(argv) == 2, argv
+        took_s = time.monotonic() - t0
+        err = capsys.readouterr().err
+        assert took_s < 3.0, (argv, took_s)
+        assert "--device cuda" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_missing_kv_disk_dir_is_named_as_given_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_REDIS_URL", "redis://127.0.0.1:1/0")
+    missing = tmp_path / "no-such-dir"
+    tiers = ["--kv-host-gib", "0.01", "--kv-disk-gib", "0.01", "--kv-disk-dir", str(missing), "--device", "cpu"]
+    assert main(["serve", *tiers]) == 2
+    err = capsys.readouterr().err
+    assert f"--kv-disk-dir {missing} does not exist" in err and "Traceback" not in err, err
+    from runtime.worker_host import worker_engine_config
+    from runtime.errors import StartupError
+    cfg = parse("decode-worker", *tiers, "--worker-id", "decode-0")
+    with pytest.raises(StartupError, match=f"--kv-disk-dir {missing} does not exist"):
+        worker_engine_config(cfg)              # the worker names the user's directory, not decode-0
+    assert not missing.exists()
+
+
+@pytest.mark.parametrize("why, flags", [("NIXL", []), ("--mock", ["--mock"])])
+def test_serving_aggregated_against_the_flags_says_what_was_asked_and_why(why, flags, monkeypatch, capsys):
+    import sys
+    from runtime.errors import InvalidRequest
+    monkeypatch.setitem(sys.modules, "nixl", None)         # NIXL not installed
+    monkeypatch.setenv("SPLITSERVE_REDIS_URL", "redis://127.0.0.1:1/0")
+    cfg, reason = serve.serving_mode(parse("serve", "--prefill-workers", "1", "--decode-workers", "2", *flags))
+    assert (cfg.prefill_workers, cfg.decode_workers) == (0, 2)
+    assert "--prefill-workers 1 was asked" in reason and why in reason, reason
+    note = serve.pool_book(cfg, reason).pools["prefill"].fixed      # what `pools status|limits` show
+    assert "--prefill-workers 1 was asked" in note and why in note and "started with" not in note, note
+    with pytest.raises(InvalidRequest, match="--prefill-workers 1 was asked") as e:
+        serve.pool_book(cfg, reason).scale({"prefill": 1})           # `pools scale --prefill 1`
+    assert "started with --prefill-workers 0" not in e.value.message
+    asked_zero, none = serve.serving_mode(parse("serve", "--prefill-workers", "0"))
+    assert none == "" and "started with --prefill-workers 0" in serve.pool_book(asked_zero).pools["prefill"].fixed
+
+
+def test_worker_ports_come_from_the_range_two_each_and_a_restart_keeps_its_own():
+    from splitserve.serve_plan import WorkerPorts
+    ports = WorkerPorts.parse("52000-52005", 3)
+    assert ports.assign("decode-0", set()) == (52000, 52001)
+    assert ports.assign("prefill-0", {"decode-0"}) == (52002, 52003)
+    assert ports.assign("decode-0", {"decode-0", "prefill-0"}) == (52000, 52001)     # restarted: the same
+    assert ports.assign("decode-1", {"prefill-0"}) == (52000, 52001)                 # decode-0 left: free again
+    assert ports.assign("decode-2", {"prefill-0", "decode-1"}) == (52004, 52005)
+    with pytest.raises(ValueError, match="no two free ports for decode-3: widen it"):
+        ports.assign("decode-3", {"prefill-0", "decode-1", "decode-2"})
+    assert WorkerPorts.parse(None, 3).assign("decode-0", set()) == (0, 0)            # free ones
+
+
+@pytest.mark.parametrize("value, message", [
+    ("52000", "give LOW-HIGH"), ("52010-52000", "give LOW-HIGH"), ("0-10", "give LOW-HIGH"),
+    ("x-y", "give LOW-HIGH"), ("52000-52002", "holds 3 ports: 2 workers need 4"),
+])
+def test_bad_worker_ports_are_one_line_before_anything_starts(value, message, capsys, monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_REDIS_URL", "redis://127.0.0.1:1/0")
+    assert main(["serve", "--device", "cpu", "--worker-ports", value]) == 2
+    err = capsys.readouterr().err
+    assert f"--worker-ports {value}" in err and message in err and "Traceback" not in err, err
+
+
+def test_an_embedded_redis_port_in_use_is_one_line(capsys):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["serve", "--device", "cpu", "--redis-port", str(port), "--admin-port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"the embedded Redis did not start on 127.0.0.1:{port}" in err and "--redis-port" in err, err
+    assert "Traceback" not in err
