@@ -17,6 +17,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runtime.config import FrontendConfig
 
 DESCRIPTION = ("The splitserve command: serve a cluster on this machine (or on Ray), run one of its "
                "components, operate its pools, make the tiny model, profile and benchmark.")
@@ -223,6 +227,7 @@ def component_config(args: argparse.Namespace):
 def check_itl_guard(cfg: FrontendConfig) -> None:
     """A bad --itl-target-ms or --decode-profile is a start-up error, not a frontend that dies later."""
     from frontend.disagg_policy import make_itl_guard
+    from runtime.config_fields import ConfigError
     try:
         make_itl_guard(cfg.itl_target_ms, cfg.decode_profile)
     except ValueError as e:
