@@ -103,6 +103,25 @@ def sample_step(logits: torch.Tensor, params: list[SamplingParams], generators: 
     return Sampled(tokens, sampled_lp)
 
 
+SCORE_ROWS = 256     # prompt rows scored at once: a (rows, vocab) float32 slice, 128 MiB at a 128k vocabulary
+
+
+def score_tokens(hidden: torch.Tensor, logits_of, targets: torch.Tensor, k: int) -> Sampled:
+    """Prompt logprobs: the log-softmax of each hidden row's raw logits (`logits_of` maps (N, E)
+    hidden rows to (N, V) logits) at its `targets` (N,) token, and the k best, in slices of
+    SCORE_ROWS rows so that a long prompt's logits never exist whole. Queued on the device; the
+    `Sampled` returned holds the targets as its tokens."""
+    lps, ids, vals = [], [], []
+    for i in range(0, hidden.shape[0], SCORE_ROWS):
+        lp = torch.log_softmax(logits_of(hidden[i:i + SCORE_ROWS]).float(), dim=-1)
+        lps.append(lp.gather(1, targets[i:i + SCORE_ROWS, None])[:, 0])
+        if k:
+            top = lp.topk(k, dim=-1)
+            ids.append(top.indices)
+            vals.append(top.values)
+    return Sampled(targets, torch.cat(lps), torch.cat(ids) if k else None, torch.cat(vals) if k else None)
+
+
 def process_logits(logits: torch.Tensor, proc: LogitsProcessing) -> torch.Tensor:
     """Apply the processors in place (steps 2-5 of the module docstring); returns `logits`."""
     if proc.bitmask is not None:
