@@ -22,7 +22,7 @@ class PromptScores:
 
     def __init__(self, spans: list[tuple[str, int, int, int]], scores: Sampled) -> None:
         self.spans, self.scores = spans, scores
-        parts = [scores.logprobs, scores.top_ids, scores.top_logprobs]
+        parts = [scores.logprobs, scores.top_ids, scores.top_logprobs, scores.ranks]
         self._host = [None if t is None else (_to_host(t) if t.is_cuda else t) for t in parts]
         self._ready = None
         if scores.logprobs.is_cuda:
@@ -32,11 +32,11 @@ class PromptScores:
     def read(self) -> dict[str, list[TokenLogprobs]]:
         if self._ready is not None:
             self._ready.synchronize()
-        lps, top_ids, top_lps = (None if t is None else t.tolist() for t in self._host)
+        lps, top_ids, top_lps, ranks = (None if t is None else t.tolist() for t in self._host)
         out = {}
         for rid, first, n, k in self.spans:
-            out[rid] = [TokenLogprobs(lps[i], tuple(top_ids[i][:k]) if k else (), tuple(top_lps[i][:k]) if k else ())
-                        for i in range(first, first + n)]
+            out[rid] = [TokenLogprobs(lps[i], tuple(top_ids[i][:k]) if k else (), tuple(top_lps[i][:k]) if k else (),
+                                      ranks[i]) for i in range(first, first + n)]
         return out
 
 

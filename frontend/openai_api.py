@@ -1,5 +1,6 @@
-"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions (both with `stream`),
-/v1/models and /v1/models/{id}, and vLLM's /tokenize and /detokenize.
+"""The OpenAI-compatible routes: /v1/completions (with echo, prompt logprobs and max_tokens 0),
+/v1/chat/completions (both with `stream`), /v1/models and /v1/models/{id}, and vLLM's /tokenize,
+/detokenize and /tokenizer_info. The Responses API is frontend/responses_api.py.
 
 Bodies are the pydantic models of frontend/schemas.py (so the OpenAPI schema describes them),
 reduced to `GenerateInput`s for the shared `Generator`; answers are OpenAI's JSON objects or SSE
@@ -23,20 +24,20 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+from frontend.choices import ChatChoices, CompletionChoices
 from frontend.generate import Delta, GenerateInput, generate_samples
 from frontend.http_errors import OffLoopJsonRoute
 from frontend.schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                               TokenizeChatRequest, TokenizeCompletionRequest, _Common)
 from frontend.state import FrontendState
 from frontend.tokenizer import ChatTurn, TokenizerPool
+from frontend.tool_stream import ToolCallStream
 from frontend.tools import Tool, parse_auto, parse_forced, parse_tools, required_calls_schema, resolve_choice
 from runtime.errors import InvalidRequest, NotFound, SplitserveError, Unavailable
-from runtime.types import FinishReason, GrammarKind, GrammarSpec, SamplingParams
+from runtime.types import GrammarKind, GrammarSpec, SamplingParams
 
 log = logging.getLogger(__name__)
 
-FINISH_TEXT = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort",
-               FinishReason.ERROR: "error"}
 MAX_BATCH_PROMPTS = 64
 
 
@@ -56,10 +57,13 @@ def openai_routes(state: FrontendState) -> APIRouter:
 
     def make_inputs(req: _Common, prompt: list[int], default_max: int | None,
                     forced: tuple[list[Tool], bool] | None = None) -> list[GenerateInput]:
-        """The request's `n` samples of one prompt (a given seed s seeds sample i with s + i).
-        `forced`: the tools a forced call may use, and whether it may make several calls."""
-        max_tokens = state.generator.check_prompt(prompt, req.max_tokens if isinstance(req, CompletionRequest)
-                                                  else req.requested_max_tokens, default_max)
+        """The request's `n` samples of one prompt (a given seed s seeds sample i with s + i; the
+        first computes the prompt logprobs, if asked, which the others share). `forced`: the tools
+        a forced call may use, and whether it may make several calls. max_tokens 0 (completions)
+        scores the prompt in a one-token request whose token is not returned."""
+        asked = req.max_tokens if isinstance(req, CompletionRequest) else req.requested_max_tokens
+        score_only = asked == 0
+        max_tokens = state.generator.check_prompt(prompt, 1 if score_only else asked, default_max)
         sampling = req.to_sampling(max_tokens, state.tokenizer.vocab_size)
         grammar_param = req.response_format.grammar_param if req.response_format else None
         if forced is not None:
@@ -67,16 +71,17 @@ def openai_routes(state: FrontendState) -> APIRouter:
             grammar_param = forced[0][0].parameters_param if len(forced[0]) == 1 else "tools"
         stop = req.stop_strings()
         key = req.routing_key()
-        return [GenerateInput(prompt, sampling if sampling.seed is None or not i else
-                              dataclasses.replace(sampling, seed=(sampling.seed + i) % 2 ** 63),
-                              stop, uuid.uuid4().hex, key, grammar_param) for i in range(req.n)]
+        return [GenerateInput(prompt, sampling if not i else _other_sample(sampling, i), stop, uuid.uuid4().hex, key,
+                              grammar_param, score_only) for i in range(req.n)]
 
     @router.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         accept(req)
         prompts = await _completion_prompts(req.prompt, state.tokenize, state.generator.context_limit())
         inputs = [inp for p in prompts for inp in make_inputs(req, p, 16)]
-        return await respond(request, req, inputs, chat=False)
+        echo = await _echo_texts(req.prompt, prompts, state.tokenize) if req.echo else None
+        echo = [t for t in echo for _ in range(req.n)] if echo else None
+        return await respond(request, req, inputs, CompletionChoices(req, inputs, echo, token_text))
 
     @router.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
@@ -94,29 +99,25 @@ def openai_routes(state: FrontendState) -> APIRouter:
                                      "response_format")
             # a named function is one call of it (OpenAI's semantics), as is "required" without parallel calls
             forced = allowed, mode == "required" and req.parallel_tool_calls is not False
+        if req.stream and req.prompt_logprobs is not None:
+            raise InvalidRequest("prompt_logprobs is not supported with stream: true on chat completions",
+                                 "prompt_logprobs")
         prompt = await state.tokenize.encode_chat(_turns(req.messages), state.generator.context_limit(),
-                                                  [t.as_openai() for t in tools] or None)
+                                                  [t.as_openai() for t in tools] or None, req.template_kwargs())
         inputs = make_inputs(req, prompt, None, forced)
-        post = None
-        if mode == "auto":
-            single = req.parallel_tool_calls is False
+        post, stream = tool_parsing(mode, tools, forced, req.parallel_tool_calls)
+        return await respond(request, req, inputs, ChatChoices(req, inputs, token_text, post, stream))
 
-            def post(text: str):
-                content, calls = parse_auto(text, tools)
-                return content, calls[:1] if single else calls
-        elif forced is not None:
-            post = lambda text: (None, parse_forced(text))   # noqa: E731 (the output is only the calls)
-        return await respond(request, req, inputs, chat=True, post=post)
-
-    async def respond(request: Request, req: _Common, inputs: list[GenerateInput], chat: bool, post=None):
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    async def respond(request: Request, req: _Common, inputs: list[GenerateInput], shape):
+        """The answer to a request: `shape` (frontend/choices.py) makes its choices or chunks."""
+        rid = shape.id_prefix + uuid.uuid4().hex
         created = int(time.time())
         if req.stream:
             events = generate_samples(state.generator, inputs, req.n)
             # a grammar compiles when a worker admits the request: wait for that (the first token)
             # before the headers, so that a bad schema is the same 400 as without streaming
             first = await _first(events) if any(inp.sampling.grammar for inp in inputs) else None
-            return StreamingResponse(_sse(rid, created, req, inputs, chat, _chain(first, events), post),
+            return StreamingResponse(_sse(rid, created, req, shape, _chain(first, events)),
                                      media_type="text/event-stream")
         task = asyncio.ensure_future(_collect_all(inputs, req.n))
         while not task.done():      # a client that hangs up stops its generation
@@ -126,32 +127,14 @@ def openai_routes(state: FrontendState) -> APIRouter:
                 return Response(status_code=499)
         results = task.result()
         choices, usage = [], _usage(0, 0, 0)
-        for i, (deltas, inp) in enumerate(zip(results, inputs)):
-            text = "".join(d.text for d in deltas)
-            last = deltas[-1]
-            choice = {"index": i, "finish_reason": FINISH_TEXT.get(last.finish_reason), "logprobs": None}
-            if inp.sampling.logprobs is not None:
-                ids = [t for d in deltas for t in d.token_ids]
-                lps = [lp for d in deltas for lp in (d.logprobs or ())]
-                choice["logprobs"] = _chat_logprobs(ids, lps) if chat else _completion_logprobs(ids, lps)
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text}
-                if post is not None:
-                    content, calls = post(text)
-                    if calls:
-                        choice["message"] = {"role": "assistant", "content": content or None,
-                                             "tool_calls": [c.as_openai() for c in calls]}
-                        if last.finish_reason == FinishReason.STOP:
-                            choice["finish_reason"] = "tool_calls"
-            else:
-                choice["text"] = text
-            if req.return_token_ids:
-                choice["token_ids"] = [t for d in deltas for t in d.token_ids]
-                choice["prompt_token_ids"] = inp.prompt_token_ids
-            choices.append(choice)
-            _add_usage(usage, last)
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": state.model_name, "choices": choices, "usage": usage}
+        for i, deltas in enumerate(results):
+            choices.append(shape.choice(i, deltas))
+            _add_usage(usage, deltas[-1], shape.completion_tokens(i, deltas[-1]))
+        body = {"id": rid, "object": shape.object, "created": created, "model": state.model_name,
+                "choices": choices, "usage": usage, **shape.extra()}
+        if req.service_tier is not None:
+            body["service_tier"] = "default"
+        return body
 
     async def _collect_all(inputs: list[GenerateInput], n: int) -> list[list[Delta]]:
         out: list[list[Delta]] = [[] for _ in inputs]
@@ -162,71 +145,19 @@ def openai_routes(state: FrontendState) -> APIRouter:
     def token_text(token_id: int) -> str:
         return state.tokenizer.token_text(token_id)
 
-    def _completion_logprobs(ids: list[int], lps: list, offset: int = 0) -> dict:
-        tokens = [token_text(t) for t in ids]
-        offsets = []
-        for t in tokens:
-            offsets.append(offset)
-            offset += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{token_text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)}
-                                 for lp in lps], "text_offset": offsets}
-
-    def _chat_logprobs(ids: list[int], lps: list) -> dict:
-        def entry(t: int, v: float) -> dict:
-            text = token_text(t)
-            return {"token": text, "logprob": v, "bytes": list(text.encode("utf-8"))}
-        return {"content": [{**entry(t, lp.logprob), "top_logprobs": [
-            entry(tt, v) for tt, v in zip(lp.top_token_ids, lp.top_logprobs)]} for t, lp in zip(ids, lps)]}
-
-    async def _sse(rid, created, req: _Common, inputs, chat: bool, events, post=None) -> AsyncIterator[bytes]:
-        """With tool parsing (`post`) a choice's text is held back and sent, parsed, with its finish."""
-        obj = "chat.completion.chunk" if chat else "text_completion"
+    async def _sse(rid, created, req: _Common, shape, events) -> AsyncIterator[bytes]:
         usage = _usage(0, 0, 0)
-        held: dict[int, list[str]] = {}
+        head = {"id": rid, "object": shape.chunk_object, "created": created, "model": state.model_name}
         try:
-            if chat:
-                for i in range(len(inputs)):
-                    yield _event({"id": rid, "object": obj, "created": created, "model": state.model_name,
-                                  "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                               "finish_reason": None, "logprobs": None}]})
-            offsets = [0] * len(inputs)
+            for choice in shape.start():
+                yield _event({**head, "choices": [choice]})
             async for i, d in events:
-                reason = FINISH_TEXT.get(d.finish_reason)
-                logprobs = None
-                if inputs[i].sampling.logprobs is not None and d.token_ids:
-                    logprobs = _chat_logprobs(d.token_ids, d.logprobs or []) if chat else \
-                        _completion_logprobs(d.token_ids, d.logprobs or [], offsets[i])
-                    offsets[i] += sum(len(t) for t in logprobs.get("tokens", ()))
-                if chat and post is not None:
-                    held.setdefault(i, []).append(d.text)
-                    delta = {}
-                    if d.finish_reason is not None:
-                        text = "".join(held.pop(i))
-                        content, calls = post(text)
-                        if calls:
-                            delta = {"content": content or None,
-                                     "tool_calls": [c.as_openai(k) for k, c in enumerate(calls)]}
-                            reason = "tool_calls" if d.finish_reason == FinishReason.STOP else reason
-                        elif text:
-                            delta = {"content": text}
-                    elif not req.return_token_ids and logprobs is None:
-                        continue
-                    choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
-                elif chat:
-                    choice = {"index": i, "delta": {"content": d.text} if d.text else {},
-                              "finish_reason": reason, "logprobs": logprobs}
-                else:
-                    choice = {"index": i, "text": d.text, "finish_reason": reason, "logprobs": logprobs}
-                if req.return_token_ids:
-                    choice["token_ids"] = d.token_ids
-                yield _event({"id": rid, "object": obj, "created": created, "model": state.model_name,
-                              "choices": [choice]})
+                for choice in shape.chunks(i, d):
+                    yield _event({**head, "choices": [choice]})
                 if d.finish_reason is not None:
-                    _add_usage(usage, d)
+                    _add_usage(usage, d, shape.completion_tokens(i, d))
             if req.stream_options and req.stream_options.include_usage:
-                yield _event({"id": rid, "object": obj, "created": created, "model": state.model_name,
-                              "choices": [], "usage": usage})
+                yield _event({**head, "choices": [], "usage": usage})
         except Exception as e:   # mid-stream failure: tell the client in-band, then end
             if not isinstance(e, SplitserveError):
                 log.exception("stream %s failed", rid)
@@ -249,6 +180,11 @@ def openai_routes(state: FrontendState) -> APIRouter:
         check_model(model_id)
         return model_card()
 
+    @router.get("/tokenizer_info")
+    async def tokenizer_info():
+        """vLLM's: the chat template and the special tokens (lm-eval's remote tokenizer reads it)."""
+        return {**state.tokenizer.info(), "model_max_length": state.generator.context_limit()}
+
     @router.post("/tokenize")
     async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest):
         check_model(req.model)
@@ -270,6 +206,39 @@ def openai_routes(state: FrontendState) -> APIRouter:
         return {"prompt": await state.tokenize.decode(req.tokens)}
 
     return router
+
+
+def tool_parsing(mode: str, tools: list[Tool], forced, parallel: bool | None):
+    """(post, stream): how a chat output becomes tool calls, whole (`post(text) -> (content,
+    calls)`) and streamed (`stream()` -> a new ToolCallStream); (None, None) without tool parsing."""
+    names = {t.name for t in tools}
+    if mode == "auto":
+        single = parallel is False
+
+        def post(text: str):
+            content, calls = parse_auto(text, tools)
+            return content, calls[:1] if single else calls
+        return post, lambda: ToolCallStream(names, forced=False, single=single)
+    if forced is not None:
+        array = forced[1]
+        return (lambda text: (None, parse_forced(text))), lambda: ToolCallStream(names, forced=True, array=array)
+    return None, None
+
+
+def _other_sample(sampling: SamplingParams, i: int) -> SamplingParams:
+    """Sample i > 0 of a prompt: seed + i, and no prompt logprobs (the first sample's are shared,
+    so this one may reuse the cached prompt)."""
+    seed = None if sampling.seed is None else (sampling.seed + i) % 2 ** 63
+    return dataclasses.replace(sampling, seed=seed, prompt_logprobs=None)
+
+
+async def _echo_texts(raw, prompts: list[list[int]], tokenize: TokenizerPool) -> list[str]:
+    """What `echo` repeats of each prompt: its text as sent, or the decoded token ids."""
+    if isinstance(raw, str):
+        return [raw]
+    if raw and all(isinstance(p, str) for p in raw):
+        return list(raw)
+    return [await tokenize.decode(p) for p in prompts]
 
 
 def forced_tool_sampling(sampling: SamplingParams, tools: list[Tool], parallel: bool) -> SamplingParams:
@@ -318,7 +287,7 @@ def _turns(messages: list[ChatMessage]) -> list[ChatTurn]:
         if m.role == "tool" and not m.tool_call_id:
             raise InvalidRequest(f"messages[{i}]: a tool message needs tool_call_id", f"messages[{i}].tool_call_id")
         role = "system" if m.role == "developer" else m.role
-        turns.append(ChatTurn(role, m.text(f"messages[{i}]"), tuple(calls), m.tool_call_id))
+        turns.append(ChatTurn(role, m.text(f"messages[{i}]"), tuple(calls), m.tool_call_id, m.name))
     return turns
 
 
@@ -341,10 +310,10 @@ def _usage(prompt: int, completion: int, cached: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _add_usage(usage: dict, d: Delta) -> None:
+def _add_usage(usage: dict, d: Delta, completion_tokens: int) -> None:
     usage["prompt_tokens"] += d.prompt_tokens
-    usage["completion_tokens"] += d.completion_tokens
-    usage["total_tokens"] += d.prompt_tokens + d.completion_tokens
+    usage["completion_tokens"] += completion_tokens
+    usage["total_tokens"] += d.prompt_tokens + completion_tokens
     usage["prompt_tokens_details"]["cached_tokens"] += d.cached_tokens
 
 

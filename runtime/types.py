@@ -94,6 +94,7 @@ class TokenLogprobs:
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    rank: int = 0               # its rank in the vocabulary (1 = most likely); 0 = not computed
 
 
 @dataclass(slots=True)
