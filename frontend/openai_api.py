@@ -14,7 +14,6 @@ when a worker has compiled the grammar, so that a bad schema is a 400 there too.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -27,14 +26,13 @@ from fastapi.responses import Response, StreamingResponse
 from frontend.choices import ChatChoices, CompletionChoices
 from frontend.generate import Delta, GenerateInput, generate_samples
 from frontend.http_errors import OffLoopJsonRoute
-from frontend.schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
-                              TokenizeChatRequest, TokenizeCompletionRequest, _Common)
+from frontend.prepare import Prepare, chat_turns
+from frontend.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
+                              TokenizeCompletionRequest, _Common)
 from frontend.state import FrontendState
-from frontend.tokenizer import ChatTurn, TokenizerPool
-from frontend.tool_stream import ToolCallStream
-from frontend.tools import Tool, parse_auto, parse_forced, parse_tools, required_calls_schema, resolve_choice
-from runtime.errors import InvalidRequest, NotFound, SplitserveError, Unavailable
-from runtime.types import GrammarKind, GrammarSpec, SamplingParams
+from frontend.tokenizer import TokenizerPool
+from frontend.tools import parse_tools
+from runtime.errors import InvalidRequest, SplitserveError
 
 log = logging.getLogger(__name__)
 
@@ -44,35 +42,8 @@ MAX_BATCH_PROMPTS = 64
 def openai_routes(state: FrontendState) -> APIRouter:
     router = APIRouter(route_class=OffLoopJsonRoute)
 
-    def check_model(model: str | None) -> None:
-        if model is not None and model != state.model_name:
-            raise NotFound(f"The model `{model}` does not exist; this server serves `{state.model_name}`",
-                           "model")
-
-    def accept(req: _Common) -> None:
-        if state.generator.shutting_down:       # before a stream starts: a plain 503
-            raise Unavailable("the server is shutting down")
-        check_model(req.model)
-        req.check_unsupported()
-
-    def make_inputs(req: _Common, prompt: list[int], default_max: int | None,
-                    forced: tuple[list[Tool], bool] | None = None) -> list[GenerateInput]:
-        """The request's `n` samples of one prompt (a given seed s seeds sample i with s + i; the
-        first computes the prompt logprobs, if asked, which the others share). `forced`: the tools
-        a forced call may use, and whether it may make several calls. max_tokens 0 (completions)
-        scores the prompt in a one-token request whose token is not returned."""
-        asked = req.max_tokens if isinstance(req, CompletionRequest) else req.requested_max_tokens
-        score_only = asked == 0
-        max_tokens = state.generator.check_prompt(prompt, 1 if score_only else asked, default_max)
-        sampling = req.to_sampling(max_tokens, state.tokenizer.vocab_size)
-        grammar_param = req.response_format.grammar_param if req.response_format else None
-        if forced is not None:
-            sampling = forced_tool_sampling(sampling, *forced)
-            grammar_param = forced[0][0].parameters_param if len(forced[0]) == 1 else "tools"
-        stop = req.stop_strings()
-        key = req.routing_key()
-        return [GenerateInput(prompt, sampling if not i else _other_sample(sampling, i), stop, uuid.uuid4().hex, key,
-                              grammar_param, score_only) for i in range(req.n)]
+    prep = Prepare(state)
+    check_model, accept, make_inputs = prep.check_model, prep.accept, prep.make_inputs
 
     @router.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -86,26 +57,10 @@ def openai_routes(state: FrontendState) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         accept(req)
-        tools = parse_tools(req.tools)
-        mode, allowed = resolve_choice(req.tool_choice, tools)
-        if mode == "auto" and not state.tokenizer.template_mentions("tools"):
-            raise InvalidRequest("this model's chat template does not describe tools to the model, so it "
-                                 "cannot choose to call one; use tool_choice \"required\" or a named "
-                                 "function (enforced by a grammar)", "tool_choice")
-        forced = None
-        if mode in ("required", "named"):
-            if req.response_format is not None and req.response_format.type != "text":
-                raise InvalidRequest("a forced tool choice and response_format cannot be combined",
-                                     "response_format")
-            # a named function is one call of it (OpenAI's semantics), as is "required" without parallel calls
-            forced = allowed, mode == "required" and req.parallel_tool_calls is not False
         if req.stream and req.prompt_logprobs is not None:
             raise InvalidRequest("prompt_logprobs is not supported with stream: true on chat completions",
                                  "prompt_logprobs")
-        prompt = await state.tokenize.encode_chat(_turns(req.messages), state.generator.context_limit(),
-                                                  [t.as_openai() for t in tools] or None, req.template_kwargs())
-        inputs = make_inputs(req, prompt, None, forced)
-        post, stream = tool_parsing(mode, tools, forced, req.parallel_tool_calls)
+        inputs, post, stream = await prep.chat(req, chat_turns(req.messages))
         return await respond(request, req, inputs, ChatChoices(req, inputs, token_text, post, stream))
 
     async def respond(request: Request, req: _Common, inputs: list[GenerateInput], shape):
@@ -190,7 +145,7 @@ def openai_routes(state: FrontendState) -> APIRouter:
         check_model(req.model)
         if isinstance(req, TokenizeChatRequest):
             tools = [t.as_openai() for t in parse_tools(req.tools)] or None
-            text = await state.tokenize.render_chat(_turns(req.messages), req.add_generation_prompt, tools)
+            text = await state.tokenize.render_chat(chat_turns(req.messages), req.add_generation_prompt, tools)
         else:
             text = req.prompt
         limit = state.generator.context_limit()
@@ -208,30 +163,6 @@ def openai_routes(state: FrontendState) -> APIRouter:
     return router
 
 
-def tool_parsing(mode: str, tools: list[Tool], forced, parallel: bool | None):
-    """(post, stream): how a chat output becomes tool calls, whole (`post(text) -> (content,
-    calls)`) and streamed (`stream()` -> a new ToolCallStream); (None, None) without tool parsing."""
-    names = {t.name for t in tools}
-    if mode == "auto":
-        single = parallel is False
-
-        def post(text: str):
-            content, calls = parse_auto(text, tools)
-            return content, calls[:1] if single else calls
-        return post, lambda: ToolCallStream(names, forced=False, single=single)
-    if forced is not None:
-        array = forced[1]
-        return (lambda text: (None, parse_forced(text))), lambda: ToolCallStream(names, forced=True, array=array)
-    return None, None
-
-
-def _other_sample(sampling: SamplingParams, i: int) -> SamplingParams:
-    """Sample i > 0 of a prompt: seed + i, and no prompt logprobs (the first sample's are shared,
-    so this one may reuse the cached prompt)."""
-    seed = None if sampling.seed is None else (sampling.seed + i) % 2 ** 63
-    return dataclasses.replace(sampling, seed=seed, prompt_logprobs=None)
-
-
 async def _echo_texts(raw, prompts: list[list[int]], tokenize: TokenizerPool) -> list[str]:
     """What `echo` repeats of each prompt: its text as sent, or the decoded token ids."""
     if isinstance(raw, str):
@@ -239,16 +170,6 @@ async def _echo_texts(raw, prompts: list[list[int]], tokenize: TokenizerPool) ->
     if raw and all(isinstance(p, str) for p in raw):
         return list(raw)
     return [await tokenize.decode(p) for p in prompts]
-
-
-def forced_tool_sampling(sampling: SamplingParams, tools: list[Tool], parallel: bool) -> SamplingParams:
-    """The sampling of a forced tool call: the output must be one call, or with `parallel` a JSON
-    array of calls (a grammar)."""
-    if sampling.ignore_eos:
-        raise InvalidRequest("ignore_eos cannot be combined with a forced tool choice (its grammar ends the "
-                             "output)", "ignore_eos")
-    schema = json.dumps(required_calls_schema(tools, parallel), ensure_ascii=False)
-    return dataclasses.replace(sampling, grammar=GrammarSpec(GrammarKind.JSON_SCHEMA, schema))
 
 
 async def _first(events: AsyncIterator):
@@ -271,24 +192,6 @@ async def _chain(first, events: AsyncIterator) -> AsyncIterator:
             yield item
     finally:
         await events.aclose()
-
-
-def _turns(messages: list[ChatMessage]) -> list[ChatTurn]:
-    turns = []
-    for i, m in enumerate(messages):
-        calls = []
-        for k, c in enumerate(m.tool_calls or ()):
-            try:
-                args = json.loads(c.function.arguments)
-            except ValueError:
-                where = f"messages[{i}].tool_calls[{k}].function.arguments"
-                raise InvalidRequest(f"{where} must be JSON text", where) from None
-            calls.append({"id": c.id, "name": c.function.name, "arguments": args})
-        if m.role == "tool" and not m.tool_call_id:
-            raise InvalidRequest(f"messages[{i}]: a tool message needs tool_call_id", f"messages[{i}].tool_call_id")
-        role = "system" if m.role == "developer" else m.role
-        turns.append(ChatTurn(role, m.text(f"messages[{i}]"), tuple(calls), m.tool_call_id, m.name))
-    return turns
 
 
 async def _completion_prompts(prompt, tokenize: TokenizerPool, max_model_len: int) -> list[list[int]]:
