@@ -71,8 +71,8 @@ def openai_routes(state: FrontendState) -> APIRouter:
             events = generate_samples(state.generator, inputs, req.n)
             # a grammar compiles when a worker admits the request: wait for that (the first token)
             # before the headers, so that a bad schema is the same 400 as without streaming
-            first = await _first(events) if any(inp.sampling.grammar for inp in inputs) else None
-            return StreamingResponse(_sse(rid, created, req, shape, _chain(first, events)),
+            first = await first_item(events) if any(inp.sampling.grammar for inp in inputs) else None
+            return StreamingResponse(_sse(rid, created, req, shape, chain(first, events)),
                                      media_type="text/event-stream")
         task = asyncio.ensure_future(_collect_all(inputs, req.n))
         while not task.done():      # a client that hangs up stops its generation
@@ -172,7 +172,7 @@ async def _echo_texts(raw, prompts: list[list[int]], tokenize: TokenizerPool) ->
     return [await tokenize.decode(p) for p in prompts]
 
 
-async def _first(events: AsyncIterator):
+async def first_item(events: AsyncIterator):
     """The first item of `events` (None if there is none); `events` is closed if that fails."""
     try:
         return await events.__anext__()
@@ -183,7 +183,7 @@ async def _first(events: AsyncIterator):
         raise
 
 
-async def _chain(first, events: AsyncIterator) -> AsyncIterator:
+async def chain(first, events: AsyncIterator) -> AsyncIterator:
     """`first` (unless None), then the rest of `events`."""
     try:
         if first is not None:
