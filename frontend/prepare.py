@@ -46,7 +46,7 @@ class Prepare:
         scores the prompt in a one-token request whose token is not returned."""
         st = self.state
         asked = req.max_tokens if isinstance(req, CompletionRequest) else req.requested_max_tokens
-        score_only = asked == 0
+        score_only = asked == 0 and isinstance(req, CompletionRequest)
         max_tokens = st.generator.check_prompt(prompt, 1 if score_only else asked, default_max)
         sampling = req.to_sampling(max_tokens, st.tokenizer.vocab_size)
         grammar_param = req.response_format.grammar_param if req.response_format else None

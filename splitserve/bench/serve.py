@@ -176,6 +176,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"),
                    help="bearer token (default: $SPLITSERVE_API_KEY)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--extra-body", type=_json_object, default=None,
+                   help='HTTP only: a JSON object merged into every request body, e.g. \'{"echo": true, "logprobs": 1}\'')
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,6 +288,10 @@ async def run_level(args: argparse.Namespace, model: str, specs: list[RequestSpe
 
     pool = concurrency if concurrency is not None else min(len(specs), 4096)
     client = make_client(args.url, model, pool, args.timeout_s, args.api_key)
+    if args.extra_body:
+        if not hasattr(client, "extra_body"):
+            raise SystemExit("--extra-body is for the HTTP API only")
+        client.extra_body = args.extra_body
     bar = tqdm(total=len(specs), desc=desc, unit="req", file=sys.stderr, mininterval=0.5,
                disable=args.no_progress, leave=False)
     lag: list[float] = []
@@ -394,3 +400,13 @@ if __name__ == "__main__":
     _parser = argparse.ArgumentParser(prog="splitserve bench serve", description=__doc__.split("\n")[0])
     add_arguments(_parser)
     sys.exit(main(_parser.parse_args()))
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
