@@ -15,6 +15,9 @@ requests awaiting their KV and their reservations, a prefill worker's held block
 KV tiers on, `OnboardingManager` (`onboarding`: offload ahead of eviction, onboarding of prefix
 hits below G1; None when off, which costs one `is None` test where it is consulted).
 
+Prompt logprobs (engine/sched/prompt_logprobs.py): a row of a request that asks names the prompt
+tokens its chunk scores; their logprobs come back through `update` and leave with the first token.
+
 `schedule()` returns a `StepPlan` (engine/plan.py): plain data the runner reads. The live chunks
 behind it stay here, found again by the plan's `step_id`.
 

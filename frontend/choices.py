@@ -89,7 +89,8 @@ class CompletionChoices:
             head_text, head_lp, vllm = self._head(i, d)
             if head_text or head_lp is not None or vllm is not None:
                 out.append({"index": i, "text": head_text, "finish_reason": None, "logprobs": head_lp,
-                            **({"prompt_logprobs": vllm} if vllm is not None else {})})
+                            **({"prompt_logprobs": vllm} if vllm is not None else {}),
+                            **({"token_ids": []} if self.req.return_token_ids else {})})
                 if head_lp is not None:
                     self._offsets[i] = sum(len(t) for t in head_lp["tokens"])
         reason = FINISH_TEXT.get(d.finish_reason)
