@@ -4,10 +4,12 @@ and a baseline tree (a commit before prompt logprobs), in alternating rounds in 
     python bench/prompt_logprobs_cost.py --base-ref a6c9c61 [--rounds 5 --isl 256 --osl 32 --concurrency 4]
 
 Each round starts `splitserve serve` (tiny model, CPU, aggregated, one worker) from the baseline
-source (a `git archive` of --base-ref) and then from this tree, and drives each with the same
+source (a `git archive` of --base-ref) and from this tree, in turn (which goes first alternates), and drives each with the same
 `splitserve bench serve` load of requests that ask for no prompt logprobs (this tree's client, so the
 load is identical). A last round on this tree sends the same load with `echo` + `logprobs: 1` and
-`max_tokens` as before, to show what asking costs. Prints one JSON line per measurement and a
+`max_tokens` as before, to show what asking costs. Then the engine alone (one process, no HTTP:
+`Engine.step()` over a batch of the same requests) from each tree, in alternating rounds too: the
+part the change touches, with less of the shared machine's noise. Prints one JSON line per measurement and a
 summary with the median output tok/s of each side and the median of the rounds' ratios (this / base).
 """
 
@@ -64,6 +66,41 @@ def serve_load(root: Path, args, extra_body: dict | None = None) -> dict:
             os.environ["PYTHONPATH"] = env_path
 
 
+_ENGINE_RUN = """
+import json, sys, time
+import torch
+from engine.engine import Engine
+from runtime.config import EngineConfig
+from runtime.types import EngineRequest, SamplingParams
+from splitserve.models import resolve_model
+isl, osl, n = (int(x) for x in sys.argv[1:4])
+eng = Engine(EngineConfig(model=resolve_model("tiny"), device="cpu", num_blocks=1024, attention_backend="torch",
+                          max_num_batched_tokens=2048))
+g = torch.Generator().manual_seed(0)
+prompts = [torch.randint(5, 4000, (isl,), generator=g).tolist() for _ in range(n + 1)]
+def run(reqs):
+    for rid, p in reqs:
+        eng.add_request(EngineRequest(rid, p, SamplingParams(temperature=0.0, max_tokens=osl, ignore_eos=True)))
+    out = 0
+    while eng.has_work:
+        out += sum(len(o.new_token_ids) for o in eng.step().outputs)
+    return out
+run([("warm", prompts[-1])])
+t = time.perf_counter()
+out = run([(str(i), p) for i, p in enumerate(prompts[:n])])
+print(json.dumps({"engine_tok_s": out / (time.perf_counter() - t)}))
+"""
+
+
+def engine_tok_s(root: Path, args) -> float:
+    """The engine alone (no processes, no HTTP), from `root`'s source: output tok/s of a batch of
+    requests that ask for no prompt logprobs."""
+    proc = subprocess.run([sys.executable, "-c", _ENGINE_RUN, str(args.isl), str(args.osl), str(2 * args.concurrency)],
+                          cwd=root, env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=600, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])["engine_tok_s"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base-ref", required=True, help="the baseline commit (before prompt logprobs)")
@@ -79,13 +116,22 @@ def main() -> int:
               "device": f"cpu ({os.cpu_count()} cores, {platform.machine()})", "model": "tiny",
               "isl": args.isl, "osl": args.osl, "concurrency": args.concurrency, "num_requests": args.num_requests}
     tok_s: dict[str, list[float]] = {"base": [], "this": []}
+    itl: dict[str, list[float]] = {"base": [], "this": []}
     for r in range(args.rounds):
-        for side, root in (("base", base), ("this", ROOT)):
+        sides = (("base", base), ("this", ROOT))
+        for side, root in sides if r % 2 == 0 else sides[::-1]:     # alternate which side runs first
             s = serve_load(root, args)
             tok_s[side].append(s["output_tok_s"])
+            itl[side].append(s["itl_p50_s"])
             print(json.dumps({**common, "round": r, "side": side, "output_tok_s": round(s["output_tok_s"], 1),
                               "ttft_p50_s": s["ttft_p50_s"], "itl_p50_s": s["itl_p50_s"], "errors": s["errors"]}),
                   flush=True)
+    eng: dict[str, list[float]] = {"base": [], "this": []}
+    for r in range(args.rounds):
+        sides = (("base", base), ("this", ROOT))
+        for side, root in sides if r % 2 == 0 else sides[::-1]:
+            eng[side].append(engine_tok_s(root, args))
+            print(json.dumps({**common, "round": r, "side": side, "engine_tok_s": round(eng[side][-1], 1)}), flush=True)
     asking = serve_load(ROOT, args, {"echo": True, "logprobs": 1})
     print(json.dumps({**common, "side": "this, asking (echo + logprobs 1)", "output_tok_s": round(asking["output_tok_s"], 1),
                       "ttft_p50_s": asking["ttft_p50_s"], "itl_p50_s": asking["itl_p50_s"], "errors": asking["errors"]}),
@@ -96,8 +142,11 @@ def main() -> int:
     med = {k: statistics.median(v) for k, v in tok_s.items()}
     print(json.dumps({**common, "bench": "prompt_logprobs_cost_summary", "median_output_tok_s": med,
                       "round_ratios": [round(r, 3) for r in ratios],
+                      "itl_p50_ratio_median": round(statistics.median(t / b for b, t in zip(itl["base"], itl["this"])), 3),
                       "this_over_base": round(statistics.median(ratios), 3),
-                      "asking_over_this": round(asking["output_tok_s"] / med["this"], 3)}))
+                      "asking_over_this": round(asking["output_tok_s"] / med["this"], 3),
+                      "engine_tok_s_median": {k: round(statistics.median(v), 1) for k, v in eng.items()},
+                      "engine_ratio_median": round(statistics.median(t / b for b, t in zip(eng["base"], eng["this"])), 3)}))
     return 0
 
 
