@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag, ValidationError
 
 from frontend.schemas import INT32_MAX, JsonSchemaFormat, _Body, _Strict
 from runtime.errors import InvalidRequest
@@ -180,7 +180,15 @@ class ResponsesRequest(_Body):
             if value:
                 raise InvalidRequest(f"{name} is not supported by this server", name)
         for i, t in enumerate(self.tools or ()):
-            if not isinstance(t, FunctionTool):
-                kind = t.get("type") if isinstance(t.get("type"), str) else "?"
-                raise InvalidRequest(f"tools[{i}]: only function tools are supported, not {kind[:64]!r}",
-                                     f"tools[{i}].type")
+            if isinstance(t, FunctionTool):
+                continue
+            kind = t.get("type") if isinstance(t.get("type"), str) else "?"
+            if kind == "function":          # a function tool that did not validate: say why
+                try:
+                    FunctionTool.model_validate(t)
+                except ValidationError as e:
+                    err = e.errors()[0]
+                    where = ".".join(str(x) for x in err["loc"])
+                    raise InvalidRequest(f"tools[{i}].{where}: {err['msg']}", f"tools[{i}].{where}") from None
+            raise InvalidRequest(f"tools[{i}]: only function tools are supported, not {kind[:64]!r}",
+                                 f"tools[{i}].type")

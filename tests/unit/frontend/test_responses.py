@@ -56,7 +56,9 @@ def test_the_chat_request_it_means():
 @pytest.mark.parametrize("body,param", [({"background": True}, "background"), ({"include": ["x"]}, "include"),
                                         ({"truncation": "auto"}, "truncation"),
                                         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-                                        ({"reasoning": {"summary": "auto"}}, "reasoning.summary")])
+                                        ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
+                                        ({"tools": [{"type": "function", "name": "f", "parameters": "x"}]},
+                                         "tools[0].parameters")])
 def test_unimplemented_fields_are_refused_by_name(body, param):
     with pytest.raises(InvalidRequest) as e:
         _req(**body).check_unsupported()
