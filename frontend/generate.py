@@ -6,7 +6,9 @@ what each ready decode worker's engine and KV cache hold for one sequence, as th
 records say), routes a request to a worker, fans the worker's token deltas through an incremental
 detokenizer with stop strings, migrates the request to another worker if its worker dies or gives
 it back while draining (prompt + tokens so far: the client's stream just continues), and cancels it
-on the worker when the client goes away. A worker's refusal before the first token of a request
+on the worker when the client goes away. A request's first delta brings its prompt logprobs when it
+asked (with their token ids, which the workers leave to the frontend); a request moved after its first
+token asks for none again. A worker's refusal before the first token of a request
 with a grammar names the field the grammar came from. On shutdown (`begin_shutdown`) new requests
 are refused with 503 while those in flight finish; `interrupt_all` ends the rest with an error the
 APIs send in-band.
