@@ -10,7 +10,10 @@ load is identical). A last round on this tree sends the same load with `echo` + 
 `max_tokens` as before, to show what asking costs. Then the engine alone (one process, no HTTP:
 `Engine.step()` over a batch of the same requests) from each tree, in alternating rounds too: the
 part the change touches, with less of the shared machine's noise. Prints one JSON line per measurement and a
-summary with the median output tok/s of each side and the median of the rounds' ratios (this / base).
+summary: the median output tok/s of each side and the median of the rounds' ratios (this / base);
+and, since wall time on a shared machine moves with other jobs, the CPU time each side spent: the
+serve process tree's CPU milliseconds per output token during the load (/proc), and the engine
+process's.
 """
 
 from __future__ import annotations
@@ -39,6 +42,29 @@ def baseline_tree(ref: str) -> Path:
     return out
 
 
+def tree_cpu_s(root_pid: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes under `root_pid` (the serve
+    launcher: its frontend, workers and Redis), read from /proc."""
+    procs = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        rest = stat[stat.rindex(")") + 2:].split()
+        procs[int(d)] = (int(rest[1]), int(rest[11]) + int(rest[12]))
+    total = 0
+    for pid, (_, ticks) in procs.items():
+        p = pid
+        while p in procs and p != root_pid:
+            p = procs[p][0]
+        if p == root_pid:
+            total += ticks
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def serve_load(root: Path, args, extra_body: dict | None = None) -> dict:
     """Start serve from `root` and run this tree's bench serve against it; the bench's summary."""
     old_root = cluster_mod.ROOT
@@ -53,11 +79,15 @@ def serve_load(root: Path, args, extra_body: dict | None = None) -> dict:
             env = {**os.environ, "PYTHONPATH": str(ROOT)}
             if extra_body:
                 cmd += ["--extra-body", json.dumps(extra_body)]
+            cpu0 = tree_cpu_s(c.proc.pid)
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+            cpu_s = tree_cpu_s(c.proc.pid) - cpu0
             if proc.returncode:
                 raise RuntimeError(proc.stdout[-2000:] + proc.stderr[-2000:])
             rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-            return next(r for r in rows if r.get("bench") == "serve")
+            summary = next(r for r in rows if r.get("bench") == "serve")
+            summary["cluster_cpu_ms_per_tok"] = 1e3 * cpu_s / (args.num_requests * args.osl)
+            return summary
     finally:
         cluster_mod.ROOT = old_root
         if env_path is None:
@@ -86,19 +116,20 @@ def run(reqs):
         out += sum(len(o.new_token_ids) for o in eng.step().outputs)
     return out
 run([("warm", prompts[-1])])
-t = time.perf_counter()
+t, cpu = time.perf_counter(), time.process_time()
 out = run([(str(i), p) for i, p in enumerate(prompts[:n])])
-print(json.dumps({"engine_tok_s": out / (time.perf_counter() - t)}))
+print(json.dumps({"engine_tok_s": out / (time.perf_counter() - t), "engine_cpu_ms_per_tok": 1e3 * (time.process_time() - cpu) / out}))
 """
 
 
-def engine_tok_s(root: Path, args) -> float:
-    """The engine alone (no processes, no HTTP), from `root`'s source: output tok/s of a batch of
-    requests that ask for no prompt logprobs."""
+def engine_run(root: Path, args) -> dict:
+    """The engine alone (no processes, no HTTP), from `root`'s source, over a batch of requests that
+    ask for no prompt logprobs: output tok/s, and the process's CPU milliseconds per output token
+    (what the change could add; unlike wall time, barely moved by other jobs on the machine)."""
     proc = subprocess.run([sys.executable, "-c", _ENGINE_RUN, str(args.isl), str(args.osl), str(2 * args.concurrency)],
                           cwd=root, env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=600, check=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])["engine_tok_s"]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
@@ -117,21 +148,26 @@ def main() -> int:
               "isl": args.isl, "osl": args.osl, "concurrency": args.concurrency, "num_requests": args.num_requests}
     tok_s: dict[str, list[float]] = {"base": [], "this": []}
     itl: dict[str, list[float]] = {"base": [], "this": []}
+    cpu: dict[str, list[float]] = {"base": [], "this": []}
     for r in range(args.rounds):
         sides = (("base", base), ("this", ROOT))
         for side, root in sides if r % 2 == 0 else sides[::-1]:     # alternate which side runs first
             s = serve_load(root, args)
             tok_s[side].append(s["output_tok_s"])
             itl[side].append(s["itl_p50_s"])
+            cpu[side].append(s["cluster_cpu_ms_per_tok"])
             print(json.dumps({**common, "round": r, "side": side, "output_tok_s": round(s["output_tok_s"], 1),
+                              "cluster_cpu_ms_per_tok": round(s["cluster_cpu_ms_per_tok"], 3),
                               "ttft_p50_s": s["ttft_p50_s"], "itl_p50_s": s["itl_p50_s"], "errors": s["errors"]}),
                   flush=True)
     eng: dict[str, list[float]] = {"base": [], "this": []}
     for r in range(args.rounds):
         sides = (("base", base), ("this", ROOT))
         for side, root in sides if r % 2 == 0 else sides[::-1]:
-            eng[side].append(engine_tok_s(root, args))
-            print(json.dumps({**common, "round": r, "side": side, "engine_tok_s": round(eng[side][-1], 1)}), flush=True)
+            e = engine_run(root, args)
+            eng[side].append(e["engine_cpu_ms_per_tok"])
+            print(json.dumps({**common, "round": r, "side": side, "engine_tok_s": round(e["engine_tok_s"], 1),
+                              "engine_cpu_ms_per_tok": round(e["engine_cpu_ms_per_tok"], 3)}), flush=True)
     asking = serve_load(ROOT, args, {"echo": True, "logprobs": 1})
     print(json.dumps({**common, "side": "this, asking (echo + logprobs 1)", "output_tok_s": round(asking["output_tok_s"], 1),
                       "ttft_p50_s": asking["ttft_p50_s"], "itl_p50_s": asking["itl_p50_s"], "errors": asking["errors"]}),
@@ -145,8 +181,10 @@ def main() -> int:
                       "itl_p50_ratio_median": round(statistics.median(t / b for b, t in zip(itl["base"], itl["this"])), 3),
                       "this_over_base": round(statistics.median(ratios), 3),
                       "asking_over_this": round(asking["output_tok_s"] / med["this"], 3),
-                      "engine_tok_s_median": {k: round(statistics.median(v), 1) for k, v in eng.items()},
-                      "engine_ratio_median": round(statistics.median(t / b for b, t in zip(eng["base"], eng["this"])), 3)}))
+                      "cluster_cpu_ms_per_tok_median": {k: round(statistics.median(v), 3) for k, v in cpu.items()},
+                      "cluster_cpu_ratio_median": round(statistics.median(t / b for b, t in zip(cpu["base"], cpu["this"])), 3),
+                      "engine_cpu_ms_per_tok_median": {k: round(statistics.median(v), 3) for k, v in eng.items()},
+                      "engine_cpu_ratio_median": round(statistics.median(t / b for b, t in zip(eng["base"], eng["this"])), 3)}))
     return 0
 
 
