@@ -122,6 +122,43 @@ print(json.dumps({"engine_tok_s": out / (time.perf_counter() - t), "engine_cpu_m
 """
 
 
+_LOOP_RUN = """
+import json, os, random, sys, tempfile, time
+from engine.engine import Engine
+from runtime.config import EngineConfig
+from runtime.types import EngineRequest, SamplingParams
+from splitserve.models import resolve_model
+isl, osl = (int(x) for x in sys.argv[1:3])
+prof = os.path.join(tempfile.mkdtemp(), "zero.json")
+with open(prof, "w") as f:
+    json.dump({"curve": {"base_s": 0.0, "per_token_s": 0.0, "per_attn_pair_s": 0.0, "per_kv_token_s": 0.0}}, f)
+eng = Engine(EngineConfig(model=resolve_model("tiny"), mock=True, mock_profile=prof, num_blocks=8192,
+                          max_num_batched_tokens=2048, async_scheduling=False))
+rnd = random.Random(0)
+def run(k):
+    for i in range(64):
+        eng.add_request(EngineRequest(f"{k}-{i}", [rnd.randrange(5, 4000) for _ in range(isl)],
+                                      SamplingParams(temperature=0.0, max_tokens=osl, ignore_eos=True)))
+    out = 0
+    while eng.has_work:
+        out += sum(len(o.new_token_ids) for o in eng.step().outputs)
+    return out
+run("warm")
+cpu = time.process_time()
+out = sum(run(k) for k in range(3))
+print(json.dumps({"loop_cpu_us_per_tok": 1e6 * (time.process_time() - cpu) / out}))
+"""
+
+
+def loop_run(root: Path, args) -> float:
+    """The scheduler and engine loop alone (the mock runner at zero step time: no model), from
+    `root`'s source, 64 requests at a time: CPU microseconds per output token."""
+    proc = subprocess.run([sys.executable, "-c", _LOOP_RUN, str(args.isl), str(args.osl)], cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=600,
+                          check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])["loop_cpu_us_per_tok"]
+
+
 def engine_run(root: Path, args) -> dict:
     """The engine alone (no processes, no HTTP), from `root`'s source, over a batch of requests that
     ask for no prompt logprobs: output tok/s, and the process's CPU milliseconds per output token
@@ -168,6 +205,13 @@ def main() -> int:
             eng[side].append(e["engine_cpu_ms_per_tok"])
             print(json.dumps({**common, "round": r, "side": side, "engine_tok_s": round(e["engine_tok_s"], 1),
                               "engine_cpu_ms_per_tok": round(e["engine_cpu_ms_per_tok"], 3)}), flush=True)
+    loop: dict[str, list[float]] = {"base": [], "this": []}
+    for r in range(args.rounds):
+        sides = (("base", base), ("this", ROOT))
+        for side, root in sides if r % 2 == 0 else sides[::-1]:
+            loop[side].append(loop_run(root, args))
+            print(json.dumps({**common, "round": r, "side": side, "loop_cpu_us_per_tok": round(loop[side][-1], 3)}),
+                  flush=True)
     asking = serve_load(ROOT, args, {"echo": True, "logprobs": 1})
     print(json.dumps({**common, "side": "this, asking (echo + logprobs 1)", "output_tok_s": round(asking["output_tok_s"], 1),
                       "ttft_p50_s": asking["ttft_p50_s"], "itl_p50_s": asking["itl_p50_s"], "errors": asking["errors"]}),
@@ -184,7 +228,9 @@ def main() -> int:
                       "cluster_cpu_ms_per_tok_median": {k: round(statistics.median(v), 3) for k, v in cpu.items()},
                       "cluster_cpu_ratio_median": round(statistics.median(t / b for b, t in zip(cpu["base"], cpu["this"])), 3),
                       "engine_cpu_ms_per_tok_median": {k: round(statistics.median(v), 3) for k, v in eng.items()},
-                      "engine_cpu_ratio_median": round(statistics.median(t / b for b, t in zip(eng["base"], eng["this"])), 3)}))
+                      "engine_cpu_ratio_median": round(statistics.median(t / b for b, t in zip(eng["base"], eng["this"])), 3),
+                      "loop_cpu_us_per_tok_median": {k: round(statistics.median(v), 3) for k, v in loop.items()},
+                      "loop_cpu_ratio_median": round(statistics.median(t / b for b, t in zip(loop["base"], loop["this"])), 3)}))
     return 0
 
 
