@@ -110,7 +110,7 @@ def responses_routes(state: FrontendState) -> APIRouter:
                 log.exception("response stream %s failed", events.builder.id)
                 e = SplitserveError(f"internal error: {type(e).__name__}")
             state.metrics.errors.labels("http", str(e.http_status)).inc()
-            yield _event(events._event("error", code=str(e.http_status), message=e.message, param=e.param))
+            yield _event(events.event("error", code=str(e.http_status), message=e.message, param=e.param))
         finally:
             await deltas.aclose()
 

@@ -86,15 +86,15 @@ class EventStream:
         self.msg_id: str | None = None
         self.calls: list[dict] = []          # function_call items, arguments as streamed so far
 
-    def _event(self, kind: str, **fields) -> dict:
+    def event(self, kind: str, **fields) -> dict:
         ev = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
         return ev
 
     def start(self) -> list[dict]:
         skeleton = self.builder.build([], "in_progress", None, self.model)
-        return [self._event("response.created", response=skeleton),
-                self._event("response.in_progress", response=skeleton)]
+        return [self.event("response.created", response=skeleton),
+                self.event("response.in_progress", response=skeleton)]
 
     def delta(self, d: Delta) -> list[dict]:
         """The events of one delta (the last one's close the items, not the response)."""
@@ -121,12 +121,12 @@ class EventStream:
         out = []
         if self.msg_id is None:
             self.msg_id = new_id("msg")
-            out.append(self._event("response.output_item.added", output_index=0,
+            out.append(self.event("response.output_item.added", output_index=0,
                                    item=message_item(self.msg_id, "", "in_progress")))
-            out.append(self._event("response.content_part.added", item_id=self.msg_id, output_index=0,
+            out.append(self.event("response.content_part.added", item_id=self.msg_id, output_index=0,
                                    content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
         self.text += text
-        out.append(self._event("response.output_text.delta", item_id=self.msg_id, output_index=0, content_index=0,
+        out.append(self.event("response.output_text.delta", item_id=self.msg_id, output_index=0, content_index=0,
                                delta=text, logprobs=[]))
         return out
 
@@ -136,16 +136,13 @@ class EventStream:
         if "id" in cd:
             item = call_item(new_id("fc"), new_id("call"), fn["name"], "", "in_progress")
             self.calls.append(item)
-            out.append(self._event("response.output_item.added", output_index=self._index(item), item=dict(item)))
-        item = self.calls[-1] if "id" in cd else self._by_index(cd["index"])
+            out.append(self.event("response.output_item.added", output_index=self._index(item), item=dict(item)))
+        item = self.calls[-1] if "id" in cd else self.calls[cd["index"]]
         if fn.get("arguments"):
             item["arguments"] += fn["arguments"]
-            out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+            out.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
                                    output_index=self._index(item), delta=fn["arguments"]))
         return out
-
-    def _by_index(self, k: int) -> dict:
-        return self.calls[k]
 
     def _index(self, item: dict) -> int:
         return (self.msg_id is not None) + self.calls.index(item)
@@ -155,21 +152,21 @@ class EventStream:
         out, items = [], []
         if self.msg_id is not None:
             part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
-            out.append(self._event("response.output_text.done", item_id=self.msg_id, output_index=0,
+            out.append(self.event("response.output_text.done", item_id=self.msg_id, output_index=0,
                                    content_index=0, text=self.text, logprobs=[]))
-            out.append(self._event("response.content_part.done", item_id=self.msg_id, output_index=0,
+            out.append(self.event("response.content_part.done", item_id=self.msg_id, output_index=0,
                                    content_index=0, part=part))
             items.append(message_item(self.msg_id, self.text))
-            out.append(self._event("response.output_item.done", output_index=0, item=items[-1]))
+            out.append(self.event("response.output_item.done", output_index=0, item=items[-1]))
         for item in self.calls:
             item["status"] = "completed"
-            out.append(self._event("response.function_call_arguments.done", item_id=item["id"],
+            out.append(self.event("response.function_call_arguments.done", item_id=item["id"],
                                    output_index=self._index(item), arguments=item["arguments"], name=item["name"]))
-            out.append(self._event("response.output_item.done", output_index=self._index(item), item=dict(item)))
+            out.append(self.event("response.output_item.done", output_index=self._index(item), item=dict(item)))
             items.append(dict(item))
         status = status_of(last)
         response = self.builder.build(items, status, usage(last), self.model)
-        out.append(self._event(f"response.{status}", response=response))
+        out.append(self.event(f"response.{status}", response=response))
         return out, response
 
 

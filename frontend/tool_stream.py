@@ -170,32 +170,15 @@ class ToolCallStream:
         return self._held_whole
 
     # ---- forced ----------------------------------------------------------------------------
-    def _forced_scans(self) -> list[tuple[int, CallScan]]:
+    def _forced_scans(self) -> list[CallScan]:
         t = self.text
         i = _skip_ws(t, 0)
         if not self.array:
             scan = scan_call(t, i)
-            return [(0, scan)] if scan is not None else []
+            return [scan] if scan is not None else []
         if i >= len(t) or t[i] != "[":
             return []
-        return self._scan_sequence(t, i + 1, "")
-
-    def _scan_sequence(self, t: str, i: int, closing: str) -> list[tuple[int, CallScan]]:
-        """Call objects one after another from t[i], separated by commas (an array's items)."""
-        out = []
-        while True:
-            i = _skip_ws(t, i)
-            while i < len(t) and t[i] == ",":
-                i = _skip_ws(t, i + 1)
-            if i >= len(t) or t[i] != "{":
-                return out
-            scan = scan_call(t, i)
-            if scan is None:
-                return out
-            out.append((0, scan))
-            if scan.end < 0:
-                return out
-            i = scan.end
+        return _scan_items(t, i + 1)
 
     # ---- auto (Hermes blocks) --------------------------------------------------------------
     def _auto(self) -> tuple[str, list[dict]]:
@@ -216,16 +199,16 @@ class ToolCallStream:
             scan = scan_call(t, i + len(_OPEN))
             if scan is None:
                 break
-            scans.append((0, scan))
+            scans.append(scan)
             if scan.end < 0:
                 break
             i = t.find(_OPEN, scan.end)
         return content, self._calls_from(scans)
 
     # ---- deltas ----------------------------------------------------------------------------
-    def _calls_from(self, scans: list[tuple[int, CallScan]]) -> list[dict]:
+    def _calls_from(self, scans: list[CallScan]) -> list[dict]:
         deltas = []
-        valid = [s for _, s in scans if s.name is not None and s.name in self.names and s.args_start >= 0]
+        valid = [s for s in scans if s.name is not None and s.name in self.names and s.args_start >= 0]
         if self.single:
             valid = valid[:1]
         for k, scan in enumerate(valid):
@@ -241,6 +224,24 @@ class ToolCallStream:
                 deltas.append({"index": k, "function": {"arguments": args[call.sent:]}})
                 call.sent = len(args)
         return _merge(deltas)
+
+
+def _scan_items(t: str, i: int) -> list[CallScan]:
+    """Call objects one after another from t[i], separated by commas (a JSON array's items)."""
+    out = []
+    while True:
+        i = _skip_ws(t, i)
+        while i < len(t) and t[i] == ",":
+            i = _skip_ws(t, i + 1)
+        if i >= len(t) or t[i] != "{":
+            return out
+        scan = scan_call(t, i)
+        if scan is None:
+            return out
+        out.append(scan)
+        if scan.end < 0:
+            return out
+        i = scan.end
 
 
 def _partial_tag(t: str) -> int:
