@@ -143,7 +143,8 @@ class RemotePrefillClient:
             self.metrics.kv_handoffs.labels(self.worker_id).inc()
             self.metrics.handoff_s.labels(self.worker_id).observe(time.perf_counter() - start)
             self.engine_loop.kv_arrived(rid, resp.first_token,
-                                        logprob_from_pb(resp.first_logprob) if resp.HasField("first_logprob") else None)
+                                        logprob_from_pb(resp.first_logprob) if resp.HasField("first_logprob") else None,
+                                        [logprob_from_pb(m) for m in resp.prompt_logprobs])
         else:
             self.metrics.prefill_fallback.labels(self.worker_id, reason).inc()
             self.engine_loop.kv_failed(rid)

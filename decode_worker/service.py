@@ -26,7 +26,7 @@ from decode_worker.remote_prefill import RemotePrefillClient
 from engine.engine import EngineLoop
 from runtime.types import EngineRequest, RequestId, RequestOutput, SessionId
 from proto.splitserve.v1 import worker_pb2
-from runtime.convert import FINISH_TO_PB, logprob_to_pb, sampling_from_pb
+from runtime.convert import FINISH_TO_PB, logprob_to_pb, prompt_logprobs_to_pb, sampling_from_pb
 from runtime.worker_host import StatusService
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,8 @@ class WorkerService(StatusService):
                 request_id=o.request_id, token_ids=o.new_token_ids, finish_reason=FINISH_TO_PB[o.finish_reason],
                 num_cached_tokens=max(o.num_cached_tokens, 0), error=o.error,
                 internal_error=o.internal_error, index=o.index,
-                logprobs=[logprob_to_pb(t, lp) for t, lp in zip(o.new_token_ids, o.logprobs)] if o.logprobs else ()))
+                logprobs=[logprob_to_pb(t, lp) for t, lp in zip(o.new_token_ids, o.logprobs)] if o.logprobs else (),
+                prompt_logprobs=prompt_logprobs_to_pb(o.prompt_logprobs)))
             if o.finish_reason is not None:
                 session.active.discard(o.request_id)
         for session, deltas in by_session.items():

@@ -116,6 +116,9 @@ class Engine:
             what = "n > 1" if spec.sampling.n > 1 else "structured output (grammar)"
             return RequestOutput(request.request_id, [], FinishReason.ERROR, 0, request.session,
                                  error=f"{what} is not supported by this engine yet")
+        if spec.sampling.prompt_logprobs is not None and not self.runner.supports_prompt_logprobs:
+            return RequestOutput(request.request_id, [], FinishReason.ERROR, 0, request.session,
+                                 error="prompt logprobs are not supported by this engine's runner")
         if spec.sampling.grammar is not None:
             why = ("ignore_eos cannot be combined with a grammar (the grammar ends the output)"
                    if spec.sampling.ignore_eos else self.runner.check_grammar(spec.sampling.grammar))
@@ -131,10 +134,11 @@ class Engine:
     def abort_request(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id) is not None
 
-    def kv_arrived(self, request_id: str, first_token: int,
-                   first_logprob: TokenLogprobs | None = None) -> RequestOutput | None:
-        """Decode side: the prompt's KV landed in the reserved blocks; continue from `first_token`."""
-        out = self.scheduler.kv_arrived(request_id, first_token)
+    def kv_arrived(self, request_id: str, first_token: int, first_logprob: TokenLogprobs | None = None,
+                   prompt_lps: list[TokenLogprobs] | None = None) -> RequestOutput | None:
+        """Decode side: the prompt's KV landed in the reserved blocks; continue from `first_token`
+        (with the prefill worker's logprobs of it and of the prompt, where the request asked)."""
+        out = self.scheduler.kv_arrived(request_id, first_token, prompt_lps)
         if out is not None and first_logprob is not None:
             out.logprobs = [first_logprob]
         return out
@@ -197,14 +201,14 @@ class Engine:
             t0 = time.perf_counter()
             try:
                 sampled = self.runner.execute(plan)
-                logprobs = self.runner.last_logprobs
+                logprobs, prompt_lps = self.runner.last_logprobs, self.runner.last_prompt_logprobs
             except BaseException:
                 sched.abandon(plan)
                 raise
             end = time.perf_counter()
             self._measure_prefill(plan, end - t0, end)
             sched.commit(plan)
-            return sched.update(plan, sampled, logprobs)
+            return sched.update(plan, sampled, logprobs, prompt_lps)
         prev, self._in_flight = self._in_flight, None
         launched_plan = None
         try:
@@ -222,7 +226,7 @@ class Engine:
             done = time.perf_counter()
             self._measure_prefill(prev[0], done - max(prev[2], self._step_done_at), done)
             self._step_done_at = done
-            return sched.update(prev[0], sampled, prev[1].logprobs())
+            return sched.update(prev[0], sampled, prev[1].logprobs(), prev[1].prompt_logprobs())
         except BaseException:
             self._abandon(prev, launched_plan)
             raise
@@ -297,8 +301,9 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._inbox.put(Abort(request_id))
 
-    def kv_arrived(self, request_id: str, first_token: int, first_logprob: TokenLogprobs | None = None) -> None:
-        self._inbox.put(KvArrived(request_id, first_token, first_logprob))
+    def kv_arrived(self, request_id: str, first_token: int, first_logprob: TokenLogprobs | None = None,
+                   prompt_lps: list[TokenLogprobs] | None = None) -> None:
+        self._inbox.put(KvArrived(request_id, first_token, first_logprob, prompt_lps))
 
     def kv_failed(self, request_id: str) -> None:
         self._inbox.put(KvFailed(request_id))
@@ -342,8 +347,8 @@ class EngineLoop:
                 out = eng.add_request(request)
             case Abort(request_id):
                 eng.abort_request(request_id)
-            case KvArrived(request_id, first_token, first_logprob):
-                out = eng.kv_arrived(request_id, first_token, first_logprob)
+            case KvArrived(request_id, first_token, first_logprob, prompt_lps):
+                out = eng.kv_arrived(request_id, first_token, first_logprob, prompt_lps)
             case KvFailed(request_id):
                 eng.kv_failed(request_id)
             case ReleaseHeld(request_id):

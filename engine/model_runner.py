@@ -7,7 +7,9 @@ preemption.
 
 A step's inputs are built on the host with numpy from per-sequence values (no per-token Python
 loop except copying the chunk's token ids) and reach the device in one copy from a pinned buffer.
-Decode-only steps that fit a captured batch size replay a CUDA graph; other steps run eagerly.
+Decode-only steps that fit a captured batch size replay a CUDA graph; other steps run eagerly, and
+so does a step with rows that score prompt tokens (prompt logprobs: the logits of every scored prompt
+position, engine/sampler.py `score_tokens`, read back beside the sampled ids by engine/launched_step.py).
 
 `launch(plan, prev)` queues a step (an engine/plan.py `StepPlan`: plain data, the only thing a runner
 reads) and its sampling on the device and returns a `LaunchedStep` whose `result()` waits for the
@@ -35,10 +37,11 @@ from engine.attention.torch_backend import TorchAttention
 from engine.loader import load_model
 from runtime.model_config import ModelConfig
 from engine.plan import StepPlan
-from engine.runner import Launched, Runner
-from engine.sampler import Sampled, sample_on_device, sample_step
+from engine.launched_step import LaunchedStep, PromptScores
+from engine.runner import Runner
+from engine.sampler import sample_on_device, sample_step, score_tokens
 from engine.sampling_state import PenaltySlots, build_processing
-from engine.step_inputs import HostStep, PendingInputs, build_host_step
+from engine.step_inputs import HostStep, PendingInputs, build_host_step, prompt_score_rows
 from runtime.config import EngineConfig
 from runtime.quantization import resolve_quantization
 from runtime.types import TokenLogprobs
@@ -116,10 +119,11 @@ def _flashinfer_available() -> bool:
 
 
 class ModelRunner(Runner):
-    """A `Runner` (engine/runner.py) over the model on a device: with grammars and logprobs; its
-    steps run beside the host on CUDA."""
+    """A `Runner` (engine/runner.py) over the model on a device: with grammars, logprobs and
+    prompt logprobs; its steps run beside the host on CUDA."""
 
     supports_grammar = True
+    supports_prompt_logprobs = True
 
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
@@ -190,6 +194,7 @@ class ModelRunner(Runner):
         self.last_logits: torch.Tensor | None = None   # the last step's sampled rows (graph output: copy it)
         self.last_prepare_s = 0.0                      # host time of the last step before the launch
         self.last_logprobs: dict[str, TokenLogprobs] | None = None   # of the last `execute`
+        self.last_prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None   # ... and its prompt logprobs
         self._generators: dict[int, torch.Generator] = {}   # seeded requests' generators, by PlanRow.key
         self._eos = frozenset(self.model_config.eos_token_ids)
         self._grammars = None                               # engine/grammar.py, built at the first grammar request
@@ -222,7 +227,7 @@ class ModelRunner(Runner):
         logprobs, where asked for, in `last_logprobs`)."""
         launched = self.launch(plan)
         sampled = launched.result()
-        self.last_logprobs = launched.logprobs()
+        self.last_logprobs, self.last_prompt_logprobs = launched.logprobs(), launched.prompt_logprobs()
         return sampled
 
     @torch.inference_mode()
@@ -244,8 +249,10 @@ class ModelRunner(Runner):
         if not rows:
             return LaunchedStep({}, None)
         pending = self._pending_sources(step, plan, prev)
-        # a decode graph waits for layer-by-layer onboards itself: captured with `layer_events`
-        if self.use_cuda_graphs and step.is_decode_only and self.graphs.fits(len(rows)):
+        # a decode graph waits for layer-by-layer onboards itself: captured with `layer_events`;
+        # a step that scores prompt tokens (prompt logprobs, a prefill matter) runs eagerly
+        prompt = None
+        if self.use_cuda_graphs and step.is_decode_only and self.graphs.fits(len(rows)) and not plan.prompt_logprobs:
             logits = self.graphs.run(step, pending)
             self.last_prepare_s = time.perf_counter() - t0
             if len(step.sample_rows) < len(rows):
@@ -253,18 +260,19 @@ class ModelRunner(Runner):
         else:
             self.model.layer_waits = plan.layer_waits        # KV onboarded layer by layer under this step
             try:
-                logits = self._run_eager(step, t0, pending)
+                logits, prompt = self._run_eager(step, t0, pending, rows if plan.prompt_logprobs else None)
             finally:
                 self.model.layer_waits = None
         sampling_rows = [r for r in rows if r.samples]
         if not sampling_rows:
-            return LaunchedStep({}, None)
+            return LaunchedStep({}, None, prompt=prompt)
         self.last_logits = logits
         order = {r.request_id: i for i, r in enumerate(sampling_rows)}
         masks = self._grammar_job(sampling_rows, prev)
         if masks is None:
-            return LaunchedStep(order, *self._sample(sampling_rows, logits, prev))
-        return LaunchedStep(order, None, deferred=lambda: self._sample(sampling_rows, logits, prev, masks.result()))
+            return LaunchedStep(order, *self._sample(sampling_rows, logits, prev), prompt=prompt)
+        return LaunchedStep(order, None, deferred=lambda: self._sample(sampling_rows, logits, prev, masks.result()),
+                            prompt=prompt)
 
     @torch.inference_mode()
     def _sample(self, rows, logits: torch.Tensor, prev: "LaunchedStep | None", masks=None):
@@ -321,7 +329,10 @@ class ModelRunner(Runner):
         src = np.array([prev.rows[plan.rows[i].request_id] for i in step.pending_seqs.tolist()], np.int64)
         return PendingInputs(step.pending_rows, src, prev.tokens)
 
-    def _run_eager(self, step: HostStep, t0: float, pending: PendingInputs | None) -> torch.Tensor | None:
+    def _run_eager(self, step: HostStep, t0: float, pending: PendingInputs | None,
+                   scored_rows=None) -> tuple[torch.Tensor | None, PromptScores | None]:
+        """The step's forward pass → (the sampling rows' logits, the prompt logprobs where
+        `scored_rows`, the plan's rows, has rows that score prompt tokens)."""
         t, r = len(step.input_ids), len(step.sample_rows)
         p = len(pending.rows) if pending else 0
         dev = self._to_device(step, (pending.rows, pending.index) if pending else ())
@@ -341,10 +352,18 @@ class ModelRunner(Runner):
             self._staging_free.record()           # after plan: its pinned uploads are queued too
         self.last_prepare_s = time.perf_counter() - t0
         hidden = self.model(ids, positions, self.backend, self.kv_cache)
+        prompt = self._score_prompt(hidden, scored_rows, step) if scored_rows is not None else None
         if r == 0:
-            return None
+            return None, prompt
         rows = hidden if r == t and r == len(step.query_lens) else hidden[sample_rows]
-        return self.model.compute_logits(rows)
+        return self.model.compute_logits(rows), prompt
+
+    def _score_prompt(self, hidden: torch.Tensor, rows, step: HostStep) -> PromptScores:
+        """Queue the prompt logprobs of the rows' `prompt_targets` (engine/sampler.py score_tokens)."""
+        idx, targets, spans = prompt_score_rows(rows, step.qo_indptr)
+        idx_t, targets_t = (self._host(a).to(self.device, non_blocking=True) for a in (idx, targets))
+        k = max(span[3] for span in spans)
+        return PromptScores(spans, score_tokens(hidden.index_select(0, idx_t), self.model.compute_logits, targets_t, k))
 
     def _host(self, a: np.ndarray) -> torch.Tensor:
         """A host array for the attention planner: pinned on CUDA, so that its uploads never wait
@@ -388,66 +407,3 @@ class _Phases:
         now = time.perf_counter()
         self.into[name] = round(now - self.t, 3)
         self.t = now
-
-
-class LaunchedStep(Launched):
-    """A step queued on the device: `rows` maps each sampling request to its row of `tokens`.
-    `lp`: (request ids, top-k each asked for, the step's `Sampled`) when some row wants logprobs.
-    `deferred`: its sampling is not queued yet; `finish()` queues it (returns `tokens, lp`)."""
-
-    __slots__ = ("rows", "tokens", "_host", "_ready", "_lp", "_lp_host", "_deferred")
-
-    def __init__(self, rows: dict[str, int], tokens: torch.Tensor | None,
-                 lp: tuple[list[str], list[int], Sampled] | None = None, deferred=None) -> None:
-        self.rows, self._deferred = rows, deferred
-        if deferred is None:
-            self._queued(tokens, lp)
-
-    def finish(self) -> None:
-        """Queue the deferred sampling, if any (on the step loop's thread; once)."""
-        if self._deferred is not None:
-            deferred, self._deferred = self._deferred, None
-            self._queued(*deferred())
-
-    def _queued(self, tokens: torch.Tensor | None, lp) -> None:
-        self.tokens = tokens
-        self._host, self._ready, self._lp, self._lp_host = tokens, None, lp, None
-        if lp is not None:
-            s = lp[2]
-            self._lp_host = [s.logprobs, s.top_ids, s.top_logprobs]
-        if tokens is not None and tokens.is_cuda:
-            self._host = _to_host(tokens)
-            if self._lp_host is not None:
-                self._lp_host = [None if t is None else _to_host(t) for t in self._lp_host]
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-
-    def result(self) -> dict[str, int]:
-        """Wait for the step; the sampled id of each sampling request."""
-        self.finish()
-        if self._host is None:
-            return {}
-        if self._ready is not None:
-            self._ready.synchronize()
-        return dict(zip(self.rows, self._host.tolist()))
-
-    def logprobs(self) -> dict[str, TokenLogprobs] | None:
-        """After `result()`: the sampled tokens' logprobs of the requests that asked for them."""
-        self.finish()
-        if self._lp is None:
-            return None
-        if self._ready is not None:
-            self._ready.synchronize()
-        ids, ks, _ = self._lp
-        lps, top_ids, top_lps = self._lp_host
-        lps = lps.tolist()
-        top_ids = top_ids.tolist() if top_ids is not None else None
-        top_lps = top_lps.tolist() if top_lps is not None else None
-        return {rid: TokenLogprobs(lps[i], tuple(top_ids[i][:k]) if k else (), tuple(top_lps[i][:k]) if k else ())
-                for i, (rid, k) in enumerate(zip(ids, ks))}
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    h.copy_(t, non_blocking=True)
-    return h

@@ -69,6 +69,9 @@ class Request:
     num_tokens_sent: int = 0            # penalties / grammar: tokens given to the runner (PlanRow.unseen)
     tier: TierState = field(default_factory=TierState)
     timing: PrefillTiming = field(default_factory=PrefillTiming)
+    # asked for prompt logprobs and not given them yet: those of positions 1.. as steps compute them
+    # (engine/sched/prompt_logprobs.py); None otherwise
+    prompt_lps: list | None = None
 
     @staticmethod
     def new(request_id: str, prompt: list[int], sampling: SamplingParams,
@@ -83,6 +86,8 @@ class Request:
         req = Request.new(spec.request_id, list(spec.prompt_token_ids), spec.sampling,
                           list(spec.output_token_ids), spec.session)
         req.remote_prefill, req.hold_blocks = spec.remote_prefill, spec.hold_blocks
+        if spec.sampling.prompt_logprobs is not None and not spec.output_token_ids:
+            req.prompt_lps = [None] * (len(spec.prompt_token_ids) - 1)
         return req
 
     @property

@@ -31,6 +31,11 @@ class Launched(Protocol):
         (None: none asked, or the runner computes none, as by default)."""
         return None
 
+    def prompt_logprobs(self) -> dict[str, list[TokenLogprobs]] | None:
+        """After `result()`: the logprobs of the prompt tokens the step's rows scored
+        (`PlanRow.prompt_targets`), by request (None: no row asked, or the runner computes none)."""
+        return None
+
 
 class Runner(Protocol):
     """Runs the steps the scheduler plans (engine/plan.py) and samples their tokens.
@@ -48,7 +53,9 @@ class Runner(Protocol):
     steps_beside_host: bool = False     # a device runs each step while the host goes on (a GPU, or
     #                                     the mock's modelled one): async scheduling's default
     supports_grammar: bool = False      # structured output: `check_grammar` and grammar rows in plans
+    supports_prompt_logprobs: bool = False  # scores the rows' `prompt_targets` (else such requests are refused)
     last_logprobs: dict[str, TokenLogprobs] | None = None   # after `execute`: its logprobs, if any
+    last_prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None   # ... and its prompt logprobs
     layer_events: list | None = None    # per-layer device events an onboard records (KV tiers)
 
     def execute(self, plan: StepPlan) -> dict[str, int]:

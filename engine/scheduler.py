@@ -15,6 +15,9 @@ requests awaiting their KV and their reservations, a prefill worker's held block
 KV tiers on, `OnboardingManager` (`onboarding`: offload ahead of eviction, onboarding of prefix
 hits below G1; None when off, which costs one `is None` test where it is consulted).
 
+Prompt logprobs (engine/sched/prompt_logprobs.py): a row of a request that asks names the prompt
+tokens its chunk scores; their logprobs come back through `update` and leave with the first token.
+
 `schedule()` returns a `StepPlan` (engine/plan.py): plain data the runner reads. The live chunks
 behind it stay here, found again by the plan's `step_id`.
 
@@ -41,6 +44,7 @@ from kvstore.pools.tier_policy import PrefillSpeed
 from engine.plan import PENDING_TOKEN, PlanRow, StepPlan
 from engine.request import Request, RequestStatus
 from engine.sched.onboarding import OnboardingManager
+from engine.sched import prompt_logprobs
 from engine.sched.order import PrefillOrder
 from engine.sched.remote import RemotePrefills
 from runtime.types import FinishReason, RequestOutput, TokenLogprobs
@@ -156,6 +160,9 @@ class Scheduler:
                              c.request.sampling, c.samples, c.request.num_prompt_tokens)
                      for c in chunks]
         for row, c in zip(plan.rows, chunks):
+            if c.request.prompt_lps is not None:
+                row.prompt_targets = prompt_logprobs.targets(c.request, c.start, c.num_tokens)
+                plan.prompt_logprobs |= row.prompt_targets is not None
             if c.samples and (c.request.sampling.penalized or c.request.sampling.grammar is not None):
                 req = c.request
                 row.unseen, row.unseen_from = req.token_ids[req.num_tokens_sent:], req.num_tokens_sent
@@ -240,6 +247,9 @@ class Scheduler:
         """Start the request after its longest prefix cached in G1; False where, with the KV tiers,
         it goes to load a longer one from below G1 instead (it then waits in `onboarding`)."""
         self._update_hashes(req)
+        if req.prompt_lps is not None:       # scores every prompt token: computed from the first
+            req.block_ids, req.num_registered_blocks, req.num_computed_tokens = [], 0, 0
+            return True
         hit = self.pool.lookup(req.block_hashes)
         # always compute at least the last token, so there are logits to sample from
         max_hit_blocks = (req.num_tokens - 1) // self.block_size
@@ -257,11 +267,15 @@ class Scheduler:
         return True
 
     # ---- disaggregation (the bookkeeping: engine/sched/remote.py) -----------------------------
-    def kv_arrived(self, request_id: str, first_token: int) -> RequestOutput | None:
-        """Decode side: the prompt's KV landed in the reserved blocks; continue from `first_token`."""
+    def kv_arrived(self, request_id: str, first_token: int,
+                   prompt_lps: list[TokenLogprobs] | None = None) -> RequestOutput | None:
+        """Decode side: the prompt's KV landed in the reserved blocks; continue from `first_token`
+        (`prompt_lps`: the prompt logprobs the prefill worker computed, if the request asked)."""
         req = self.remote.done(request_id)
         if req is None:          # aborted meanwhile
             return None
+        if req.prompt_lps is not None:
+            req.prompt_lps = list(prompt_lps) if prompt_lps else None
         req.num_computed_tokens = req.num_tokens
         self._register_full_blocks(req)
         req.status = RequestStatus.RUNNING
@@ -322,16 +336,19 @@ class Scheduler:
                 chunk.sample_index = len(req.token_ids) - 1
             self._register_full_blocks(req)
 
-    def update(self, plan: StepPlan, sampled: dict[str, int],
-               logprobs: dict[str, TokenLogprobs] | None = None) -> list[RequestOutput]:
+    def update(self, plan: StepPlan, sampled: dict[str, int], logprobs: dict[str, TokenLogprobs] | None = None,
+               prompt_lps: dict[str, list[TokenLogprobs]] | None = None) -> list[RequestOutput]:
         """The committed step finished on the device: write its sampled tokens in, apply stops.
-        `logprobs`: the sampled tokens' logprobs, of the requests that asked for them."""
+        `logprobs`: the sampled tokens' logprobs, of the requests that asked for them; `prompt_lps`:
+        the logprobs of the prompt tokens the step's chunks scored (PlanRow.prompt_targets)."""
         self.release_deferred()                 # the step that might have written them is done
         outputs = []
         for chunk in self._steps.pop(plan.step_id, ()):
             req = chunk.request
             if req.finished:      # aborted while the step ran
                 continue
+            if prompt_lps is not None:
+                prompt_logprobs.collect(req, chunk.start, prompt_lps.get(req.request_id))
             token = sampled.get(req.request_id)
             if token is None:
                 continue
@@ -366,6 +383,8 @@ class Scheduler:
         reason = self._stop_reason(req, index)
         first = index + 1 - req.num_prompt_tokens == req.num_initial_output_tokens + 1
         out = RequestOutput(req.request_id, [token], reason, req.num_cached_tokens if first else -1, req.session)
+        if first and req.prompt_lps is not None:
+            out.prompt_logprobs = prompt_logprobs.take(req)
         if first and self.track_prefill_time and req.timing.prefill_started_at >= 0:
             t = req.timing
             out.prefill_wait_s = max(t.prefill_started_at - t.added_at, 0.0)

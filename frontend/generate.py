@@ -6,7 +6,9 @@ what each ready decode worker's engine and KV cache hold for one sequence, as th
 records say), routes a request to a worker, fans the worker's token deltas through an incremental
 detokenizer with stop strings, migrates the request to another worker if its worker dies or gives
 it back while draining (prompt + tokens so far: the client's stream just continues), and cancels it
-on the worker when the client goes away. A worker's refusal before the first token of a request
+on the worker when the client goes away. A request's first delta brings its prompt logprobs when it
+asked (with their token ids, which the workers leave to the frontend); a request moved after its first
+token asks for none again. A worker's refusal before the first token of a request
 with a grammar names the field the grammar came from. On shutdown (`begin_shutdown`) new requests
 are refused with 503 while those in flight finish; `interrupt_all` ends the rest with an error the
 APIs send in-band.
@@ -15,6 +17,7 @@ APIs send in-band.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -45,6 +48,7 @@ class GenerateInput:
     request_id: str = ""
     routing_key: str | None = None      # prompt_cache_key / user: the router's affinity hint
     grammar_param: str | None = None    # the request field its grammar came from, named when it is refused
+    score_only: bool = False            # max_tokens 0: the prompt is scored; the one token run for it is not returned
 
 
 @dataclass(slots=True)
@@ -56,6 +60,7 @@ class Delta:
     completion_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list | None = None          # generation_pb2.TokenLogprob per token, when asked for
+    prompt_logprobs: list | None = None   # with the first delta, when asked: TokenLogprob of prompt tokens 2..
 
 
 async def generate_samples(generator: "Generator", inputs: list[GenerateInput],
@@ -102,6 +107,25 @@ async def generate_samples(generator: "Generator", inputs: list[GenerateInput],
     finally:
         for t in tasks:
             t.cancel()
+
+
+def _submitted_sampling(sampling: SamplingParams, output: list[int]) -> worker_pb2.EngineSampling:
+    """The sampling a worker gets: a request moved after its first token has had its prompt
+    logprobs (they came with that token), so the next worker computes none."""
+    if output and sampling.prompt_logprobs is not None:
+        sampling = dataclasses.replace(sampling, prompt_logprobs=None)
+    return sampling_to_pb(sampling)
+
+
+def _prompt_logprobs(delta, inp: GenerateInput) -> list | None:
+    """A first delta's prompt logprobs with their token ids (workers send them without: the
+    frontend holds the prompt); None where the request did not ask."""
+    if inp.sampling.prompt_logprobs is None:
+        return None
+    lps = delta.prompt_logprobs
+    for m, token in zip(lps, inp.prompt_token_ids[1:]):
+        m.token_id = token
+    return list(lps)
 
 
 def _refused(inp: GenerateInput, error: str, started: bool) -> InvalidRequest:
@@ -251,7 +275,7 @@ class Generator:
                                               conn.num_active)
                 q = conn.submit(worker_pb2.WorkerSubmit(
                     request_id=rid, prompt_token_ids=inp.prompt_token_ids,
-                    sampling=sampling_to_pb(inp.sampling), output_token_ids=output, remote_prefill=remote))
+                    sampling=_submitted_sampling(inp.sampling, output), output_token_ids=output, remote_prefill=remote))
                 while True:
                     delta = await q.get()
                     if delta is WORKER_LOST:
@@ -280,6 +304,7 @@ class Generator:
                         if self.on_itl is not None:
                             self.on_itl(itl)
                     last = now
+                    prompt_lps = _prompt_logprobs(delta, inp) if not output else None
                     output.extend(delta.token_ids)
                     text = detok.add(list(delta.token_ids))
                     reason = FINISH_FROM_PB.get(delta.finish_reason)
@@ -291,10 +316,11 @@ class Generator:
                         finished = True
                         m.requests.labels("all", reason.name.lower()).inc()
                         yield Delta(list(delta.token_ids), text, reason, len(inp.prompt_token_ids),
-                                    len(output), cached, list(delta.logprobs) or None)
+                                    len(output), cached, list(delta.logprobs) or None, prompt_lps)
                         return
                     if delta.token_ids or text:
-                        yield Delta(list(delta.token_ids), text, logprobs=list(delta.logprobs) or None)
+                        yield Delta(list(delta.token_ids), text, logprobs=list(delta.logprobs) or None,
+                                    prompt_logprobs=prompt_lps)
                 self.pool.router.finished(rid, conn.worker_id)
                 exclude.add(conn.worker_id)
                 m.migrations.labels(reason).inc()

@@ -79,7 +79,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             for m in req.chat.messages:
                 if m.role not in ("system", "user", "assistant"):
                     raise InvalidRequest(f"unknown chat role {m.role!r}")
-            prompt = await st.tokenize.encode_chat([ChatTurn(m.role, m.content) for m in req.chat.messages], limit)
+            prompt = await st.tokenize.encode_chat([ChatTurn(m.role, m.content, name=m.name or None)
+                                                    for m in req.chat.messages], limit)
         else:
             raise InvalidRequest("one of text, token_ids or chat is required")
         s = req.sampling
@@ -115,14 +116,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             top_k=opt("top_k"), seed=opt("seed"), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
             presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),
             repetition_penalty=opt("repetition_penalty"), min_p=opt("min_p"), min_tokens=opt("min_tokens"),
-            logit_bias=dict(s.logit_bias), logprobs=opt("logprobs"), grammar=grammar)
+            logit_bias=dict(s.logit_bias), logprobs=opt("logprobs"), grammar=grammar,
+            prompt_logprobs=opt("prompt_logprobs"))
         rid = req.request_id or uuid.uuid4().hex
         stop = [x for x in s.stop if x]
         where = "sampling.response_format.json_schema" if grammar and grammar.kind == GrammarKind.JSON_SCHEMA \
             else "sampling.response_format"
-        return [GenerateInput(prompt, sampling if sampling.seed is None or not i else
-                              dataclasses.replace(sampling, seed=(sampling.seed + i) % 2 ** 63), stop,
-                              rid if n == 1 else f"{rid}-{i}", grammar_param=where) for i in range(n)], rid
+        return [GenerateInput(prompt, sampling if not i else dataclasses.replace(
+                    sampling, seed=None if sampling.seed is None else (sampling.seed + i) % 2 ** 63, prompt_logprobs=None),
+                              stop, rid if n == 1 else f"{rid}-{i}", grammar_param=where) for i in range(n)], rid
 
     async def Generate(self, request, context):
         try:
@@ -131,7 +133,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             async for i, d in generate_samples(self.state.generator, inputs, len(inputs)):
                 msg = generation_pb2.GenerateResponse(request_id=rid, token_ids=d.token_ids, index=i,
                                                       text=d.text, finish_reason=FINISH_TO_PB[d.finish_reason],
-                                                      logprobs=d.logprobs or ())
+                                                      logprobs=d.logprobs or (), prompt_logprobs=d.prompt_logprobs or ())
                 if d.finish_reason is not None:
                     msg.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=d.prompt_tokens,
                                                             completion_tokens=d.completion_tokens,

@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from frontend.http_errors import BodyLimit, error_response, install_error_handlers
 from frontend.openai_api import openai_routes
+from frontend.responses_api import responses_routes
 from frontend.state import FrontendState
 from runtime.errors import SplitserveError
 
@@ -24,6 +25,7 @@ def create_app(state: FrontendState):
     app = FastAPI(title="Splitserve", docs_url=None, redoc_url=None)
     install_error_handlers(app, state.metrics)
     app.include_router(openai_routes(state))
+    app.include_router(responses_routes(state))
     app.include_router(ops_routes(state))
     return KeyGuard(BodyLimit(app, state.max_body_bytes), state)
 

@@ -27,6 +27,7 @@ from frontend.auth import ApiKey
 from frontend.http_api import create_app
 from frontend.latency_publisher import LatencyPublisher
 from frontend.metrics_merge import WorkerMetricsScraper
+from frontend.response_store import ResponseStore
 from frontend.routing import FrontendRouter
 from frontend.state import FrontendState
 from frontend.tokenizer import ModelTokenizer, TokenizerPool
@@ -100,7 +101,8 @@ async def serve_frontend(cfg: FrontendConfig) -> None:
     state = FrontendState(generator=generator, tokenizer=tokenizer, metrics=metrics, model_name=model_name,
                           api_key=ApiKey(cfg.api_key), max_body_bytes=cfg.max_body_bytes,
                           tokenize=TokenizerPool(tokenizer, cfg.tokenizer_threads, cfg.max_tokenize_queue),
-                          extra_metrics=WorkerMetricsScraper(pool).scrape)
+                          extra_metrics=WorkerMetricsScraper(pool).scrape,
+                          responses=ResponseStore(redis, cfg.redis.namespace, cfg.responses_ttl_s))
     grpc_server, grpc_port = await start_grpc_server(state, cfg.host, cfg.grpc_port)
     http = HttpServer(uvicorn.Config(create_app(state), host=cfg.host, port=cfg.http_port,
                                      log_level="warning", lifespan="off", timeout_graceful_shutdown=2,

@@ -12,11 +12,13 @@ request (the fuzz tests generate from it). Every body is strict, and this is wha
 - every integer has its range, floats are finite, strings are valid Unicode (no lone surrogates,
   which JSON's `\\ud800` escapes can carry) and free-form JSON is at most `MAX_JSON_DEPTH` deep;
 - `stream_options` needs `stream: true`;
-- a field that OpenAI or vLLM define but this server does not implement (best_of > 1, echo,
-  suffix, message names, image / audio / file content parts) is declared, so that the 400 names it
-  as unsupported instead of unknown.
+- a field that OpenAI or vLLM define but this server does not implement (best_of > 1, suffix,
+  image / audio / file content parts) is declared, so that the 400 names it as unsupported instead
+  of unknown.
 
-No field is accepted and then ignored.
+The fields clients send as a matter of course and that change nothing here (`store`, `metadata`,
+`service_tier` on the chat and completion routes) are accepted and ignored, as docs/openai.md says
+per field; no other field is.
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ class ResponseFormat(_Strict):
 def sampling_fields(max_tokens: int, vocab_size: int, *, temperature, top_p, top_k, seed, stop_token_ids,
                     ignore_eos, presence_penalty, frequency_penalty, repetition_penalty, min_p, min_tokens,
                     logit_bias: dict[str, float] | dict[int, float] | None, logprobs: int | None,
-                    grammar: GrammarSpec | None) -> SamplingParams:
+                    grammar: GrammarSpec | None, prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams from API values (None: the default), with every range checked; shared by
     HTTP and gRPC."""
     t = 1.0 if temperature is None else temperature
@@ -161,6 +163,8 @@ def sampling_fields(max_tokens: int, vocab_size: int, *, temperature, top_p, top
         raise InvalidRequest("logit_bias names a token twice", "logit_bias")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+        raise InvalidRequest(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]", "prompt_logprobs")
     if grammar is not None and ignore_eos:
         raise InvalidRequest("ignore_eos cannot be combined with response_format (its grammar ends the output)",
                              "ignore_eos")
@@ -168,7 +172,8 @@ def sampling_fields(max_tokens: int, vocab_size: int, *, temperature, top_p, top
                           max_tokens=max_tokens, seed=seed, stop_token_ids=stop_ids, ignore_eos=ignore_eos,
                           presence_penalty=presence_penalty or 0.0, frequency_penalty=frequency_penalty or 0.0,
                           repetition_penalty=rep, min_p=min_p, min_tokens=min_tokens,
-                          logit_bias=tuple(sorted(bias)), logprobs=logprobs, grammar=grammar)
+                          logit_bias=tuple(sorted(bias)), logprobs=logprobs, grammar=grammar,
+                          prompt_logprobs=prompt_logprobs)
 
 
 class _Common(_Body):
@@ -206,6 +211,13 @@ class _Common(_Body):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(None, max_length=1024)
     response_format: ResponseFormat | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="refused above 1 (not implemented)")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                        description="vLLM's: the prompt tokens' logprobs and this many top ones")
+    store: bool | None = Field(None, description="accepted and ignored: nothing is stored on these routes")
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(
+        None, max_length=16, description="accepted and ignored: nothing is stored on these routes")
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
+        None, description="accepted; every request is served the same way (the response says \"default\")")
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -225,6 +237,9 @@ class _Common(_Body):
     def requested_logprobs(self) -> int | None:
         return None
 
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
     def to_sampling(self, max_tokens: int, vocab_size: int) -> SamplingParams:
         return sampling_fields(
             max_tokens, vocab_size, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -232,22 +247,30 @@ class _Common(_Body):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, min_p=self.min_p, min_tokens=self.min_tokens,
             logit_bias=self.logit_bias, logprobs=self.requested_logprobs(),
-            grammar=self.response_format.grammar() if self.response_format else None)
+            grammar=self.response_format.grammar() if self.response_format else None,
+            prompt_logprobs=self.requested_prompt_logprobs())
 
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
+    # 0: the prompt is only scored (with echo and logprobs: its logprobs), no token is returned
+    max_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo or self.suffix:
-            raise InvalidRequest("echo and suffix are not supported", "echo")
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported", "suffix")
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """echo with logprobs scores the prompt too (OpenAI's legacy semantics, what lm-eval asks)."""
+        ks = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(ks) if ks else None
 
 
 class TextPart(_Strict):
@@ -326,13 +349,17 @@ class ChatCompletionRequest(_Common):
     tools: list[dict[str, Any]] | None = Field(None, max_length=128)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="more variables for the chat template")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None, description="given to the chat template as the variable reasoning_effort")
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
-        if any(m.name for m in self.messages):
-            raise InvalidRequest("message names are not supported", "messages")
+
+    def template_kwargs(self) -> dict | None:
+        return template_kwargs(self.chat_template_kwargs, self.reasoning_effort)
 
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -340,6 +367,22 @@ class ChatCompletionRequest(_Common):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                "raise_exception"})
+
+
+def template_kwargs(extra: dict | None, reasoning_effort: str | None) -> dict | None:
+    """The chat template's extra variables: `chat_template_kwargs`, and `reasoning_effort` as one."""
+    out = dict(extra or {})
+    clash = sorted(TEMPLATE_VARIABLES & set(out))
+    if clash:
+        raise InvalidRequest(f"chat_template_kwargs may not set {clash}: the server sets them",
+                             f"chat_template_kwargs.{clash[0]}")
+    if reasoning_effort is not None:
+        out["reasoning_effort"] = reasoning_effort
+    return out or None
 
 
 class TokenizeCompletionRequest(_Body):

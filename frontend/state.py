@@ -10,6 +10,7 @@ from typing import Awaitable, Callable
 
 from frontend.auth import ApiKey
 from frontend.generate import Generator
+from frontend.response_store import ResponseStore
 from frontend.tokenizer import ModelTokenizer, TokenizerPool
 from runtime.metrics import FrontendMetrics
 
@@ -24,3 +25,4 @@ class FrontendState:
     max_body_bytes: int
     tokenize: TokenizerPool                  # tokenizer work off the event loop (bounded queue)
     extra_metrics: Callable[[], Awaitable[bytes]] | None = None   # other components' samples
+    responses: ResponseStore | None = None   # stored Responses API responses (None: store nothing)

@@ -50,9 +50,12 @@ class ChatTurn:
     content: str
     tool_calls: tuple[dict, ...] = ()       # assistant turns: {"name", "arguments": dict}
     tool_call_id: str | None = None         # tool turns: the call this answers
+    name: str | None = None                 # the participant's name (multi-agent chats), for templates that use it
 
     def as_template_message(self) -> dict:
         m: dict = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            m["name"] = self.name
         if self.tool_calls:
             m["tool_calls"] = [{"type": "function", "id": c.get("id"), "function": {
                 "name": c["name"], "arguments": c["arguments"]}, "name": c["name"], "arguments": c["arguments"]}
@@ -139,10 +142,14 @@ class ModelTokenizer:
         return name in self._template_source
 
     def apply_chat_template(self, turns: list[ChatTurn], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+        """`template_kwargs`: more variables for the template (a request's `chat_template_kwargs`
+        and `reasoning_effort`); they may not replace those set here (TEMPLATE_VARIABLES)."""
         if self._template is None:
             raise InvalidRequest("this model has no chat template; use /v1/completions")
-        extra = {"tools": tools} if tools else {}
+        extra = dict(template_kwargs or {})
+        if tools:
+            extra["tools"] = tools
         try:
             return self._template.render(
                 messages=[t.as_template_message() for t in turns],
@@ -152,10 +159,21 @@ class ModelTokenizer:
             raise InvalidRequest(f"chat template rejected the messages: {e}") from None
 
     def encode_chat(self, turns: list[ChatTurn], max_tokens: int | None = None,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         # the template writes special tokens itself
-        return self.encode(self.apply_chat_template(turns, tools=tools), add_special_tokens=False,
-                           max_tokens=max_tokens, param="messages")
+        return self.encode(self.apply_chat_template(turns, tools=tools, template_kwargs=template_kwargs),
+                           add_special_tokens=False, max_tokens=max_tokens, param="messages")
+
+    def info(self) -> dict:
+        """What vLLM's /tokenizer_info gives (lm-eval's remote tokenizer reads it): the
+        tokenizer_config.json fields clients use, the chat template, the special tokens."""
+        cfg = self.config
+        return {"tokenizer_class": cfg.get("tokenizer_class"), "chat_template": self._template_source or None,
+                "bos_token": self.bos_token, "eos_token": self.eos_token,
+                "pad_token": _token_text(cfg.get("pad_token")), "unk_token": _token_text(cfg.get("unk_token")),
+                "add_bos_token": cfg.get("add_bos_token"), "add_eos_token": cfg.get("add_eos_token"),
+                "vocab_size": self.vocab_size,
+                "added_tokens_decoder": cfg.get("added_tokens_decoder", {})}
 
 
 class TokenizerPool:
@@ -192,12 +210,13 @@ class TokenizerPool:
         return await self.run(self.tokenizer.encode_batch, texts, add_special_tokens, max_tokens)
 
     async def encode_chat(self, turns: list[ChatTurn], max_tokens: int | None,
-                          tools: list[dict] | None = None) -> list[int]:
-        return await self.run(self.tokenizer.encode_chat, turns, max_tokens, tools)
+                          tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+        return await self.run(self.tokenizer.encode_chat, turns, max_tokens, tools, template_kwargs)
 
     async def render_chat(self, turns: list[ChatTurn], add_generation_prompt: bool = True,
-                          tools: list[dict] | None = None) -> str:
-        return await self.run(self.tokenizer.apply_chat_template, turns, add_generation_prompt, tools)
+                          tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+        return await self.run(self.tokenizer.apply_chat_template, turns, add_generation_prompt, tools,
+                              template_kwargs)
 
     async def decode(self, ids: list[int]) -> str:
         return await self.run(self.tokenizer.decode, ids)

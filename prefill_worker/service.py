@@ -32,7 +32,7 @@ from kvstore.movers.transfer import KvTransferAgent, KvTransferError, TransferSt
 from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from prefill_worker.admission import PrefillQueue
 from prefill_worker.timing import PrefillTimings
-from runtime.convert import logprob_to_pb, sampling_from_pb
+from runtime.convert import logprob_to_pb, prompt_logprobs_to_pb, sampling_from_pb
 from runtime.logging import Throttled
 from runtime.metrics import WorkerMetrics
 
@@ -180,6 +180,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
                                           transfer_bytes=handle.num_bytes, transfer_s=elapsed)
         if out.logprobs:
             resp.first_logprob.CopyFrom(logprob_to_pb(out.new_token_ids[0], out.logprobs[0]))
+        resp.prompt_logprobs.extend(prompt_logprobs_to_pb(out.prompt_logprobs))
         return resp
 
 

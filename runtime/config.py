@@ -183,6 +183,8 @@ class FrontendConfig:
     drain_timeout_s: float = arg(60.0, "on SIGTERM, open requests may finish for this long before they end "
                                  "with an error event; new ones get 503 (under `serve`: the workers' drain "
                                  "timeout too)")
+    responses_ttl_s: int = arg(3600, "how long /v1/responses keeps a stored response (for previous_response_id "
+                               "and retrieval) in Redis, seconds")
 
 
 @dataclass(frozen=True, slots=True)

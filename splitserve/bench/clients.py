@@ -172,6 +172,7 @@ class HttpClient:
         self.model = model
         self.timeout_s = timeout_s
         self.headers = {"content-type": "application/json", "accept-encoding": "identity"}
+        self.extra_body: dict | None = None       # merged into every body (--extra-body)
         if api_key:
             self.headers["authorization"] = f"Bearer {api_key}"
         self._all: list = []
@@ -209,6 +210,8 @@ class HttpClient:
         }
         if spec.cache_key is not None:
             body["prompt_cache_key"] = spec.cache_key
+        if self.extra_body:
+            body.update(self.extra_body)
         return json.dumps(body).encode()
 
     async def send(self, spec: RequestSpec) -> RequestResult:

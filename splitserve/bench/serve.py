@@ -193,6 +193,8 @@ def add_report_arguments(p: argparse.ArgumentParser, plot: str) -> None:
     p.add_argument("--plot", default=None, help=f"write {plot} to this PNG")
     p.add_argument("--label", default="", help="device label for the plot title and the JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--extra-body", type=_json_object, default=None,
+                   help='HTTP only: a JSON object merged into every request body, e.g. \'{"echo": true, "logprobs": 1}\'')
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,6 +305,10 @@ async def run_level(args: argparse.Namespace, model: str, specs: list[RequestSpe
 
     pool = concurrency if concurrency is not None else min(len(specs), 4096)
     client = make_client(args.url, model, pool, args.timeout_s, args.api_key)
+    if args.extra_body:
+        if not hasattr(client, "extra_body"):
+            raise SystemExit("--extra-body is for the HTTP API only")
+        client.extra_body = args.extra_body
     bar = tqdm(total=len(specs), desc=desc, unit="req", file=sys.stderr, mininterval=0.5,
                disable=args.no_progress, leave=False)
     lag: list[float] = []
@@ -411,3 +417,13 @@ if __name__ == "__main__":
     _parser = argparse.ArgumentParser(prog="splitserve bench serve", description=__doc__.split("\n")[0])
     add_arguments(_parser)
     sys.exit(main(_parser.parse_args()))
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value

@@ -142,9 +142,14 @@ def test_a_forced_single_call_is_exactly_one_call(http, model_name, choice, para
         call = one_call(c["message"], name)
         events = [json.loads(line[6:]) for line in http.post("/v1/chat/completions", json={**body, "stream": True})
                   .text.splitlines() if line.startswith("data: {")]
-        deltas = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["delta"].get("tool_calls")]
-        assert len(deltas) == 1 and deltas[0]["finish_reason"] == "tool_calls", events[-3:]
-        assert one_call(deltas[0]["delta"], name) == call
+        # one call, streamed: its first delta names it, its arguments follow in pieces
+        parts = [tc for e in events if e["choices"] for tc in e["choices"][0]["delta"].get("tool_calls", ())]
+        assert {tc["index"] for tc in parts} == {0} and sum("id" in tc for tc in parts) == 1, parts[:3]
+        streamed = {"name": parts[0]["function"]["name"],
+                    "arguments": "".join(tc["function"].get("arguments", "") for tc in parts)}
+        assert one_call({"tool_calls": [{"function": streamed}]}, name)["name"] == call["name"]
+        assert json.loads(streamed["arguments"]) == json.loads(call["arguments"])
+        assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
 # ---- grammar errors ---------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from frontend.http_errors import field_path, validation_error
-from frontend.openai_api import forced_tool_sampling
+from frontend.prepare import forced_tool_sampling
 from frontend.schemas import ChatCompletionRequest, CompletionRequest
 from frontend.tools import parse_tools
 from runtime.errors import InvalidRequest
@@ -55,7 +55,7 @@ def test_chat_logprobs_and_response_formats():
 @pytest.mark.parametrize("body,param", [
     ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {str(VOCAB): 1}}, "logit_bias"),
     ({"logit_bias": {"-1": 1}}, "logit_bias"), ({"min_tokens": 17}, "min_tokens"),
-    ({"best_of": 2}, "best_of"), ({"echo": True}, "echo"),
+    ({"best_of": 2}, "best_of"), ({"suffix": "x"}, "suffix"),
 ])
 def test_out_of_range_values_are_invalid_requests(body, param):
     with pytest.raises(InvalidRequest) as e:
@@ -117,7 +117,7 @@ def test_stream_options_need_stream():
 
 
 def test_a_part_that_is_not_text_is_refused_as_such():
-    from frontend.openai_api import _turns
+    from frontend.prepare import chat_turns as _turns
     text = {"type": "text", "text": "look"}
     for part, what in (({"type": "image_url", "image_url": {"url": "x"}}, "images"),
                        ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, "audio"),

@@ -106,7 +106,7 @@ def tool_model_dirs(tmp_path_factory):
 
 
 def test_templates_render_tools_and_past_calls(tool_model_dirs):
-    from frontend.openai_api import _turns
+    from frontend.prepare import chat_turns as _turns
     from frontend.schemas import ChatMessage
     from frontend.tokenizer import ModelTokenizer
     messages = [ChatMessage(role="user", content="Weather in Oslo?"),
