@@ -241,8 +241,9 @@ class RayConfig:
     address: str | None = arg(None, "run on Ray: a cluster's address (HOST:PORT of its GCS, or auto), or, "
                               "given alone, a new local Ray cluster; none: local processes", flag="--ray",
                               const="local")
-    worker_gpus: float | None = arg(None, "GPUs each worker actor asks Ray for; none: 1 when the engine runs on "
-                                    "cuda (--device cuda, or auto on a cluster with GPUs, and not --mock), else 0",
+    worker_gpus: float | None = arg(None, "GPUs each worker actor asks Ray for; none: as many as the worker "
+                                    "spans (its pool's tensor-parallel size) when the engine runs on cuda "
+                                    "(--device cuda, or auto on a cluster with GPUs, and not --mock), else 0",
                                     flag="--ray-worker-gpus")
     worker_cpus: float = arg(1.0, "CPUs each worker actor asks Ray for", flag="--ray-worker-cpus")
     frontend_cpus: float = arg(1.0, "CPUs the frontend actor asks Ray for", flag="--ray-frontend-cpus")
@@ -258,6 +259,17 @@ class ServeConfig:
     decode_workers: int = arg(1, "decode workers (aggregated ones with --prefill-workers 0)")
     prefill_workers: int = arg(1, "prefill workers; 0: aggregated serving (each worker prefills its own "
                                "prompts)")
+    prefill_tp: int | None = arg(None, "GPUs (tensor-parallel ranks) per prefill worker; none: "
+                                 "--tensor-parallel-size")
+    decode_tp: int | None = arg(None, "GPUs (tensor-parallel ranks) per decode (or aggregated) worker; none: "
+                                "--tensor-parallel-size")
+    gpus: str | None = arg(None, "the GPUs this cluster may use, by nvidia-smi index (e.g. 0,1,2,3); none: every "
+                           "visible one. Each worker gets its own (CUDA_VISIBLE_DEVICES); more than there are is "
+                           "refused at start-up")
+    gpus_per_worker: float = arg(1.0, "the share of a GPU each worker (each rank of a tensor-parallel worker) "
+                                 "takes: 1 gives every worker GPUs of its own; a fraction (0.5) lets workers "
+                                 "share one, each taking that share of its memory; 0 places nothing (every "
+                                 "worker sees every GPU: a tiny model, several workers on one GPU on purpose)")
     startup_timeout_s: float = arg(300.0, "how long to wait for every worker to be healthy")
     prefill_lease_s: float = arg(15.0, "how long a prefill worker may take to compute and push a prompt "
                                  "before the decode worker computes it itself")

@@ -56,3 +56,13 @@ def rank_share(cfg: ModelConfig, rank: int, size: int) -> RankShare:
     heads, kv_heads = cfg.num_heads // size, cfg.num_kv_heads // size
     return RankShare(rank, size, heads, kv_heads, cfg.intermediate_size // size, -(-cfg.vocab_size // size),
                      rank * heads, rank * kv_heads)
+
+
+def check_tp_engine(engine) -> None:
+    """InvalidRequest when an engine setting does not run with tensor parallelism yet (`engine`: a
+    runtime.config.EngineConfig)."""
+    if engine.tensor_parallel_size <= 1:
+        return
+    if engine.kv_host_gib > 0 or engine.kv_disk_gib > 0 or engine.kv_disk_dir:
+        raise InvalidRequest("KV tiers (--kv-host-gib, --kv-disk-gib) do not run with --tensor-parallel-size > 1 "
+                             "yet: each rank would need its own host and disk tiers")

@@ -54,6 +54,8 @@ from runtime.process import bounded, run_component, with_parent_death
 from runtime.quantization import quantization_name, resolve_quantization
 from runtime.redis_embedded import EmbeddedRedis
 from splitserve.models import resolve_model
+from splitserve.placement import check_pools_tp, plan_placement, pool_tp
+from runtime.gpus import worker_env
 
 log = logging.getLogger("splitserve.serve")
 
@@ -122,8 +124,9 @@ def serve(cfg: ServeConfig, launcher: type[Launcher] | None = None, connect=None
     launcher = launcher or Launcher
     try:
         model_dir = resolve_model(cfg.engine.model)
-        checkpoint = ModelConfig.from_dir(model_dir).quantization      # an unsupported one is refused here
-        weights = quantization_name(resolve_quantization(checkpoint, cfg.engine.quantization))
+        model_cfg = ModelConfig.from_dir(model_dir)           # an unsupported quantization is refused here
+        weights = quantization_name(resolve_quantization(model_cfg.quantization, cfg.engine.quantization))
+        check_pools_tp(cfg, model_cfg)
     except InvalidRequest as e:
         print(f"splitserve serve: {e.message}", file=sys.stderr)
         return 2
@@ -135,11 +138,19 @@ def serve(cfg: ServeConfig, launcher: type[Launcher] | None = None, connect=None
         print("splitserve serve: NIXL is not installed (pip install 'splitserve[nixl]'); serving aggregated",
               file=sys.stderr)
         cfg = dataclasses.replace(cfg, prefill_workers=0)
+    try:
+        placement = None if connect is not None else plan_placement(cfg)    # Ray places its actors itself
+    except InvalidRequest as e:
+        print(f"splitserve serve: {e.message}", file=sys.stderr)
+        return 2
+    if placement is not None and cfg.planner.enabled and cfg.planner.gpu_budget is None:
+        cfg = dataclasses.replace(cfg, planner=dataclasses.replace(cfg.planner,
+                                                                   gpu_budget=placement.allocator.num_gpus))
     profile = None
     if cfg.planner.enabled:
         try:
             from planner.live import check_sla
-            profile = check_sla(cfg.planner, weights)
+            profile = check_sla(cfg.planner, weights, (pool_tp(cfg, "prefill"), pool_tp(cfg, "decode")))
         except (InvalidRequest, ValueError, OSError) as e:
             print(f"splitserve serve: --planner: {getattr(e, 'message', e)}", file=sys.stderr)
             return 2
@@ -151,7 +162,7 @@ def serve(cfg: ServeConfig, launcher: type[Launcher] | None = None, connect=None
     if connect is not None and not connect(cfg):
         return 2
     runner = launcher(cfg, model_dir, book)
-    runner.planner_profile = profile
+    runner.planner_profile, runner.placement = profile, placement
     return run_component(runner.run())
 
 
@@ -191,6 +202,7 @@ class Launcher:
         self.controller: PoolController | None = None
         self.planner = None                           # with --planner: a planner.live.PlannerLoop (an actor on Ray)
         self.planner_profile = None
+        self.placement = None                         # pools.gpus.Placement: each worker's GPUs (None: none placed)
         self.admin = None
         self.admin_token = ""                         # in memory only; a planner actor gets it by environment
         self.token_path: Path | None = None
@@ -272,14 +284,16 @@ class Launcher:
         return LocalProcessConnector(
             self._spawn_worker, self.roles, policy,
             on_restart=lambda pool: self.metrics.restarts.labels(pool).inc(),
-            on_crash_loop=lambda pool: self.metrics.crash_loops.labels(pool).inc())
+            on_crash_loop=lambda pool: self.metrics.crash_loops.labels(pool).inc(), placement=self.placement)
 
-    def _spawn_worker(self, pool: PoolName, name: str) -> subprocess.Popen:
+    def _spawn_worker(self, pool: PoolName, name: str, gpus=None) -> subprocess.Popen:
+        """Worker `name` of `pool`, on its GPUs (a pools.gpus.GpuLease) where the connector placed it."""
         role = self.roles[pool]
         command = "prefill-worker" if role == "prefill" else "decode-worker"
         index = name.rsplit("-", 1)[1]
-        return self.cluster.spawn_component(command, name, worker_config(self.cfg, self.model_dir, role, index),
-                                            self.env)
+        env = self.env if gpus is None else {**self.env, **worker_env(gpus.gpus)}
+        wcfg = worker_config(self.cfg, self.model_dir, role, index, gpus.share if gpus is not None else 1.0)
+        return self.cluster.spawn_component(command, name, wcfg, env)
 
     def _start_frontend(self) -> None:
         self.frontend = self.cluster.spawn_component("frontend", "frontend", frontend_config(self.cfg, self.model_dir),
@@ -427,12 +441,16 @@ def connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
 
-def worker_config(cfg: ServeConfig, model_dir: str, role: str, index: int | str) -> WorkerConfig:
-    """Worker ROLE-INDEX's: the cluster's engine, Redis, host and drain timeout; metrics on a free port.
+def worker_config(cfg: ServeConfig, model_dir: str, role: str, index: int | str,
+                  gpu_share: float = 1.0) -> WorkerConfig:
+    """Worker ROLE-INDEX's: the cluster's engine at its pool's TP size, Redis, host and drain timeout;
+    metrics on a free port. On `gpu_share` of a GPU it takes that share of the memory for its KV.
     With the planner, prefill workers order their queues by its TTFT target (unless it sizes for FIFO ones)."""
     deadline_ordered = cfg.planner.enabled and cfg.planner.deadline_ordered
     deadline = cfg.planner.ttft_ms if role == "prefill" and deadline_ordered else None
-    return WorkerConfig(engine=dataclasses.replace(cfg.engine, model=model_dir), redis=cfg.frontend.redis,
+    engine = dataclasses.replace(cfg.engine, model=model_dir, tensor_parallel_size=pool_tp(cfg, role),
+                                 kv_memory_fraction=cfg.engine.kv_memory_fraction * gpu_share)
+    return WorkerConfig(engine=engine, redis=cfg.frontend.redis,
                         role=role, host=cfg.frontend.host, metrics_port=0, worker_id=f"{role}-{index}",
                         drain_timeout_s=cfg.frontend.drain_timeout_s, prefill_lease_s=cfg.prefill_lease_s,
                         prefill_deadline_ms=deadline)

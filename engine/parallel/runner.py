@@ -25,6 +25,7 @@ from engine.parallel.ranks import RankSet
 from engine.plan import StepPlan
 from engine.runner import Runner
 from runtime.config import EngineConfig
+from runtime.logging import component_name
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,9 @@ log = logging.getLogger(__name__)
 class TpRunner(Runner):
     supports_grammar = True
 
-    def __init__(self, cfg: EngineConfig, worker: str = "worker", on_lost=None) -> None:
+    def __init__(self, cfg: EngineConfig, worker: str | None = None, on_lost=None) -> None:
         t0 = time.perf_counter()
+        worker = worker or component_name() or "worker"
         size = cfg.tensor_parallel_size
         store = f"127.0.0.1:{_free_port()}"
         self.ranks = RankSet(cfg, size, store, worker, on_lost)

@@ -30,9 +30,9 @@ def json_type(t: type) -> str:
 
 # Fields the chart sets itself, so that pods, Services and probes agree (or that come by environment).
 CHART_OWNED = {
-    EngineConfig: {"model"},
+    EngineConfig: {"model", "tensor_parallel_size"},         # the pool's `gpus`
     FrontendConfig: {"model", "redis.url", "host", "http_port", "grpc_port", "api_key"},
-    WorkerConfig: {"engine.model", "redis.url", "role", "host", "advertise_host", "port", "metrics_port", "worker_id"},
+    WorkerConfig: {"engine.model", "engine.tensor_parallel_size", "redis.url", "role", "host", "advertise_host", "port", "metrics_port", "worker_id"},
     RedisConfig: {"url"},
 }
 # Fields the chart renders that runtime/config.py does not declare yet, by the work that adds them
