@@ -1,5 +1,6 @@
-"""A tensor-parallel rank other than 0: `python -m engine.parallel.rank_main --fd N`, started by its
-worker (engine/parallel/ranks.py) with one end of a socket pair as fd N.
+"""A tensor-parallel rank other than 0: `python -m engine.parallel.rank_main --fd N --kv-fd M`,
+started by its worker (engine/parallel/ranks.py) with one end of a socket pair as fd N (the steps)
+and one as fd M (its KV transfer agent, served on a thread: engine/parallel/kv.py `serve_kv`).
 
 It reads its `RankInit`, joins the process group (NCCL on its GPU: cuda:RANK of the worker's
 CUDA_VISIBLE_DEVICES; gloo on the CPU), builds its share of the model (engine/model_runner.py
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -35,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
         log.error("rank %d failed to start: %s", init.rank, e)
         _send(conn, _failed(init.rank, e))
         return 1
+    from engine.parallel.kv import serve_kv
     from engine.parallel.ranks import RankReady
+    threading.Thread(target=serve_kv, args=(Connection(args.kv_fd), runner), name="tp-kv", daemon=True).start()
     conn.send(RankReady(init.rank, runner.num_blocks, dict(runner.startup_s)))
     try:
         return _follow(conn, runner)
@@ -45,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="engine.parallel.rank_main", description="a tensor-parallel rank")
-    p.add_argument("--fd", type=int, required=True, help="this rank's end of the socket pair to rank 0")
+    p.add_argument("--fd", type=int, required=True, help="this rank's end of the step channel to rank 0")
+    p.add_argument("--kv-fd", type=int, required=True, help="this rank's end of its KV agent's channel")
     return p.parse_args(argv)
 
 

@@ -1,8 +1,9 @@
 """The ranks 1..N-1 of a tensor-parallel worker, as seen from rank 0 (the worker process itself).
 
 Rank 0 starts one process per other rank (`python -m engine.parallel.rank_main`, one per GPU of the
-worker's share; they die with it: PR_SET_PDEATHSIG) and talks to each over its own socket pair,
-inherited at spawn: no listener, no port, no key. The messages are small typed dataclasses
+worker's share; they die with it: PR_SET_PDEATHSIG) and talks to each over two socket pairs,
+inherited at spawn (no listener, no port, no key): one for the steps, one for the rank's KV
+transfer agent (engine/parallel/kv.py), served on a thread of its own. The messages are small typed dataclasses
 (`RankInit`, `RankReady`, `RankStop`) and the scheduler's plain-data `StepPlan`s themselves, one per
 step, pickled: rank 0 sends a plan before it launches the plan's forward pass, so every rank enters
 the pass's collectives in the same order.
@@ -78,6 +79,7 @@ class _Rank:
     proc: subprocess.Popen
     conn: Connection
     lock: threading.Lock
+    kv_conn: Connection
 
 
 class RankSet:
@@ -108,13 +110,15 @@ class RankSet:
 
     @staticmethod
     def _spawn(rank: int) -> _Rank:
-        ours, theirs = socket.socketpair()
+        (ours, theirs), (kv_ours, kv_theirs) = socket.socketpair(), socket.socketpair()
         try:
-            argv = [sys.executable, "-m", "engine.parallel.rank_main", "--fd", str(theirs.fileno())]
-            proc = subprocess.Popen(with_parent_death(argv), pass_fds=(theirs.fileno(),))
+            argv = [sys.executable, "-m", "engine.parallel.rank_main", "--fd", str(theirs.fileno()),
+                    "--kv-fd", str(kv_theirs.fileno())]
+            proc = subprocess.Popen(with_parent_death(argv), pass_fds=(theirs.fileno(), kv_theirs.fileno()))
         finally:
             theirs.close()
-        return _Rank(rank, proc, Connection(ours.detach()), threading.Lock())
+            kv_theirs.close()
+        return _Rank(rank, proc, Connection(ours.detach()), threading.Lock(), Connection(kv_ours.detach()))
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> list[RankReady]:
         """Every rank's `RankReady`, in rank order (RankLost past `timeout_s`; a rank that fails
@@ -137,6 +141,10 @@ class RankSet:
     @property
     def pids(self) -> list[int]:
         return [rk.proc.pid for rk in self._ranks]
+
+    def kv_channels(self) -> list[tuple[int, Connection]]:
+        """(rank, its KV agent's channel) of ranks 1..size-1 (engine/parallel/kv.py)."""
+        return [(rk.rank, rk.kv_conn) for rk in self._ranks]
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Ask every rank to leave and exit; kill what is left after `timeout_s`."""
@@ -162,6 +170,7 @@ class RankSet:
                 rk.proc.kill()
                 rk.proc.wait()
             rk.conn.close()
+            rk.kv_conn.close()
 
     # ---- the watchdog -------------------------------------------------------------------------
     def _watch(self) -> None:
