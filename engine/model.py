@@ -225,8 +225,11 @@ class CausalLM(nn.Module):
         return [m for m in self.modules() if isinstance(m, Linear)]
 
     def finish_loading(self) -> None:
-        """Every weight is in: each method quantizes, dequantizes or re-lays out its layers."""
+        """Every weight is in: each method quantizes, dequantizes or re-lays out its layers (a
+        row-parallel shard quantized here first learns its whole rows' amax from the other ranks)."""
         for m in self.linears():
+            if m.split is not None and m.split.kind == ROW and m.method.quantizes_at_load(m):
+                m.row_amax = self.tp.all_reduce_max(m.weight.detach().float().abs().amax(dim=1))
             m.method.finish_loading(m)
 
     def prepare_kernels(self, max_tokens: int) -> None:

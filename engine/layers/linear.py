@@ -78,6 +78,11 @@ class LinearMethod:
     def finish_loading(self, layer: "Linear") -> None:
         pass
 
+    def quantizes_at_load(self, layer: "Linear") -> bool:
+        """Whether `finish_loading` derives per-row scales from the weight (a row-parallel shard then
+        needs the whole rows' amax: `Linear.row_amax`)."""
+        return False
+
     def prepare(self, layers: list["Linear"], max_tokens: int) -> None:
         pass
 

@@ -59,6 +59,11 @@ class TpGroup:
         dist.all_reduce(x)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return x
+
     def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
         """(R, C) on each rank -> (R, size * C): rank r's columns at [r*C, (r+1)*C)."""
         if self.size == 1:
