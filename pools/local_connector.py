@@ -87,7 +87,7 @@ class LocalProcessConnector:
             try:
                 gpus = self.placement.take(pool)
             except NoGpus as e:
-                raise ConnectorError(f"cannot start a {self._roles[pool]} worker: {e}") from None
+                raise ConnectorError(f"cannot start another {pool} worker: {e}") from None
         name = f"{self._roles[pool]}-{next(self._numbers[pool])}"
         slot = _Slot(name, pool, None, CrashHistory(self._policy), gpus=gpus)
         self._slots[name] = slot

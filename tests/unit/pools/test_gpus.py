@@ -76,7 +76,7 @@ def test_the_connector_gives_each_worker_its_gpus_and_takes_them_back_when_it_le
         d = await c.start(D)
         p = await c.start(P)
         assert (d.gpus, p.gpus) == ("0,1", "2") and spawned == [("decode-0", "0,1"), ("prefill-0", "2")]
-        with pytest.raises(ConnectorError, match="cannot start a prefill worker: a worker needs 1 GPU; 0 of the 3"):
+        with pytest.raises(ConnectorError, match="cannot start another prefill worker: a worker needs 1 GPU; 0 of the 3"):
             await c.start(P)
         await c.stop("decode-0")                      # killed on request: gone, its GPUs free again
         c._slots["decode-0"].proc.wait()
