@@ -25,7 +25,9 @@ Tensor parallelism (`tp`, an engine/parallel/group.py `TpGroup` of size N): a ra
 all-reduced, the embedding and the LM head split by vocabulary rows (the embedding all-reduced, the
 logits all-gathered). Attention and the KV cache hold the rank's heads only. The step's token ids
 are broadcast from rank 0 first: only rank 0 samples, so only it knows the ids an async step reads
-from the device. Size 1 runs the same code with identity collectives.
+from the device. Size 1 runs the same code with identity collectives. With `fuse_reduce_into_norms`
+the attention and MLP outputs stay partial sums and the next norm sums them (one kernel with
+FlashInfer's all-reduce + residual add + RMSNorm: `--tp-all-reduce flashinfer`).
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class Attention(nn.Module):
                                parts=(self.q_size, self.kv_size, self.kv_size), split=_split(COLUMN, share))
         self.o_proj = Linear(self.q_size, cfg.hidden_size, False, method_for((hf + "o_proj",)), dtype,
                              split=_split(ROW, share))
+        self.reduce_out = True               # False: return this rank's partial sum (the next norm sums)
         self.fi = None
         self.rope_kv = None                  # engine.kernels.rope_kv.rope_and_write_kv when it is on
 
@@ -106,7 +109,7 @@ class Attention(nn.Module):
                          self.num_kv_heads, self.head_dim)
             q = qkv[:, :self.q_size].view(T, self.num_heads, self.head_dim)
             o = backend.attend(self.layer, q, kv_layer)                       # (T, H, D)
-            return self.tp.all_reduce(self.o_proj(o.reshape(T, self.q_size)))
+            return self._out(o.reshape(T, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.fi:
             self.fi.rope.apply_rope_with_cos_sin_cache_inplace(
@@ -118,7 +121,11 @@ class Attention(nn.Module):
             k = rope(k.view(T, self.num_kv_heads, self.head_dim), positions) # (T, Hkv, D)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         o = backend.forward(self.layer, q, k, v, kv_layer)                    # (T, H, D)
-        return self.tp.all_reduce(self.o_proj(o.reshape(T, self.q_size)))
+        return self._out(o.reshape(T, self.q_size))
+
+    def _out(self, o: torch.Tensor) -> torch.Tensor:
+        y = self.o_proj(o)
+        return self.tp.all_reduce(y) if self.reduce_out else y
 
 
 class MLP(nn.Module):
@@ -132,10 +139,12 @@ class MLP(nn.Module):
                                    dtype, parts=(I, I), split=_split(COLUMN, share))
         self.down_proj = Linear(I, cfg.hidden_size, False, method_for((hf + "down_proj",)), dtype,
                                 split=_split(ROW, share))
+        self.reduce_out = True               # False: return this rank's partial sum (the next norm sums)
         self.fi = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self._partial(x))
+        y = self._partial(x)
+        return self.tp.all_reduce(y) if self.reduce_out else y
 
     def _partial(self, x: torch.Tensor) -> torch.Tensor:
         """down(silu(gate) * up) of this rank's features: under TP, one term of the sum."""
@@ -157,17 +166,24 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer, dtype, method_for, share, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, layer, dtype, method_for, share, tp)
+        self.tp, self.fuse_reduce = tp, False
 
     def forward(self, x, residual, positions, rope, backend, kv_layer, cos_sin_cache=None):
-        """x: the previous sublayer's output (or the embeddings, with residual None)."""
+        """x: the previous sublayer's output (or the embeddings, with residual None); with
+        `fuse_reduce`, sublayer outputs are partial sums that the norms sum."""
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
-            h, residual = self.input_layernorm(x, residual)
+            h, residual = add_norm(self.input_layernorm, x, residual, self.tp if self.fuse_reduce else None)
         h = self.self_attn(h, positions, rope, backend, kv_layer, cos_sin_cache)
-        h, residual = self.post_attention_layernorm(h, residual)
+        h, residual = add_norm(self.post_attention_layernorm, h, residual, self.tp if self.fuse_reduce else None)
         return self.mlp(h), residual
+
+
+def add_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, sum_over: TpGroup | None):
+    """(norm(x + residual), x + residual); `sum_over`: x is a partial sum over that group's ranks."""
+    return norm(x, residual) if sum_over is None else sum_over.reduce_add_norm(norm, x, residual)
 
 
 class VocabEmbedding(nn.Module):
@@ -211,6 +227,7 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         head = _DENSE if cfg.tie_word_embeddings else method_for(("lm_head",))
         self.lm_head = Linear(cfg.hidden_size, share.vocab_rows, False, head, dtype, split=_split(COLUMN, share))
+        self.fuse_reduce = False                # sublayers return partial sums; the norms sum them
         self.rope: RotaryEmbedding | None = None
         self.cos_sin_cache: torch.Tensor | None = None   # (P, D) float32: FlashInfer's RoPE table
         self.layer_waits: list | None = None    # per-layer CUDA events for one step (KV tiers' layered onboard)
@@ -249,6 +266,17 @@ class CausalLM(nn.Module):
         if self.lm_head.weight is not self.embed_tokens.weight:
             self.lm_head.method.make_input_major(self.lm_head)
 
+    def fuse_reduce_into_norms(self, on: bool = True) -> None:
+        """Under TP: sum each sublayer's partial output in the norm after it (`TpGroup.reduce_add_norm`:
+        one kernel where a custom all-reduce fuses the residual add and RMSNorm) instead of after it."""
+        on = on and self.tp.split
+        self.fuse_reduce = on
+        for m in self.modules():
+            if isinstance(m, (Attention, MLP)):
+                m.reduce_out = not on
+            elif isinstance(m, DecoderLayer):
+                m.fuse_reduce = on
+
     def use_flashinfer_kernels(self, flashinfer_module, fused_rope_kv: bool = True) -> None:
         """Switch norms, RoPE and SiLU·mul to FlashInfer's fused kernels (None: back to torch), and
         RoPE + K/V write to the Triton kernel where it runs (unless `fused_rope_kv` is off)."""
@@ -269,7 +297,7 @@ class CausalLM(nn.Module):
             if waits is not None:           # this layer's KV is being onboarded: read it once it landed
                 self._wait_layer(waits[i], x.device)
             x, residual = layer(x, residual, positions, self.rope, backend, kv_cache[i], self.cos_sin_cache)
-        return self.norm(x, residual)[0]
+        return add_norm(self.norm, x, residual, self.tp if self.fuse_reduce else None)[0]
 
     def _wait_layer(self, event, device) -> None:
         stream = torch.cuda.current_stream(device)

@@ -59,6 +59,14 @@ class TpGroup:
         dist.all_reduce(x)
         return x
 
+    def reduce_add_norm(self, norm, x: torch.Tensor, residual: torch.Tensor):
+        """(norm(sum of x + residual), sum of x + residual) for x a partial sum on each rank and
+        `norm` an RMSNorm: FlashInfer's fused kernel where it is on and fits, else all-reduce + norm."""
+        ar = self.custom_all_reduce
+        if ar is not None and ar.fits(x):
+            return ar.add_rmsnorm(x, residual, norm.weight, norm.eps)
+        return norm(self.all_reduce(x), residual)
+
     def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
             dist.all_reduce(x, op=dist.ReduceOp.MAX)

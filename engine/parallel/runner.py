@@ -80,6 +80,12 @@ class TpRunner(Runner):
     def check_grammar(self, spec) -> str:
         return self.inner.check_grammar(spec)
 
+    def __getattr__(self, name: str):
+        """Anything else is rank 0's runner's (its model, backend, graphs: what benchmarks read)."""
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
     def close(self) -> None:
         """Stop the other ranks and leave the group (the engine is stopping)."""
         self.ranks.stop()

@@ -83,6 +83,17 @@ def test_tp2_fp8_weights_equal_the_unsplit_fp8_model(tiny_dirs):
     assert one != generate(Engine(engine_cfg(model_dir, 1)), prompts())
 
 
+def test_summing_the_partial_outputs_in_the_norms_changes_no_token(tiny_dirs):
+    """--tp-all-reduce flashinfer's model structure (attention and MLP return partial sums, the next
+    norm adds them up: one fused kernel on GPUs, all-reduce + norm over gloo here) computes the same
+    tokens as the all-reduce after each sublayer."""
+    model_dir = tiny_dirs["llama"]
+    want = generate(Engine(engine_cfg(model_dir, 2)), prompts())
+    engine = Engine(engine_cfg(model_dir, 2, tp_all_reduce="flashinfer"))
+    assert engine.runner.inner.model.fuse_reduce
+    assert generate(engine, prompts()) == want
+
+
 def test_a_rank_that_dies_is_reported_with_why(tiny_dirs):
     """The watchdog sees a killed rank at once and says which and how (a worker then ends itself:
     collectives with a dead peer never return; here the report goes to a callback)."""
