@@ -82,7 +82,8 @@ for stage in "$@"; do
     nvlink)
       if [ "$DEVICE" = cpu ]; then
         timeout "$(left 0 150)" $PY bench/device/disagg_bench.py --model tiny --device cpu --lengths 512 --reps 1 \
-          --budget 512 2>>"$OUT/nvlink.log" | tee -a "$(rec nvlink)"
+          --budget 512 > "$OUT/nvlink-cpu.out" 2>>"$OUT/nvlink.log"
+        grep '"bench"' "$OUT/nvlink-cpu.out" | tee -a "$(rec nvlink)"
       else
         for vis in own all; do
           UCX_PROTO_INFO=y timeout "$(left 0 "${T_NVLINK:-170}")" $PY bench/device/disagg_bench.py --arch llama-3.1-8b \
