@@ -245,7 +245,7 @@ def main() -> int:
             "bench": "disagg_handoff", "git_sha": sha, "device": device, "model": args.model or args.arch + " (random bf16)",
             "prompt_tokens": length, "kv_bytes": nbytes, "prefill_s": round(prefill, 5),
             "prefill_tok_s": round(length / prefill), "transfer_s": round(transfer, 6),
-            "transfer_gbps": round(nbytes / transfer / 1e9, 1), "memcpy_gbps": round(memcpy_gbps, 1),
+            "transfer_gbps": round(nbytes / transfer / 1e9, 3), "memcpy_gbps": round(memcpy_gbps, 1),
             "prefill_gpu": args.prefill_gpu, "decode_gpu": args.decode_gpu, "visibility": args.visibility,
             "peer_copy_gbps": peer_gbps,
             "transfer_vs_peer_copy": round(nbytes / transfer / 1e9 / peer_gbps, 3) if peer_gbps else None,

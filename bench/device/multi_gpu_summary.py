@@ -4,7 +4,8 @@
     python bench/device/multi_gpu_summary.py tp70 RECORD    # 70B TP=2 FP8: batch 1 against its roofline
 
 Prints the summary as a JSON line (the stage appends it to the record), with each target and whether
-it was met. Reads only what the record holds: a missing measurement is `null`, never a guess.
+it was met. Reads only what the record holds: a missing measurement is `null` (and so is `met`), never
+a guess.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def summary_tp(records: list[dict]) -> dict:
     return {"metric": "tp_summary", "tp1_tok_s": one and one["tok_s"], "tp2_tok_s": two and two["tok_s"],
             "tp2_flashinfer_tok_s": two_fi and two_fi["tok_s"], "speedup": speedup,
             "best_speedup": round(best["tok_s"] / one["tok_s"], 3) if one and best else None,
-            "target": TP_SPEEDUP_TARGET, "met": bool(speedup and speedup >= TP_SPEEDUP_TARGET),
+            "target": TP_SPEEDUP_TARGET, "met": None if speedup is None else speedup >= TP_SPEEDUP_TARGET,
             "parity_tokens_equal": parity and parity.get("tokens_equal"),
             "parity_max_logits_rel_err": parity and parity.get("max_logits_rel_err")}
 
@@ -59,7 +60,8 @@ def summary_tp70(records: list[dict]) -> dict:
     parity = next((x for x in records if x.get("metric") == "tp_parity"), None)
     frac = r and r.get("frac_of_roofline")
     return {"metric": "tp70_summary", "tok_s": r and r["tok_s"], "roofline_tok_s": r and r.get("roofline_tok_s"),
-            "frac_of_roofline": frac, "target": TP70_ROOFLINE_TARGET, "met": bool(frac and frac >= TP70_ROOFLINE_TARGET),
+            "frac_of_roofline": frac, "target": TP70_ROOFLINE_TARGET,
+            "met": None if frac is None else frac >= TP70_ROOFLINE_TARGET,
             "per_gpu_weight_bytes": model.get("decode_weight_bytes"), "load_to_ready_s": model.get("load_and_capture_s"),
             "startup_s": model.get("startup_s"), "parity_tokens_equal": parity and parity.get("tokens_equal")}
 
