@@ -120,7 +120,10 @@ class RankAgentProxy:
         """Close the rank's agent (best effort: the rank may be stopping already)."""
         if not self._closed:
             self._closed = True
-            self._send(("close", -1, ()))
+            try:
+                self._send(("close", -1, ()))
+            except KvTransferError:
+                pass                     # the rank is gone already: so is its agent
 
     # ---- the channel -----------------------------------------------------------------------------
     def _call(self, op: str, *args):

@@ -14,6 +14,7 @@ Knows nothing about requests or the KV transfer between workers (engine/parallel
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 
@@ -25,7 +26,10 @@ from engine.parallel.ranks import RankSet
 from engine.plan import StepPlan
 from engine.runner import Runner
 from runtime.config import EngineConfig
+from runtime.errors import InvalidRequest
 from runtime.logging import component_name
+from runtime.model_config import ModelConfig
+from runtime.tensor_parallel import check_tensor_parallel, check_tp_engine
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +41,7 @@ class TpRunner(Runner):
         t0 = time.perf_counter()
         worker = worker or component_name() or "worker"
         size = cfg.tensor_parallel_size
+        _check(cfg)
         store = f"127.0.0.1:{_free_port()}"
         self.ranks = RankSet(cfg, size, store, worker, on_lost)
         try:
@@ -90,6 +95,17 @@ class TpRunner(Runner):
         """Stop the other ranks and leave the group (the engine is stopping)."""
         self.ranks.stop()
         self.tp.close()
+
+
+def _check(cfg: EngineConfig) -> None:
+    """InvalidRequest before any rank starts: a model that does not split, a setting that does not
+    run split, or fewer GPUs than ranks."""
+    check_tensor_parallel(ModelConfig.from_dir(cfg.model), cfg.tensor_parallel_size)
+    check_tp_engine(cfg)
+    if resolve_device(cfg.device).type == "cuda" and torch.cuda.device_count() < cfg.tensor_parallel_size:
+        raise InvalidRequest(f"--tensor-parallel-size {cfg.tensor_parallel_size} needs as many GPUs; this worker "
+                             f"sees {torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES="
+                             f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
 
 
 def _free_port() -> int:
