@@ -9,6 +9,9 @@
 - A prefill worker on one GPU pushes its KV to a decode worker on the other over NIXL (GPU to GPU),
   also to a decode worker at TP=2 (two half-GPU shares: each rank receives its heads), with the tokens
   of an aggregated worker.
+
+The clusters serve the tiny model with the torch attention backend: its 32-wide heads are below what
+FlashInfer's paged kernels take on the H100. The 8B test runs FlashInfer and the CUDA graphs.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ from runtime.redis_embedded import EmbeddedRedis  # noqa: E402
 from tests.integration.cluster import metric, start_cluster, until  # noqa: E402
 from tests.integration.streams import complete_all  # noqa: E402
 from tests.integration.test_disagg import parity_prompts  # noqa: E402
+
+
+TINY_ON_GPU = ("--device", "cuda", "--attention-backend", "torch", "--num-blocks", "512")
 
 
 def test_tp2_matches_tp1_on_the_8b_architecture(tmp_path):
@@ -67,8 +73,8 @@ def gpu_of_pids() -> dict[int, str]:
 
 def test_serve_puts_one_worker_on_each_gpu(tmp_path):
     with EmbeddedRedis() as redis:
-        c = start_cluster(tmp_path, "--device", "cuda", "--decode-workers", "2", "--prefill-workers", "0",
-                          "--num-blocks", "512", redis_url=redis.url, min_workers=2)
+        c = start_cluster(tmp_path, *TINY_ON_GPU, "--decode-workers", "2", "--prefill-workers", "0",
+                          redis_url=redis.url, min_workers=2)
         try:
             until(lambda: len(c.workers()) == 2, 120, 0.5, "two workers")
             assert sorted(w.gpus for w in c.workers()) == ["0", "1"]
@@ -83,8 +89,8 @@ def test_serve_puts_one_worker_on_each_gpu(tmp_path):
 @pytest.fixture(scope="module")
 def aggregated_tokens(tmp_path_factory):
     with EmbeddedRedis() as redis:
-        c = start_cluster(tmp_path_factory.mktemp("agg"), "--device", "cuda", "--prefill-workers", "0",
-                          "--num-blocks", "512", "--max-num-batched-tokens", "64", redis_url=redis.url)
+        c = start_cluster(tmp_path_factory.mktemp("agg"), *TINY_ON_GPU, "--prefill-workers", "0",
+                          "--max-num-batched-tokens", "64", redis_url=redis.url)
         try:
             return asyncio.run(complete_all(c.url, parity_prompts(), 16))
         finally:
@@ -94,8 +100,8 @@ def aggregated_tokens(tmp_path_factory):
 @pytest.mark.parametrize("decode_tp,share", [(1, "1"), (2, "0.5")])
 def test_kv_moves_gpu_to_gpu_between_workers(tmp_path, aggregated_tokens, decode_tp, share):
     with EmbeddedRedis() as redis:
-        c = start_cluster(tmp_path, "--device", "cuda", "--prefill-workers", "1", "--decode-workers", "1",
-                          "--decode-tp", str(decode_tp), "--gpus-per-worker", share, "--num-blocks", "512",
+        c = start_cluster(tmp_path, *TINY_ON_GPU, "--prefill-workers", "1", "--decode-workers", "1",
+                          "--decode-tp", str(decode_tp), "--gpus-per-worker", share,
                           "--remote-prefill-min-tokens", "1", "--max-num-batched-tokens", "64",
                           redis_url=redis.url, min_workers=2)
         try:

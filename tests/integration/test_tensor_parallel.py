@@ -17,7 +17,6 @@ import asyncio
 import os
 import signal
 import stat
-import time
 
 import httpx
 import pytest
