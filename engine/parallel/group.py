@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 INIT_TIMEOUT_S = 600.0
+CLOSE_TIMEOUT_S = 5.0
 
 
 class TpGroup:
@@ -102,15 +104,25 @@ class TpGroup:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Leave the group; bounded, since a teardown whose peers are gone may wait on them (the
+        process is ending either way)."""
         if self.custom_all_reduce is not None:
             self.custom_all_reduce.close()
             self.custom_all_reduce = None
         if self.size > 1 and dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as e:          # a peer already gone: nothing left to tear down cleanly
-                log.debug("destroy_process_group: %s", e)
+            t = threading.Thread(target=_destroy, name="tp-close", daemon=True)
+            t.start()
+            t.join(timeout_s)
+            if t.is_alive():
+                log.warning("leaving the tensor-parallel group took over %.0f s; going on without it", timeout_s)
+
+
+def _destroy() -> None:
+    try:
+        dist.destroy_process_group()
+    except Exception as e:                  # a peer already gone: nothing left to tear down cleanly
+        log.debug("destroy_process_group: %s", e)
 
 
 SINGLE = TpGroup()
