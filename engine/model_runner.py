@@ -165,7 +165,8 @@ class ModelRunner(Runner):
                 self.model.use_flashinfer_kernels(flashinfer, fused_rope_kv=cfg.fused_rope_kv)
         phase("attention_backend")
         if tp.split and cfg.tp_all_reduce == "flashinfer":      # before the graphs capture the collectives
-            self._use_custom_all_reduce()
+            from engine.parallel.fi_allreduce import sum_in_norms
+            sum_in_norms(self.model, tp, cfg.max_num_batched_tokens, self.dtype)
             phase("custom_all_reduce")
         self._pinned = self.device.type == "cuda"
         self._staging = torch.zeros(0, dtype=torch.int64)
@@ -211,22 +212,6 @@ class ModelRunner(Runner):
                  self.num_blocks, cfg.block_size,
                  self.backend.name, getattr(self.backend, "decode_kernel", "-"),
                  self.graphs.sizes if self.graphs else None)
-
-    def _use_custom_all_reduce(self) -> None:
-        """--tp-all-reduce flashinfer: sum the sublayers' partial outputs in the norms after them, with
-        FlashInfer's fused all-reduce + residual + RMSNorm on GPUs (all ranks, or none, use it). On the
-        CPU the same model structure sums over gloo: what CI checks the structure with."""
-        if self.device.type == "cuda":
-            from engine.parallel.fi_allreduce import MAX_TOKENS, try_flashinfer_all_reduce
-            ar = try_flashinfer_all_reduce(self.tp, min(self.cfg.max_num_batched_tokens, MAX_TOKENS),
-                                           self.model_config.hidden_size, self.dtype)
-            if ar is None:
-                return
-            self.tp.custom_all_reduce = ar
-        else:
-            log.warning("--tp-all-reduce flashinfer runs FlashInfer's kernel on GPUs only; on the CPU the norms "
-                        "sum the partial outputs over gloo")
-        self.model.fuse_reduce_into_norms(True)
 
     @property
     def num_kv_heads(self) -> int:

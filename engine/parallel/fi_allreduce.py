@@ -69,6 +69,22 @@ class FlashInferAllReduce:
             log.debug("destroying the all-reduce workspace: %s", e)
 
 
+def sum_in_norms(model, tp, max_tokens: int, dtype: torch.dtype) -> None:
+    """--tp-all-reduce flashinfer: the model sums its sublayers' partial outputs in the norms after
+    them, with FlashInfer's fused all-reduce + residual + RMSNorm on GPUs (all ranks, or none: then
+    NCCL after each sublayer, as without the flag). On the CPU the same model structure sums over
+    gloo: what CI checks the structure with."""
+    if tp.device.type == "cuda":
+        ar = try_flashinfer_all_reduce(tp, min(max_tokens, MAX_TOKENS), model.cfg.hidden_size, dtype)
+        if ar is None:
+            return
+        tp.custom_all_reduce = ar
+    else:
+        log.warning("--tp-all-reduce flashinfer runs FlashInfer's kernel on GPUs only; on the CPU the norms "
+                    "sum the partial outputs over gloo")
+    model.fuse_reduce_into_norms(True)
+
+
 def try_flashinfer_all_reduce(tp, max_tokens: int, hidden: int, dtype: torch.dtype) -> FlashInferAllReduce | None:
     """The custom all-reduce where every rank could build it (None, on every rank, where one could
     not: then NCCL, said once in the log)."""

@@ -149,6 +149,7 @@ class TransferHandle:
     num_bytes: int
     state: TransferState
     xfer: Any = None  # nixl_xfer_handle until released
+    dlists: tuple = ()  # descriptor lists prepared for this push alone (a head-split one), released with it
 
 
 @dataclass(slots=True)
@@ -282,12 +283,16 @@ class KvTransferAgent:
                 if notif:
                     self._agent.send_notif(p.name, notif)
                 return TransferHandle(p.name, 0, TransferState.DONE)
-            xfer = self._make_xfer(p, local, remote, notif) if whole else self._make_head_xfer(p, local, remote, notif)
+            dlists: tuple = ()
+            if whole:
+                xfer = self._make_xfer(p, local, remote, notif)
+            else:
+                xfer, dlists = self._make_head_xfer(p, local, remote, notif)
             posted = self._agent.transfer(xfer)
         except Exception:  # nixlBackendError and friends: the peer is gone or unreachable
             self._progress()
             return TransferHandle(p.name, num_bytes, TransferState.ERROR)
-        handle = TransferHandle(p.name, num_bytes, TransferState.PENDING, xfer)
+        handle = TransferHandle(p.name, num_bytes, TransferState.PENDING, xfer, dlists)
         if posted != "PROC":
             self._finish(handle, TransferState.DONE if posted == "DONE" else TransferState.ERROR)
         return handle
@@ -392,12 +397,20 @@ class KvTransferAgent:
             "WRITE", self._agent.get_xfer_descs(ld, self.layout.mem_type),
             self._agent.get_xfer_descs(rd, p.layout.mem_type), p.name, notif)
 
-    def _make_head_xfer(self, p: _Peer, local: np.ndarray, remote: np.ndarray, notif: bytes) -> Any:
-        """The heads both hold, one descriptor per (layer, block, K or V, token) on each side."""
+    def _make_head_xfer(self, p: _Peer, local: np.ndarray, remote: np.ndarray, notif: bytes) -> tuple[Any, tuple]:
+        """The heads both hold, one descriptor per (layer, block, K or V, token) on each side, in
+        descriptor lists prepared for this push (and released with it): preparing and indexing them
+        cost ~0.1 µs per descriptor where `initialize_xfer` took ~27 µs on the CPU VM."""
         src, dst = head_descs(self.layout, p.layout, local, remote)
-        return self._agent.initialize_xfer(
-            "WRITE", self._agent.get_xfer_descs(src, self.layout.mem_type),
-            self._agent.get_xfer_descs(dst, p.layout.mem_type), p.name, notif)
+        lp = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", src, self.layout.mem_type)
+        rp = self._agent.prep_xfer_dlist(p.name, dst, p.layout.mem_type)
+        idx = np.arange(len(src), dtype=np.int32)
+        try:
+            return self._agent.make_prepped_xfer("WRITE", lp, idx, rp, idx, notif), (lp, rp)
+        except Exception:
+            for d in (lp, rp):
+                self._agent.release_dlist_handle(d)
+            raise
 
     def _progress(self) -> None:
         """Drive NIXL/UCX progress (we run without its spinning thread), keeping any notifications.
@@ -418,6 +431,12 @@ class KvTransferAgent:
                 self._agent.release_xfer_handle(xfer)
             except Exception:
                 pass  # not cancellable: nixl keeps it on the agent's leak list, freed at teardown
+        dlists, handle.dlists = handle.dlists, ()
+        for d in dlists:
+            try:
+                self._agent.release_dlist_handle(d)
+            except Exception:
+                pass
         if state == TransferState.ERROR:
             self._progress()
 
