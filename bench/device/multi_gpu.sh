@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Many GPUs on one host (docs/multi_gpu.md), one command on a 2-GPU machine, from the repository root:
-#   bench/device/multi_gpu.sh [placement] [tp] [tp70] [nvlink] [pytest] [tp70_serve]
+#   bench/device/multi_gpu.sh [placement] [tp] [tp70] [nvlink] [pytest] [tp70_serve] [compare]
 # (no stage named: placement tp tp70 nvlink pytest). Like bench/device/run.sh: installs the wheels from
 # $WHL_DIRS (default .whl .whl_web) into .site once, keeps FlashInfer's JIT cache in .fiws, writes JSON
 # lines and logs to $OUT, every stage under its own timeout, the whole call before $TOTAL_S (540 s).
@@ -17,6 +17,8 @@
 #              protocol choice (UCX_PROTO_INFO) saved
 #   pytest     tests/gpu (the multi-GPU tests skip below 2 GPUs)
 #   tp70_serve (not in the default list) 70B TP=2 fp8 through HTTP: 1k/1k at concurrency 1,32,128
+#   compare    (not in the default list) one GPU: batch-1 and the 1k/1k engine loop of HEAD against .base, a
+#              `git archive` of the commit before this work carried beside the tree (run.sh's compare stage)
 # DEVICE=cpu runs the reduced forms (tiny model, gloo, DRAM) that the CPU test of this script runs.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -98,6 +100,11 @@ for stage in "$@"; do
     pytest)
       timeout "$(left 0 "${T_PYTEST:-300}")" $PY -m pytest tests/gpu -q -p no:cacheprovider -o asyncio_mode=strict \
         --tb=short ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15 ;;
+    compare) # one GPU, HEAD against the tree before this work (.base: `git archive 675199c`): batch-1 and the
+             # 1k/1k engine loop within 2%, one after the other in this call (bench/device/run.sh's compare stage)
+             OUT="$OUT" TOTAL_S="$(left 0 "${T_COMPARE:-420}")" WHL_DIRS=none bench/device/run.sh compare 2>&1 \
+               | tee "$OUT/compare.log" | grep '"decode_batch1"\|"offline"' | tail -8
+             [ -f "$OUT/compare.jsonl" ] && cp "$OUT/compare.jsonl" "$(rec compare)" ;;
     tp70_serve)
       timeout "$(left 0 "${T_TP70_SERVE:-500}")" $PY bench/device/serve_e2e.py --arch llama-3.1-70b --scenario 1k1k \
         --concurrency 1,32,128 --modes agg --out "$OUT" --label "${TAG}" --tag tp2fp8 \
