@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Many GPUs on one host (docs/multi_gpu.md), one command on a 2-GPU machine, from the repository root:
-#   bench/device/multi_gpu.sh [placement] [tp] [tp70] [nvlink] [pytest] [tp70_serve] [compare]
-# (no stage named: placement tp tp70 nvlink pytest). Like bench/device/run.sh: installs the wheels from
-# $WHL_DIRS (default .whl .whl_web) into .site once, keeps FlashInfer's JIT cache in .fiws, writes JSON
-# lines and logs to $OUT, every stage under its own timeout, the whole call before $TOTAL_S (540 s).
+#   bench/device/multi_gpu.sh [jit] [placement] [tp] [tp70] [nvlink] [pytest] [tp70_serve] [compare]
+# (no stage named: jit placement tp tp70 nvlink pytest; within 9 minutes the later ones get what time is
+# left, so a fresh machine may want two calls: `jit placement tp nvlink`, then `jit tp70 pytest`).
+# Like bench/device/run.sh: installs the wheels from $WHL_DIRS (default .whl .whl_web) into .site once,
+# keeps FlashInfer's JIT cache in .fiws, writes JSON lines and logs to $OUT, every stage under its own timeout, the whole call before $TOTAL_S (540 s).
 # Records are named <stage>-$TAG-<sha>.jsonl (TAG default h100x2), ready for bench/results/.
 #   placement  serve --decode-workers 2 --prefill-workers 0 --device cuda (8B architecture, random
 #              weights): one worker per GPU? nvidia-smi's view saved beside the record
@@ -44,15 +45,18 @@ mkdir -p .fiws
   $PY -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.device_count(), 'GPUs')"; } \
   > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
-[ $# -eq 0 ] && set -- placement tp tp70 nvlink pytest
+[ $# -eq 0 ] && set -- jit placement tp tp70 nvlink pytest
 for stage in "$@"; do
   echo "=== $stage $(date -u +%T)"
   case "$stage" in
+    jit) # FlashInfer's JIT modules, built in the background for the stages after it (bench/device/jit_warm.py)
+      [ "$DEVICE" = cpu ] || { timeout "$(left 0 "${T_JIT:-420}")" $PY bench/device/jit_warm.py --dtypes bfloat16 \
+        ${JIT_ARGS:-} > "$OUT/jit_warm.log" 2>&1 & } ;;
     placement)
       if [ "$DEVICE" = cpu ]; then args=(--model tiny --port 18561 -- --device cpu --decode-workers 2 --prefill-workers 0
                                          --tensor-parallel-size 2)
       else args=(--arch llama-3.1-8b -- --decode-workers 2 --prefill-workers 0 --device cuda); fi
-      timeout "$(left 0 "${T_PLACEMENT:-200}")" $PY bench/device/placement_check.py --out "$OUT" "${args[@]}" \
+      timeout "$(left 0 "${T_PLACEMENT:-300}")" $PY bench/device/placement_check.py --out "$OUT" "${args[@]}" \
         2>&1 | tee "$OUT/placement.log" | grep '"bench"' >> "$(rec placement)"
       tail -1 "$(rec placement)" ;;
     tp)
