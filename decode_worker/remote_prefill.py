@@ -28,7 +28,7 @@ import grpc
 
 from engine.engine import EngineLoop
 from runtime.types import KvReservation, SamplingParams
-from kvstore.movers.transfer import KvTransferAgent
+from kvstore.movers.endpoint import KvEndpoint
 from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from runtime.convert import logprob_from_pb, sampling_to_pb
 from runtime.grpc_links import cluster_metadata, worker_channel
@@ -58,7 +58,7 @@ class _Pending:
 
 
 class RemotePrefillClient:
-    def __init__(self, worker_id: str, agent: KvTransferAgent, engine_loop: EngineLoop, block_size: int,
+    def __init__(self, worker_id: str, agent: KvEndpoint, engine_loop: EngineLoop, block_size: int,
                  metrics: WorkerMetrics, lease_s: float = 15.0) -> None:
         self.worker_id, self.agent, self.engine_loop = worker_id, agent, engine_loop
         self.block_size, self.metrics, self.lease_s = block_size, metrics, lease_s

@@ -256,10 +256,14 @@ class Engine:
         return self.scheduler.has_work or self._in_flight is not None
 
     def close(self) -> None:
-        """Stop the KV tiers' disk thread and close their files (the index stays for a restart)."""
+        """Stop the KV tiers' disk thread and close their files (the index stays for a restart),
+        and a tensor-parallel runner's other ranks."""
         if self.tier_io is not None:
             self.tiers.close()
             self.tier_io = self.scheduler.onboarding = None
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
 
 def _mock_runner(cfg: EngineConfig) -> Runner:
@@ -269,7 +273,10 @@ def _mock_runner(cfg: EngineConfig) -> Runner:
 
 def _model_runner(cfg: EngineConfig) -> Runner:
     t0 = time.perf_counter()
-    from engine.model_runner import ModelRunner
+    if cfg.tensor_parallel_size > 1:           # rank 0 of a worker that spans GPUs (engine/parallel/)
+        from engine.parallel.runner import TpRunner as ModelRunner
+    else:
+        from engine.model_runner import ModelRunner
     imported_s = time.perf_counter() - t0
     runner = ModelRunner(cfg)
     runner.startup_s = {"runner_imports": round(imported_s, 3), **runner.startup_s}

@@ -7,7 +7,9 @@ method stores it (engine/layers/linear.py, engine/quant/). When every tensor is 
 finish (quantize at load, dequantize for the CPU, re-lay out). The "dummy" load format instead fills the weights with seeded
 random values created directly on the target device from config.json alone, so that an 8B-shaped
 model needs no 16 GB file (`write_arch_dir` writes such a config-only directory for the real
-architectures). Knows nothing about serving.
+architectures). Under tensor parallelism (`tp`) every rank reads (or draws) whole tensors and keeps
+its share: the Linears and the embedding cut it out (engine/layers/linear.py), so a TP=2 model's
+shards are exactly the TP=1 model's tensors, random ones included. Knows nothing about serving.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from engine.layers.linear import Linear
 from engine.model import CausalLM
+from engine.parallel.group import SINGLE, TpGroup
 from engine.quant import linear_methods
 from engine.weights_io import iter_tensors
 from runtime.model_config import ModelConfig
@@ -40,16 +43,18 @@ def _shard_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               load_format: str = "auto", seed: int = 0, quant: WeightQuant | None = None) -> CausalLM:
-    """The model with its weights on `device`; `quant` (runtime.quantization.resolve_quantization):
-    how its linear layers are stored (None: the model dtype)."""
+               load_format: str = "auto", seed: int = 0, quant: WeightQuant | None = None,
+               tp: TpGroup = SINGLE) -> CausalLM:
+    """The model (rank `tp.rank`'s share of it) with its weights on `device`; `quant`
+    (runtime.quantization.resolve_quantization): how its linear layers are stored (None: the model
+    dtype)."""
     model_dir = Path(model_dir)
     if load_format not in ("auto", "dummy"):
         raise InvalidRequest(f"unknown load format {load_format!r} (auto | dummy)")
     if load_format == "dummy" and quant is not None and quant.serialized:
         quant = dataclasses.replace(quant, source="online")     # random weights are made in the model dtype
     with torch.device("meta"):
-        model = CausalLM(cfg, dtype, linear_methods(quant))
+        model = CausalLM(cfg, dtype, linear_methods(quant), tp)
     model = model.to_empty(device=device)
     if load_format == "dummy":
         model = init_dummy_weights(model, cfg, seed)
@@ -73,6 +78,8 @@ def _load_checkpoint(model: CausalLM, model_dir: Path, device: torch.device) -> 
             if module in linears:
                 if not linears[module].load(leaf, tensor, part):
                     raise InvalidRequest(f"unexpected tensor {name} in {model_dir}")
+            elif (module, leaf) == ("embed_tokens", "weight"):
+                model.embed_tokens.load(tensor)          # this rank's vocabulary rows
             else:
                 _copy(params, f"{module}.{leaf}", tensor)
             loaded.add((module, leaf, part))
@@ -130,40 +137,50 @@ def init_dummy_weights(model: CausalLM, cfg: ModelConfig, seed: int) -> CausalLM
     (splitserve/tiny_model.py): unit-RMS embeddings, sharp attention (q/k std 1.5/sqrt(E)),
     1/sqrt(L)-scaled residual projections, norm weights in [0.5, 1.5], logits of std ~16 (for tied
     embeddings: a final norm with random signs). Greedy top-1/top-2 margins are then large, which is
-    what a comparison of two attention backends needs; the same values on the same device and seed."""
+    what a comparison of two attention backends needs; the same values on the same device and seed.
+    Each tensor is drawn whole (one generator, one order) and loaded as a checkpoint tensor is, so
+    every tensor-parallel rank keeps its share of the same model."""
     device = model.embed_tokens.weight.device
+    dtype = model.norm.weight.dtype
     g = torch.Generator(device=device).manual_seed(seed)
-    E, L = cfg.hidden_size, cfg.num_layers
+    E, L, I = cfg.hidden_size, cfg.num_layers, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     residual = 1.0 / math.sqrt(L)
 
-    def normal_(t: torch.Tensor, std: float) -> None:
-        t.normal_(0.0, std, generator=g)
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=g)
 
     def norm_(t: torch.Tensor) -> None:
         t.uniform_(0.5, 1.5, generator=g)
 
     with torch.no_grad():
-        normal_(model.embed_tokens.weight, 1.0)
+        model.embed_tokens.load(normal(cfg.vocab_size, E, std=1.0))
         for layer in model.layers:
             a, m = layer.self_attn, layer.mlp
             norm_(layer.input_layernorm.weight)
             norm_(layer.post_attention_layernorm.weight)
-            qk = a.qkv_proj.weight[: a.q_size + a.kv_size]
-            normal_(qk, 1.5 / math.sqrt(E))
-            normal_(a.qkv_proj.weight[a.q_size + a.kv_size:], 1.0 / math.sqrt(E))
+            qk = normal(q + kv, E, std=1.5 / math.sqrt(E))
+            _load_parts(a.qkv_proj, "weight", (qk[:q], qk[q:], normal(kv, E, std=1.0 / math.sqrt(E))))
             if a.qkv_proj.bias is not None:
-                normal_(a.qkv_proj.bias, 0.25)
-            normal_(a.o_proj.weight, residual / math.sqrt(a.q_size))
-            normal_(m.gate_up_proj.weight, 1.0 / math.sqrt(E))
-            normal_(m.down_proj.weight, residual / math.sqrt(cfg.intermediate_size))
+                b = normal(q + 2 * kv, std=0.25)
+                _load_parts(a.qkv_proj, "bias", (b[:q], b[q:q + kv], b[q + kv:]))
+            a.o_proj.load("weight", normal(E, q, std=residual / math.sqrt(q)))
+            gate_up = normal(2 * I, E, std=1.0 / math.sqrt(E))
+            _load_parts(m.gate_up_proj, "weight", (gate_up[:I], gate_up[I:]))
+            m.down_proj.load("weight", normal(E, I, std=residual / math.sqrt(I)))
         norm_(model.norm.weight)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
             signs = torch.randint(0, 2, (E,), generator=g, device=device) * 2 - 1
             model.norm.weight.mul_(signs.to(model.norm.weight.dtype) * (16.0 / math.sqrt(E)))
         else:
-            normal_(model.lm_head.weight, 16.0 / math.sqrt(E))
+            model.lm_head.load("weight", normal(cfg.vocab_size, E, std=16.0 / math.sqrt(E)))
     return model.eval()
+
+
+def _load_parts(layer: Linear, leaf: str, tensors: tuple[torch.Tensor, ...]) -> None:
+    for part, t in enumerate(tensors):
+        layer.load(leaf, t, part)
 
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -174,6 +191,9 @@ ARCHS: dict[str, dict] = {
                      "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
                      "tie_word_embeddings": False,
                      "rope_scaling": {**_LLAMA3_ROPE, "factor": 8.0}},
+    "llama-3.1-70b": {"hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
+                      "num_key_value_heads": 8, "intermediate_size": 28672, "vocab_size": 128256,
+                      "tie_word_embeddings": False, "rope_scaling": {**_LLAMA3_ROPE, "factor": 8.0}},
     "llama-3.2-1b": {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
                      "num_key_value_heads": 8, "intermediate_size": 8192, "vocab_size": 128256,
                      "tie_word_embeddings": True, "head_dim": 64, "rope_scaling": _LLAMA3_ROPE},

@@ -15,7 +15,10 @@ position, engine/sampler.py `score_tokens`, read back beside the sampled ids by 
 reads) and its sampling on the device and returns a `LaunchedStep` whose `result()` waits for the
 sampled ids; nothing in between waits for the device. Tokens still pending on the host
 (PENDING_TOKEN, sampled by `prev`) are gathered from `prev`'s device tensor of sampled ids.
-`execute(plan)` is launch + result. Per-request state that outlives a step (the generator of a
+`execute(plan)` is launch + result. Under tensor parallelism (`tp`) each rank's runner holds its
+share of the weights and of the KV cache (its KV heads); rank 0's runs `launch` and samples, the
+other ranks' run `follow(plan)` on the same plans: the same forward pass (whose collectives pair
+with rank 0's) and nothing after it. Per-request state that outlives a step (the generator of a
 seeded request, the penalty counts, the grammar matcher) lives here, keyed by the row's `key` (one per
 admission), and is dropped when a plan lists the request as finished.
 
@@ -35,6 +38,7 @@ import torch
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention.torch_backend import TorchAttention
 from engine.loader import load_model
+from engine.parallel.group import SINGLE, TpGroup
 from runtime.model_config import ModelConfig
 from engine.plan import StepPlan
 from engine.launched_step import LaunchedStep, PromptScores
@@ -90,7 +94,9 @@ def resolve_decode_kernel(name: str, device: torch.device, kv_dtype: torch.dtype
 
 def make_backend(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device,
                  dtype: torch.dtype = torch.bfloat16, kv_dtype: torch.dtype | None = None,
-                 max_model_len: int | None = None) -> AttentionBackend:
+                 max_model_len: int | None = None, tp_size: int = 1) -> AttentionBackend:
+    """The attention backend for one rank's heads (all of them at `tp_size` 1)."""
+    num_heads, num_kv_heads = mcfg.num_heads // tp_size, mcfg.num_kv_heads // tp_size
     choice = cfg.attention_backend
     if choice == "auto":
         choice = "flashinfer" if device.type == "cuda" and _flashinfer_available() else "torch"
@@ -102,11 +108,11 @@ def make_backend(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device,
         if tc is None:
             tc = mcfg.num_heads // mcfg.num_kv_heads >= 4
         max_len = max_model_len or mcfg.max_position_embeddings
-        return FlashInferAttention(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, device, dtype,
+        return FlashInferAttention(num_heads, num_kv_heads, mcfg.head_dim, device, dtype,
                                    decode_tensor_cores=tc, kv_dtype=kv_dtype,
                                    decode_kernel=resolve_decode_kernel(cfg.decode_kernel, device, kv_dtype or dtype),
                                    max_batch=cfg.max_num_seqs, max_pages_per_seq=-(-max_len // cfg.block_size))
-    return TorchAttention(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim)
+    return TorchAttention(num_heads, num_kv_heads, mcfg.head_dim)
 
 
 def _flashinfer_available() -> bool:
@@ -125,19 +131,19 @@ class ModelRunner(Runner):
     supports_grammar = True
     supports_prompt_logprobs = True
 
-    def __init__(self, cfg: EngineConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: EngineConfig, tp: TpGroup = SINGLE) -> None:
+        self.cfg, self.tp = cfg, tp
         self.startup_s: dict[str, float] = {}          # where start-up time went, by phase
         phase = _Phases(self.startup_s, cfg.device != "cpu" and torch.cuda.is_available())
         self.model_config = ModelConfig.from_dir(cfg.model)
-        self.device = resolve_device(cfg.device)
+        self.device = tp.device if tp.split else resolve_device(cfg.device)
         self.steps_beside_host = self.device.type == "cuda"
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype)
         self.quantization = resolve_quantization(self.model_config.quantization, cfg.quantization)
         torch.manual_seed(cfg.seed)
         self.model = load_model(cfg.model, self.model_config, self.dtype, self.device,
-                                cfg.load_format, cfg.seed, self.quantization)
+                                cfg.load_format, cfg.seed, self.quantization, tp)
         phase("weights")
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
@@ -148,13 +154,13 @@ class ModelRunner(Runner):
         if self.device.type == "cuda":     # FP8 layers measure their kernels here, before graphs capture them
             self.model.prepare_kernels(max(cfg.max_num_batched_tokens, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs)))
             phase("kernel_choice")
-        self.num_blocks = cfg.num_blocks or self._blocks_that_fit()
+        self.num_blocks = cfg.num_blocks or tp.min_int(self._blocks_that_fit())   # every rank holds as many
         self.scratch_block = self.num_blocks
         mc = self.model_config
-        self.kv_cache = torch.zeros(mc.num_layers, self.num_blocks + 1, 2, cfg.block_size, mc.num_kv_heads,
+        self.kv_cache = torch.zeros(mc.num_layers, self.num_blocks + 1, 2, cfg.block_size, self.num_kv_heads,
                                     mc.head_dim, dtype=self.kv_dtype, device=self.device)
         phase("kv_cache")
-        self.backend = make_backend(cfg, mc, self.device, self.dtype, self.kv_dtype, self.max_model_len)
+        self.backend = make_backend(cfg, mc, self.device, self.dtype, self.kv_dtype, self.max_model_len, tp.size)
         self._fi = None
         if self.backend.name == "flashinfer":
             import flashinfer
@@ -162,6 +168,10 @@ class ModelRunner(Runner):
             if cfg.fused_kernels:                    # off: the model's torch ops
                 self.model.use_flashinfer_kernels(flashinfer, fused_rope_kv=cfg.fused_rope_kv)
         phase("attention_backend")
+        if tp.split and cfg.tp_all_reduce == "flashinfer":      # before the graphs capture the collectives
+            from engine.parallel.fi_allreduce import sum_in_norms
+            sum_in_norms(self.model, tp, cfg.max_num_batched_tokens, self.dtype)
+            phase("custom_all_reduce")
         self._pinned = self.device.type == "cuda"
         self._staging = torch.zeros(0, dtype=torch.int64)
         self._staging_free = torch.cuda.Event() if self._pinned else None   # the last H2D copy is done
@@ -200,18 +210,25 @@ class ModelRunner(Runner):
         self._grammars = None                               # engine/grammar.py, built at the first grammar request
         self._masks = None                                  # engine/grammar.py GrammarMasks, with _grammars
         self._penalties: PenaltySlots | None = None         # per-request penalty state, at the first penalized row
-        log.info("model %s on %s (%s, weights %s, KV %s), %d KV blocks of %d tokens, attention=%s (decode %s), "
-                 "cuda graphs=%s", mc.model_type, self.device, self.dtype,
+        log.info("model %s on %s%s (%s, weights %s, KV %s), %d KV blocks of %d tokens, attention=%s (decode %s), "
+                 "cuda graphs=%s", mc.model_type, self.device,
+                 f" (tensor-parallel rank {tp.rank} of {tp.size})" if tp.split else "", self.dtype,
                  self.quantization.describe() if self.quantization else "unquantized", self.kv_dtype,
                  self.num_blocks, cfg.block_size,
                  self.backend.name, getattr(self.backend, "decode_kernel", "-"),
                  self.graphs.sizes if self.graphs else None)
 
     @property
+    def num_kv_heads(self) -> int:
+        """The KV heads this rank holds (all of them without tensor parallelism)."""
+        return self.model_config.num_kv_heads // self.tp.size
+
+    @property
     def block_bytes(self) -> int:
-        """Bytes of one block's keys and values over all layers (known before the cache exists)."""
+        """Bytes of one block's keys and values over all layers, on this rank (known before the
+        cache exists)."""
         mc = self.model_config
-        return 2 * self.cfg.block_size * mc.num_kv_heads * mc.head_dim * self.kv_dtype.itemsize * mc.num_layers
+        return 2 * self.cfg.block_size * self.num_kv_heads * mc.head_dim * self.kv_dtype.itemsize * mc.num_layers
 
     def _blocks_that_fit(self) -> int:
         per_block = self.block_bytes
@@ -229,6 +246,21 @@ class ModelRunner(Runner):
         sampled = launched.result()
         self.last_logprobs, self.last_prompt_logprobs = launched.logprobs(), launched.prompt_logprobs()
         return sampled
+
+    @torch.inference_mode()
+    def follow(self, plan: StepPlan) -> None:
+        """A tensor-parallel rank other than 0: run `plan`'s forward pass as rank 0 runs it (the
+        same graphs or eager path, the same collectives, in order), sampling nothing. Pending
+        input ids stay placeholders here: the forward pass takes rank 0's ids first."""
+        assert self.tp.rank > 0, "rank 0 launches steps; the other ranks follow"
+        t0 = time.perf_counter()
+        if not plan.rows:
+            return
+        step = build_host_step(plan.rows, self.cfg.block_size)
+        if self.use_cuda_graphs and step.is_decode_only and self.graphs.fits(len(plan.rows)):
+            self.graphs.run(step, None)
+        else:
+            self._run_eager(step, t0, None)
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, prev: "LaunchedStep | None" = None) -> "LaunchedStep":

@@ -69,6 +69,7 @@ def ops_routes(state: FrontendState) -> APIRouter:
                 "degraded": bool(degraded), "degraded_pools": degraded}
         if pool.pools is not None:
             body["desired"] = pool.pools.desired
+        body["worker_gpus"] = pool.gpus()
         return JSONResponse(status_code=200 if ok else 503, content=body)
 
     @router.get("/metrics")

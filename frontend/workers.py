@@ -275,6 +275,10 @@ class WorkerPool:
                 out[pool] = f"{ready} of {desired} workers ready" + (f", {failed} failed" if failed else "")
         return out
 
+    def gpus(self) -> dict[str, str]:
+        """Each live worker's GPUs, by worker id, as its lease says ("" where it runs on none)."""
+        return {wid: c.info.gpus for wid, c in sorted(self.workers.items()) if c.alive}
+
     def interrupt_all(self, marker: object) -> None:
         for conn in self.workers.values():
             conn.interrupt(marker)

@@ -29,7 +29,7 @@ class PlannerConfig:
     startup_s: float = DEFAULT_STARTUP_S  # a new worker's start-to-ready: the planning horizon
     prefill: PoolLimits = field(default_factory=lambda: DEFAULT_POOL_LIMITS.prefill)
     decode: PoolLimits = field(default_factory=lambda: DEFAULT_POOL_LIMITS.decode)
-    gpu_budget: int | None = _DECLARED.gpu_budget         # workers of both pools, draining ones included
+    gpu_budget: int | None = _DECLARED.gpu_budget         # GPUs of both pools' workers, draining ones included
     predictor: str = _DECLARED.predictor
     arrival_quantile: float = _DECLARED.arrival_quantile  # plan on this quantile of the predicted arrivals
     hysteresis: float = _DECLARED.hysteresis              # scale down only to what load * (1 + this) needs
@@ -41,13 +41,15 @@ class PlannerConfig:
     min_records: int = _DECLARED.min_records   # fewer observations than this leave a correction alone
     prefill_deadline: bool = _DECLARED.deadline_ordered   # prefill workers queue in deadline order (as the
     #                                       planner's clusters run them: WorkerConfig.prefill_deadline_ms), else FIFO
+    prefill_gpus: int = 1                 # GPUs one prefill worker holds (its tensor-parallel size) ...
+    decode_gpus: int = 1                  # ... and one decode worker: what each costs against gpu_budget
 
     @classmethod
     def from_settings(cls, sla: SlaConfig, profile_startup_s: float,
-                      limits: PoolLimitsConfig | None = None) -> "PlannerConfig":
+                      limits: PoolLimitsConfig | None = None, gpus_per_worker: tuple[int, int] = (1, 1)) -> "PlannerConfig":
         """The core's config from the declared settings: milliseconds to seconds, an unset start-up
-        time to the profile's, the pools' limits (none: the declared defaults). ValueError for a
-        setting the core cannot plan with."""
+        time to the profile's, the pools' limits (none: the declared defaults), the GPUs a prefill and
+        a decode worker hold (the profile's TP sizes). ValueError for a setting the core cannot plan with."""
         limits = limits or DEFAULT_POOL_LIMITS
         return cls(
             ttft_target_s=sla.ttft_ms / 1e3, itl_target_s=sla.itl_ms / 1e3,
@@ -57,7 +59,7 @@ class PlannerConfig:
             arrival_quantile=sla.arrival_quantile, hysteresis=sla.hysteresis,
             prefill_down_delay_s=sla.prefill_down_delay_s, decode_down_delay_s=sla.decode_down_delay_s,
             num_samples=sla.num_samples, min_records=sla.min_records,
-            prefill_deadline=sla.deadline_ordered)
+            prefill_deadline=sla.deadline_ordered, prefill_gpus=gpus_per_worker[0], decode_gpus=gpus_per_worker[1])
 
     def __post_init__(self) -> None:
         if self.ttft_target_s <= 0 or self.itl_target_s <= 0 or self.interval_s <= 0:
@@ -72,9 +74,17 @@ class PlannerConfig:
         for limits in (self.prefill, self.decode):
             if not 0 <= limits.min_workers <= limits.max_workers:
                 raise ValueError(f"bad pool limits {limits}")
-        if self.gpu_budget is not None and self.gpu_budget < self.prefill.min_workers + self.decode.min_workers:
-            raise ValueError("the GPU budget is below the pools' minimums")
+        if self.prefill_gpus < 1 or self.decode_gpus < 1:
+            raise ValueError("a worker holds at least one GPU")
+        if self.gpu_budget is not None and self.gpu_budget < self.min_gpus:
+            raise ValueError(f"the GPU budget ({self.gpu_budget}) is below the GPUs of the pools' minimums "
+                             f"({self.min_gpus})")
         make_predictor(self.predictor)        # ValueError naming the predictors for an unknown one
+
+    @property
+    def min_gpus(self) -> int:
+        """The GPUs the pools' minimum sizes hold."""
+        return self.prefill.min_workers * self.prefill_gpus + self.decode.min_workers * self.decode_gpus
 
     @property
     def pool_goal(self) -> float:

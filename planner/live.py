@@ -97,14 +97,16 @@ def sla_planner_config(sla: SlaConfig, profile: Profile, pools: dict[str, PoolVi
         v = (pools or {}).get(pool)
         if v is not None:
             limits |= {f"min_{pool}_workers": v.min, f"max_{pool}_workers": v.max}
-    return PlannerConfig.from_settings(sla, profile.startup_s, PoolLimitsConfig(**limits))
+    return PlannerConfig.from_settings(sla, profile.startup_s, PoolLimitsConfig(**limits),
+                                       (profile.prefill_tp, profile.decode_tp))
 
 
-def check_sla(sla: SlaConfig, quantization: str | None = None) -> Profile:
+def check_sla(sla: SlaConfig, quantization: str | None = None, tp: tuple[int, int] | None = None) -> Profile:
     """The planner's profile, its settings checked by building the core's config (ValueError, OSError).
     `quantization`: the workers' weights ("none" | "fp8"), where known: the default profile is the one
-    for them, and a profile measured with other weights is refused."""
-    profile = load_profile(sla.profile, quantization)
+    for them, and a profile measured with other weights is refused; `tp` (the prefill and decode
+    workers' tensor-parallel sizes), where known, likewise."""
+    profile = load_profile(sla.profile, quantization, tp)
     sla_planner_config(sla, profile)
     return profile
 

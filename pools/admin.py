@@ -144,7 +144,8 @@ def _worker_pb(r: WorkerRow, now: float) -> admin_pb2.PoolWorker:
                                 num_waiting=r.num_waiting, num_used_blocks=r.num_used_blocks,
                                 num_total_blocks=r.num_total_blocks,
                                 uptime_s=max(now - r.started_at, 0.0) if r.started_at else 0.0,
-                                restarts=r.restarts, managed=r.managed, detail=r.detail)
+                                restarts=r.restarts, managed=r.managed, detail=r.detail, gpus=r.gpus,
+                                tensor_parallel_size=r.tensor_parallel_size)
 
 
 async def start_admin_server(controller: PoolController, host: str, port: int,

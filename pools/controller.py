@@ -63,6 +63,8 @@ class WorkerRow:
     started_at: float = 0.0
     restarts: int = 0
     detail: str = ""
+    gpus: str = ""                  # its GPUs: what its lease says, else what the connector gave it
+    tensor_parallel_size: int = 0   # from its lease (0: not known yet)
 
     def view(self, now: float) -> WorkerView:
         return WorkerView(self.name, self.pool, self.state, self.num_running + self.num_waiting,
@@ -292,7 +294,9 @@ class PoolController:
                 state = WorkerState.DRAINING
             else:
                 state = WorkerState(info.state) if info else WorkerState.STARTING
-            rows.append(self._row(h.name, h.pool, state, True, info, h.started_at, h.restarts, h.detail))
+            row = self._row(h.name, h.pool, state, True, info, h.started_at, h.restarts, h.detail)
+            row.gpus = row.gpus or h.gpus
+            rows.append(row)
         for info in self._infos:
             if info.name in names or info.name in self._gone:
                 continue
@@ -305,6 +309,7 @@ class PoolController:
                         started_at=started_at, restarts=restarts, detail=detail)
         if info is not None:
             row.worker_id, row.address = info.worker_id, info.address
+            row.gpus, row.tensor_parallel_size = info.gpus, info.tensor_parallel_size
             s = self._status.get(info.worker_id)
             if s is not None:
                 row.num_running, row.num_waiting = s.num_running, s.num_waiting

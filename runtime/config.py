@@ -55,6 +55,11 @@ class EngineConfig:
     quantization: str = arg("auto", "weights: auto (as the checkpoint stores them: its dtype, or FP8 from its "
                             "quantization_config) or fp8 (quantize a bf16 checkpoint to FP8 at load, per-channel "
                             "scales: half the weight bytes; docs/quantization.md)", choices=QUANTIZATION_CHOICES)
+    tensor_parallel_size: int = arg(1, "GPUs one worker spans: its model split Megatron-style over this many "
+                                    "ranks, one process per GPU (docs/multi_gpu.md); on the CPU, ranks over gloo")
+    tp_all_reduce: str = arg("nccl", "the all-reduce between tensor-parallel ranks: nccl (torch.distributed) or "
+                             "flashinfer (FlashInfer's custom all-reduce over CUDA IPC; GPU only)",
+                             choices=("nccl", "flashinfer"))
     block_size: int = arg(16, "tokens per KV block (the frontend learns it from the workers)")
     num_blocks: int | None = arg(None, "KV blocks in the GPU tier; none: as many as fit")
     kv_memory_fraction: float = arg(0.85, "share of free GPU memory a worker takes for weights' leftovers "
@@ -249,8 +254,9 @@ class RayConfig:
     address: str | None = arg(None, "run on Ray: a cluster's address (HOST:PORT of its GCS, or auto), or, "
                               "given alone, a new local Ray cluster; none: local processes", flag="--ray",
                               const="local")
-    worker_gpus: float | None = arg(None, "GPUs each worker actor asks Ray for; none: 1 when the engine runs on "
-                                    "cuda (--device cuda, or auto on a cluster with GPUs, and not --mock), else 0",
+    worker_gpus: float | None = arg(None, "GPUs each worker actor asks Ray for; none: as many as the worker "
+                                    "spans (its pool's tensor-parallel size) when the engine runs on cuda "
+                                    "(--device cuda, or auto on a cluster with GPUs, and not --mock), else 0",
                                     flag="--ray-worker-gpus")
     worker_cpus: float = arg(1.0, "CPUs each worker actor asks Ray for", flag="--ray-worker-cpus")
     frontend_cpus: float = arg(1.0, "CPUs the frontend actor asks Ray for", flag="--ray-frontend-cpus")
@@ -266,6 +272,17 @@ class ServeConfig:
     decode_workers: int = arg(1, "decode workers (aggregated ones with --prefill-workers 0)")
     prefill_workers: int = arg(1, "prefill workers; 0: aggregated serving (each worker prefills its own "
                                "prompts)")
+    prefill_tp: int | None = arg(None, "GPUs (tensor-parallel ranks) per prefill worker; none: "
+                                 "--tensor-parallel-size")
+    decode_tp: int | None = arg(None, "GPUs (tensor-parallel ranks) per decode (or aggregated) worker; none: "
+                                "--tensor-parallel-size")
+    gpus: str | None = arg(None, "the GPUs this cluster may use, by nvidia-smi index (e.g. 0,1,2,3); none: every "
+                           "visible one. Each worker gets its own (CUDA_VISIBLE_DEVICES); more than there are is "
+                           "refused at start-up")
+    gpus_per_worker: float = arg(1.0, "the share of a GPU each worker (each rank of a tensor-parallel worker) "
+                                 "takes: 1 gives every worker GPUs of its own; a fraction (0.5) lets workers "
+                                 "share one, each taking that share of its memory; 0 places nothing (every "
+                                 "worker sees every GPU: a tiny model, several workers on one GPU on purpose)")
     startup_timeout_s: float = arg(300.0, "how long to wait for every worker to be healthy")
     redis_port: int = arg(0, "port of the embedded Redis (without --redis-url); 0 picks a free one")
     worker_ports: str | None = arg(None, "LOW-HIGH: each worker's gRPC and /metrics ports come from this range, "

@@ -96,8 +96,9 @@ class SlaConfig:
                                       "window; 0: the hysteresis margin alone")
     decode_down_delay_s: float | None = arg(None, "the decode pool scales down only to what was needed all along "
                                             "this window; none: the start-up time")
-    gpu_budget: int | None = arg(None, "workers of both pools at most (draining ones included); none: only "
-                                 "the pools' limits")
+    gpu_budget: int | None = arg(None, "GPUs the workers of both pools may hold at most (draining ones "
+                                 "included; a worker holds its tensor-parallel size, from the profile); none: "
+                                 "`serve` on GPUs, its GPU inventory; otherwise only the pools' limits")
     prefill_order: PrefillOrder = arg(PrefillOrder.DEADLINE, "the prefill workers' queue order the planner sizes "
                                       "for: deadline (the oldest prompt that can still meet the TTFT target first; "
                                       "serve, Ray and the Helm chart start them so with the planner) or fifo "

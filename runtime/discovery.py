@@ -38,6 +38,8 @@ class WorkerInfo:
     name: str = ""                # what it was launched as (--worker-id, without the unique suffix)
     started_at: float = 0.0       # unix time the process started its services
     max_model_len: int = 0        # the engine's context (model or configured, before the KV cache caps it); 0: unknown
+    gpus: str = ""                # the GPUs it runs on (CUDA_VISIBLE_DEVICES, nvidia-smi's numbering); "": none
+    tensor_parallel_size: int = 1  # GPUs (tensor-parallel ranks) it spans
 
     @property
     def ready(self) -> bool:

@@ -36,6 +36,7 @@ from runtime.discovery import Lease, WorkerInfo
 from runtime.errors import StartupError
 from runtime.grpc_links import worker_server
 from runtime.host_checks import disk_dir_problem
+from runtime.gpus import own_gpus
 from runtime.kv_events import KvEventPublisher
 from runtime.lifecycle import WORKER_HEALTH_SERVICE, WorkerState
 from runtime.logging import Throttled
@@ -201,11 +202,14 @@ class WorkerHost:
         if cfg.metrics_port is not None:
             mport = start_metrics_server(cfg.host, cfg.metrics_port, self.metrics.registry)
             metrics_url = f"http://{host_port(host, mport)}/metrics"
+        on_cpu = cfg.engine.mock or cfg.engine.device == "cpu"
         info = WorkerInfo(worker_id=self.worker_id, role=cfg.role, address=host_port(host, port),
                           model=cfg.engine.model, block_size=cfg.engine.block_size, num_blocks=0,
                           metrics_url=metrics_url,
                           model_fingerprint=await asyncio.to_thread(model_fingerprint, cfg.engine.model),
-                          state=WorkerState.STARTING, name=cfg.worker_id or "", started_at=self.started_at)
+                          state=WorkerState.STARTING, name=cfg.worker_id or "", started_at=self.started_at,
+                          gpus="" if on_cpu else await asyncio.to_thread(own_gpus),
+                          tensor_parallel_size=cfg.engine.tensor_parallel_size)
         self._lease = Lease(self.redis, cfg.redis.namespace, info, cfg.redis.lease_ttl_s)
         await self._lease.start()
         return info

@@ -133,7 +133,7 @@ def _pools(client: AdminClient, args) -> int:
     if cmd == "status":
         while True:
             st = client.call("GetStatus", admin_pb2.GetStatusRequest())
-            text = json.dumps(_to_dict(st), indent=1) if args.json else format_pools(st.pools)
+            text = json.dumps(_to_dict(st), indent=1) if args.json else format_pools(st.pools, st.workers)
             if args.watch is None:
                 print(text)
                 return 0
@@ -274,8 +274,8 @@ def _opt(msg, field: str) -> float | None:
     return getattr(msg, field) if msg.HasField(field) else None
 
 
-def format_pools(pools) -> str:
-    """The `pools status` table, then one line per degraded pool."""
+def format_pools(pools, workers=None) -> str:
+    """The `pools status` table (with `workers`: each worker's GPUs), then one line per degraded pool."""
     rows = []
     has_decision = any(p.last_decision for p in pools)
     for p in pools:
@@ -285,11 +285,14 @@ def format_pools(pools) -> str:
                str(p.num_waiting), f"{p.kv_usage:.0%}",
                _pair_ms(_opt(lat, "ttft_p50_ms"), _opt(lat, "ttft_p90_ms")),
                _pair_ms(_opt(lat, "itl_p50_ms"), _opt(lat, "itl_p90_ms"))]
+        if workers is not None:
+            row.append(pool_gpus(workers, p.pool))
         if has_decision:
             row.append(p.last_decision or "-")
         rows.append(row)
     header = ["POOL", "ROLE", "DESIRED", "READY", "STARTING", "DRAINING", "RUNNING", "QUEUED", "KV USE",
-              "TTFT p50/p90", "ITL p50/p90"] + (["LAST DECISION"] if has_decision else [])
+              "TTFT p50/p90", "ITL p50/p90"] + (["GPUS"] if workers is not None else []) + \
+        (["LAST DECISION"] if has_decision else [])
     out = _table(header, rows)
     notes = [f"{p.pool}: degraded, {p.ready} of {p.desired} ready" + (f", {p.failed} failed (crash loop)"
                                                                        if p.failed else "")
@@ -304,10 +307,16 @@ def _uptime(s: float) -> str:
 
 
 def format_workers(workers) -> str:
-    rows = [[w.worker_id or "-", w.name or "-", w.pool, STATE_NAMES.get(w.state, "?"), str(w.num_running),
-             str(w.num_waiting), f"{w.num_used_blocks / w.num_total_blocks:.0%}" if w.num_total_blocks else "-",
+    rows = [[w.worker_id or "-", w.name or "-", w.pool, STATE_NAMES.get(w.state, "?"), w.gpus or "-",
+             str(w.num_running), str(w.num_waiting),
+             f"{w.num_used_blocks / w.num_total_blocks:.0%}" if w.num_total_blocks else "-",
              _uptime(w.uptime_s) if w.uptime_s else "-", str(w.restarts), w.address or "-",
              ("" if w.managed else "external ") + w.detail]
             for w in workers]
-    return _table(["WORKER", "NAME", "POOL", "STATE", "RUNNING", "QUEUED", "KV USE", "UPTIME", "RESTARTS",
+    return _table(["WORKER", "NAME", "POOL", "STATE", "GPUS", "RUNNING", "QUEUED", "KV USE", "UPTIME", "RESTARTS",
                    "ADDRESS", "NOTE"], rows)
+
+
+def pool_gpus(workers, pool: str) -> str:
+    """The GPUs of each of a pool's workers, e.g. "0,1 2,3" ("-": none placed)."""
+    return " ".join(w.gpus for w in workers if w.pool == pool and w.gpus) or "-"

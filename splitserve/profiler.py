@@ -16,8 +16,9 @@ CPU or the mock, with the engine flags of a worker (`--model`, `--device`, `--mo
   listed under `extrapolated` (a planner never plans a batch past the KV capacity anyway).
 
 The file also records the engine's KV capacity in tokens, its max_num_seqs and
-max_num_batched_tokens, and the weights' quantization ("none" | "fp8": a planner takes the profile of
-the weights its workers run); --startup-s, if given, the start-to-ready to plan with (else readers use
+max_num_batched_tokens, the weights' quantization ("none" | "fp8": a planner takes the profile of
+the weights its workers run) and the tensor-parallel size (`--tensor-parallel-size N`: a worker over N
+GPUs; a planner takes the profile of its pools' sizes and counts N GPUs per worker); --startup-s, if given, the start-to-ready to plan with (else readers use
 perf.profile.DEFAULT_STARTUP_S). Throughputs are derived by readers, never stored.
 """
 
@@ -123,6 +124,7 @@ def main(args: argparse.Namespace) -> int:
         "max_num_seqs": cfg.max_num_seqs,
         "max_num_batched_tokens": cfg.max_num_batched_tokens,
         "quantization": _quantization(cfg),
+        "tensor_parallel_size": cfg.tensor_parallel_size,     # the GPUs a worker measured here holds
         "prefill": {"tokens": args.prefill_tokens, "cached_fraction": args.cached_fractions,
                     "time_s": [[round(x, 6) for x in row] for row in prefill]},
         "decode": {"batch_size": args.decode_batches, "context_len": args.decode_contexts,
@@ -133,6 +135,7 @@ def main(args: argparse.Namespace) -> int:
     if args.startup_s is not None:
         spec["startup_s"] = args.startup_s
     Path(args.out).write_text(profile_json(spec))
+    engine.close()                    # a tensor-parallel engine's other ranks
     load_profile(args.out)            # what we wrote reads back
     print(json.dumps({"profile": args.out, "wall_s": spec["profile_wall_s"], "kv_capacity_tokens": kv_tokens,
                       "extrapolated": len(extrapolated)}))

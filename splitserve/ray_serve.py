@@ -39,6 +39,7 @@ from pools.restarts import CrashHistory, RestartPolicy
 from runtime.config import PlannerComponentConfig, RayConfig, ServeConfig, SlaConfig
 from runtime.process import bounded
 from runtime.redis_embedded import free_port
+from splitserve.placement import ray_worker_gpus
 from splitserve.serve import CLOSE_TIMEOUT_S, STOP_MARGIN_S, Launcher, connect_host, frontend_config, serve, worker_config
 
 log = logging.getLogger("splitserve.serve")
@@ -98,15 +99,12 @@ def planner_config(cfg: ServeConfig, admin_address: str, metrics_port: int) -> P
                                   metrics_host=cfg.frontend.host, metrics_port=metrics_port)
 
 
-def worker_gpus(cfg: ServeConfig) -> float:
-    """GPUs per worker actor: --ray-worker-gpus, else 1 where the engine will run on cuda."""
-    if cfg.ray.worker_gpus is not None:
-        return cfg.ray.worker_gpus
-    if cfg.engine.mock or cfg.engine.device == "cpu":
-        return 0.0
-    if cfg.engine.device == "cuda":
-        return 1.0
-    return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+def worker_gpus(cfg: ServeConfig) -> dict[PoolName, float]:
+    """GPUs per worker actor of each pool: --ray-worker-gpus, else as many as the worker spans (its
+    pool's tensor-parallel size) where the engine will run on cuda."""
+    has_gpus = lambda: ray.cluster_resources().get("GPU", 0) > 0     # noqa: E731
+    return {pool: ray_worker_gpus(cfg, role, has_gpus)
+            for pool, role in ((PoolName.PREFILL, "prefill"), (PoolName.DECODE, "decode"))}
 
 
 class ActorProcess:
@@ -172,7 +170,7 @@ class RayLauncher(Launcher):
         role = self.roles[pool]
         command = "prefill-worker" if role == "prefill" else "decode-worker"
         wcfg = worker_config(self.cfg, self.actor_model, role, name.rsplit("-", 1)[1], self.ports_of(name))
-        return start_component(actor_name, command, wcfg, self.actor_env, self.cfg.ray.worker_cpus, self.gpus)
+        return start_component(actor_name, command, wcfg, self.actor_env, self.cfg.ray.worker_cpus, self.gpus[pool])
 
     def _start_frontend(self) -> None:
         fcfg = dataclasses.replace(frontend_config(self.cfg, self.model_dir), model=self.actor_model)
@@ -273,4 +271,5 @@ class RayLauncher(Launcher):
         actors = "frontend, workers and the SLA planner" if self.planner is not None else "frontend and workers"
         return (super()._banner().rstrip("\n") +
                 f"\nOn {where}: {actors} are actors in Ray namespace {RAY_NAMESPACE!r} "
-                f"({self.gpus:g} GPU(s) per worker).\n")
+                f"({self.gpus[PoolName.PREFILL]:g} GPU(s) per prefill worker, {self.gpus[PoolName.DECODE]:g} "
+                f"per decode worker).\n")

@@ -59,6 +59,8 @@ from runtime.redis_embedded import EmbeddedRedis
 from splitserve.models import resolve_model
 from splitserve.serve_plan import (WorkerPorts, connect_host, frontend_config, machine_problem,  # noqa: F401
                                    pool_book, serving_mode, worker_config)
+from splitserve.placement import check_pools_tp, plan_placement, pool_tp
+from runtime.gpus import worker_env
 
 log = logging.getLogger("splitserve.serve")
 
@@ -132,8 +134,9 @@ def serve(cfg: ServeConfig, launcher: type[Launcher] | None = None, connect=None
         return 2
     try:
         model_dir = resolve_model(cfg.engine.model)
-        checkpoint = ModelConfig.from_dir(model_dir).quantization      # an unsupported one is refused here
-        weights = quantization_name(resolve_quantization(checkpoint, cfg.engine.quantization))
+        model_cfg = ModelConfig.from_dir(model_dir)           # an unsupported quantization is refused here
+        weights = quantization_name(resolve_quantization(model_cfg.quantization, cfg.engine.quantization))
+        check_pools_tp(cfg, model_cfg)
     except InvalidRequest as e:
         print(f"splitserve serve: {e.message}", file=sys.stderr)
         return 2
@@ -141,11 +144,19 @@ def serve(cfg: ServeConfig, launcher: type[Launcher] | None = None, connect=None
     if aggregated_why:
         print(f"splitserve serve: {aggregated_why}: serving aggregated, {cfg.decode_workers} worker(s) that "
               "prefill their own prompts", file=sys.stderr)
+    try:
+        placement = None if connect is not None else plan_placement(cfg)    # Ray places its actors itself
+    except InvalidRequest as e:
+        print(f"splitserve serve: {e.message}", file=sys.stderr)
+        return 2
+    if placement is not None and cfg.planner.enabled and cfg.planner.gpu_budget is None:
+        cfg = dataclasses.replace(cfg, planner=dataclasses.replace(cfg.planner,
+                                                                   gpu_budget=placement.allocator.num_gpus))
     profile = None
     if cfg.planner.enabled:
         try:
             from planner.live import check_sla
-            profile = check_sla(cfg.planner, weights)
+            profile = check_sla(cfg.planner, weights, (pool_tp(cfg, "prefill"), pool_tp(cfg, "decode")))
         except (InvalidRequest, ValueError, OSError) as e:
             print(f"splitserve serve: --planner: {getattr(e, 'message', e)}", file=sys.stderr)
             return 2
@@ -160,7 +171,7 @@ def serve(cfg: ServeConfig, launcher: type[Launcher] | None = None, connect=None
     ensure_cluster_token()       # this process's (its controller asks the workers) and every child's
     runner = launcher(cfg, model_dir, book)
     runner.aggregated_why, runner.worker_ports = aggregated_why, ports
-    runner.planner_profile = profile
+    runner.planner_profile, runner.placement = profile, placement
     return run_component(runner.run())
 
 
@@ -186,6 +197,7 @@ class Launcher:
         self.planner_profile = None
         self.aggregated_why = ""                      # serving_mode's: why no prefill pool although asked
         self.worker_ports = WorkerPorts()             # --worker-ports (serve() parses it)
+        self.placement = None                         # pools.gpus.Placement: each worker's GPUs (None: none placed)
         self.admin = None
         self.admin_token = ""                         # in memory only; a planner actor gets it by environment
         self.token_path: Path | None = None
@@ -276,14 +288,17 @@ class Launcher:
         return LocalProcessConnector(
             self._spawn_worker, self.roles, policy,
             on_restart=lambda pool: self.metrics.restarts.labels(pool).inc(),
-            on_crash_loop=lambda pool: self.metrics.crash_loops.labels(pool).inc())
+            on_crash_loop=lambda pool: self.metrics.crash_loops.labels(pool).inc(), placement=self.placement)
 
-    def _spawn_worker(self, pool: PoolName, name: str) -> subprocess.Popen:
+    def _spawn_worker(self, pool: PoolName, name: str, gpus=None) -> subprocess.Popen:
+        """Worker `name` of `pool`, on its GPUs (a pools.gpus.GpuLease) where the connector placed it."""
         role = self.roles[pool]
         command = "prefill-worker" if role == "prefill" else "decode-worker"
         index = name.rsplit("-", 1)[1]
-        wcfg = worker_config(self.cfg, self.model_dir, role, index, self.ports_of(name))
-        return self.cluster.spawn_component(command, name, wcfg, self.env)
+        env = self.env if gpus is None else {**self.env, **worker_env(gpus.gpus)}
+        wcfg = worker_config(self.cfg, self.model_dir, role, index, self.ports_of(name),
+                             gpus.share if gpus is not None else 1.0)
+        return self.cluster.spawn_component(command, name, wcfg, env)
 
     def ports_of(self, name: str) -> tuple[int, int]:
         """Worker `name`'s gRPC and metrics ports (--worker-ports; 0: free ones). ConnectorError

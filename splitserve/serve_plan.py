@@ -21,6 +21,7 @@ from pools.book import PoolBook, PoolName, PoolSpec
 from runtime.config import FrontendConfig, ServeConfig, WorkerConfig
 from runtime.errors import InvalidRequest
 from runtime.host_checks import device_problem, disk_dir_problem
+from splitserve.placement import pool_tp
 
 
 def machine_problem(cfg: ServeConfig) -> str:
@@ -72,13 +73,16 @@ def connect_host(host: str) -> str:
 
 
 def worker_config(cfg: ServeConfig, model_dir: str, role: str, index: int | str,
-                  ports: tuple[int, int] = (0, 0)) -> WorkerConfig:
-    """Worker ROLE-INDEX's: the cluster's engine, Redis, host and drain timeout; its gRPC and metrics
-    `ports` (0: free ones, from `WorkerPorts`). With the planner, prefill workers order their queues
-    by its TTFT target (unless it sizes for FIFO ones)."""
+                  ports: tuple[int, int] = (0, 0), gpu_share: float = 1.0) -> WorkerConfig:
+    """Worker ROLE-INDEX's: the cluster's engine at its pool's TP size, Redis, host and drain timeout;
+    its gRPC and metrics `ports` (0: free ones, from `WorkerPorts`). On `gpu_share` of a GPU it takes
+    that share of the memory for its KV. With the planner, prefill workers order their queues by its
+    TTFT target (unless it sizes for FIFO ones)."""
     deadline_ordered = cfg.planner.enabled and cfg.planner.deadline_ordered
     deadline = cfg.planner.ttft_ms if role == "prefill" and deadline_ordered else None
-    return WorkerConfig(engine=dataclasses.replace(cfg.engine, model=model_dir), redis=cfg.frontend.redis,
+    engine = dataclasses.replace(cfg.engine, model=model_dir, tensor_parallel_size=pool_tp(cfg, role),
+                                 kv_memory_fraction=cfg.engine.kv_memory_fraction * gpu_share)
+    return WorkerConfig(engine=engine, redis=cfg.frontend.redis,
                         role=role, host=cfg.frontend.host, port=ports[0], metrics_port=ports[1],
                         worker_id=f"{role}-{index}",
                         drain_timeout_s=cfg.frontend.drain_timeout_s, prefill_lease_s=cfg.prefill_lease_s,

@@ -19,6 +19,9 @@ the FP8 kernels' measured choice per shape and row count beside the bf16 GEMM's 
 (InferenceMAX lengths: input and output uniform in [0.8 × 1024, 1024]), output tok/s, with the GPU's
 time per step (and `--offline-profile N`: kernel families of N profiled steps); section
 `decode_profile`, the same kernel families for steady decode batches, to compare.
+`--tensor-parallel-size N` runs the model split over N GPUs (rank 0 here, the others in their own
+processes; `--tp-all-reduce flashinfer` for FlashInfer's all-reduce): sizes and rooflines are then
+per GPU (rank 0's share), batch 1 runs graphs + async scheduling only.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from fp8_gemms import fp8_gemm_table  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.loader import write_arch_dir  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
+from engine.parallel.runner import TpRunner  # noqa: E402
 from runtime.types import EngineRequest, SamplingParams  # noqa: E402
 from runtime.cli_args import add_config_args, flag_values  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
@@ -43,7 +47,8 @@ from runtime.config import EngineConfig  # noqa: E402
 _uid = iter(range(1 << 30))
 # EngineConfig fields this bench takes as flags (as the workers do): --decode-tensor-cores auto|on|off,
 # --no-fused-kernels, --no-fused-rope-kv, --no-input-major-weights
-ENGINE_KNOBS = ("decode_tensor_cores", "fused_kernels", "fused_rope_kv", "input_major_weights")
+ENGINE_KNOBS = ("decode_tensor_cores", "fused_kernels", "fused_rope_kv", "input_major_weights",
+                "tensor_parallel_size", "tp_all_reduce")
 
 
 def _req(prompt_len: int, max_tokens: int, gen: torch.Generator, vocab: int) -> EngineRequest:
@@ -82,6 +87,9 @@ def bench_decode_b1(emit, runner, sizes, ceil, common, steps=128, prompt_len=128
     can_reuse = getattr(runner.backend, "reuse_decode_plans", False)
     modes = [(True, can_reuse, True), (True, can_reuse, False), (True, False, True), (False, False, True)] \
         if runner.graphs else [(False, False, True)]
+    split = runner.cfg.tensor_parallel_size > 1
+    if split:                       # the other ranks run as they were built: graphs, reused plans
+        modes = modes[:1]
     modes = list(dict.fromkeys(modes))
     for graphs, reuse, overlap in modes:
         runner.use_cuda_graphs = graphs
@@ -100,7 +108,7 @@ def bench_decode_b1(emit, runner, sizes, ceil, common, steps=128, prompt_len=128
                    step_ms=round(wall / steps * 1e3, 3), host_prepare_ms=round(statistics.mean(prep) * 1e3, 3),
                    bytes_per_step=int(read), roofline_tok_s=round(roof, 1),
                    frac_of_roofline=round(steps / wall / roof, 3))
-        if graphs and reuse == can_reuse and overlap:
+        if graphs and reuse == can_reuse and overlap and not split:   # a lone rank's replay would wait for the others
             gpu_ms = cuda_time_ms(lambda: runner.graphs.graphs[1].replay(), iters=50)
             rec.update(graph_replay_ms=round(gpu_ms, 3), gpu_only_tok_s=round(1e3 / gpu_ms, 1),
                        gpu_frac_of_roofline=round(1e3 / gpu_ms / roof, 3))
@@ -550,7 +558,7 @@ def main() -> None:
                            enable_prefix_caching=False, kv_cache_dtype=kv_dtype, decode_kernel=decode_kernel,
                            quantization=quant, **knobs)
         t0 = time.perf_counter()
-        runner = ModelRunner(cfg)
+        runner = TpRunner(cfg) if cfg.tensor_parallel_size > 1 else ModelRunner(cfg)
         sizes = model_sizes(runner)
         common = {"model": arch, "weights": "dummy-fp8-online" if runner.quantization else "dummy-bf16",
                   "quantization": quant, "attention": runner.backend.name,
@@ -559,7 +567,9 @@ def main() -> None:
                   "fused_rope_kv": runner.model.layers[0].self_attn.rope_kv is not None,
                   "fused_kernels": cfg.fused_kernels, "input_major_weights": cfg.input_major_weights,
                   "kv_cache_dtype": str(runner.kv_cache.dtype).removeprefix("torch."),
-                  "block_size": cfg.block_size, "num_blocks": cfg.num_blocks}
+                  "block_size": cfg.block_size, "num_blocks": cfg.num_blocks,
+                  "tensor_parallel_size": cfg.tensor_parallel_size, "tp_all_reduce": cfg.tp_all_reduce,
+                  "custom_all_reduce": getattr(runner, "tp", None) is not None and runner.tp.custom_all_reduce is not None}
         emit(**common, metric="model", load_and_capture_s=round(time.perf_counter() - t0, 2),
              startup_s=runner.startup_s,
              graph_capture_s=round(runner.graphs.capture_s, 2) if runner.graphs else None,
@@ -582,6 +592,8 @@ def main() -> None:
                     fn()
                 except Exception as e:  # one failed section must not lose the others
                     emit(**common, metric=name, error=repr(e)[:500])
+        if hasattr(runner, "close"):
+            runner.close()              # the other ranks
         del runner
         gc.collect()
         torch.cuda.empty_cache()

@@ -10,17 +10,49 @@ method implements, in order:
   finish_loading(layer)           once every tensor is in: quantize, re-lay out, dequantize for the CPU
   prepare(layers, max_tokens)     once per model, before CUDA graphs are captured: pick kernels
   apply(layer, x, out_dtype)      the product, for a (T, in_features) input
-A tensor-parallel linear would split `parts` and rows (or columns) per rank before `load` and keep
-the method as it is. Knows nothing about checkpoints' names (engine/loader.py) or attention.
+Under tensor parallelism a Linear holds one rank's share (`Split`): column-parallel, its slice of
+the output rows (of every fused part); row-parallel, its slice of the input columns. `load` is given
+the whole checkpoint tensor and cuts the rank's share out of it before the method sees it, so every
+method (model dtype, FP8) shards the same way and stays as it is; the all-reduce after a row-parallel
+product is the model's (engine/model.py). Knows nothing about checkpoints' names (engine/loader.py)
+or attention.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from runtime.errors import InvalidRequest
+
+COLUMN, ROW = "column", "row"
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """A tensor-parallel rank's share of a Linear: `kind` column (output rows) or row (input columns)."""
+    kind: str
+    rank: int
+    size: int
+
+    def rows(self, tensor: torch.Tensor, local: int) -> torch.Tensor:
+        return rank_rows(tensor, self.rank, local)
+
+    def columns(self, tensor: torch.Tensor, local: int) -> torch.Tensor:
+        return tensor[:, self.rank * local:(self.rank + 1) * local]
+
+
+def rank_rows(tensor: torch.Tensor, rank: int, local: int) -> torch.Tensor:
+    """Rows [rank * local, (rank + 1) * local) of `tensor`, zero-padded past its end (the last rank
+    of a vocabulary that does not divide)."""
+    start = min(rank * local, tensor.shape[0])
+    part = tensor[start:start + local]
+    if part.shape[0] == local:
+        return part
+    return torch.cat([part, part.new_zeros((local - part.shape[0], *part.shape[1:]))])
 
 
 class LinearMethod:
@@ -46,6 +78,11 @@ class LinearMethod:
     def finish_loading(self, layer: "Linear") -> None:
         pass
 
+    def quantizes_at_load(self, layer: "Linear") -> bool:
+        """Whether `finish_loading` derives per-row scales from the weight (a row-parallel shard then
+        needs the whole rows' amax: `Linear.row_amax`)."""
+        return False
+
     def prepare(self, layers: list["Linear"], max_tokens: int) -> None:
         pass
 
@@ -70,14 +107,16 @@ class LinearMethod:
 
 class Linear(nn.Module):
     """A linear layer whose `method` owns storage and arithmetic; `parts` are the output rows of the
-    projections fused into it (default: one part)."""
+    projections fused into it (default: one part). With a `split`, the features and parts are this
+    rank's share."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, method: LinearMethod,
-                 dtype: torch.dtype, parts: tuple[int, ...] | None = None) -> None:
+                 dtype: torch.dtype, parts: tuple[int, ...] | None = None, split: Split | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.parts = tuple(parts or (out_features,))
         assert sum(self.parts) == out_features, f"parts {self.parts} do not add up to {out_features}"
+        self.split = split if split is not None and split.size > 1 else None
         self.method = method
         self.weight_t: nn.Parameter | None = None
         method.create_weights(self, dtype)
@@ -91,6 +130,9 @@ class Linear(nn.Module):
         return slice(start, start + self.parts[part])
 
     def load(self, leaf: str, tensor: torch.Tensor, part: int | None = None) -> bool:
+        """Copy a whole checkpoint tensor (this rank's share of it, under tensor parallelism)."""
+        if self.split is not None:
+            tensor = self._share(leaf, tensor, part)
         if leaf == "bias":
             if self.bias is None:
                 return False
@@ -101,8 +143,27 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.method.apply(self, x, out_dtype)
 
+    def _share(self, leaf: str, tensor: torch.Tensor, part: int | None) -> torch.Tensor:
+        """This rank's share of a checkpoint tensor. Column-parallel: the rows of the part (a weight,
+        a bias, a per-row scale; a per-tensor scale stays whole). Row-parallel: the weight's columns;
+        the bias on rank 0 alone (the all-reduce adds it once); per-row scales stay whole."""
+        split = self.split
+        if split.kind == COLUMN:
+            if tensor.dim() == 0 or tensor.numel() == 1:
+                return tensor
+            rows = self.part_rows(part)
+            return split.rows(tensor, rows.stop - rows.start)
+        if leaf == "weight":
+            if tensor.dim() != 2:
+                raise InvalidRequest(f"weight of shape {tuple(tensor.shape)} where a matrix was expected")
+            return split.columns(tensor, self.in_features)
+        if leaf == "bias" and split.rank:
+            return torch.zeros_like(tensor)
+        return tensor
+
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, parts={self.parts}, method={self.method.name}"
+        tp = f", {self.split.kind}-parallel {self.split.rank}/{self.split.size}" if self.split else ""
+        return f"in={self.in_features}, out={self.out_features}, parts={self.parts}, method={self.method.name}{tp}"
 
 
 def copy_rows(layer: Linear, dest: torch.Tensor, tensor: torch.Tensor, part: int | None, what: str) -> None:

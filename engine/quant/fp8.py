@@ -6,6 +6,8 @@ row, W = q · s. Per-tensor checkpoint scales become equal row scales of their p
   (activations are quantized per token at run time).
 - Online (`--quantization fp8`): the model-dtype weight loads as usual and `finish_loading` quantizes
   it per channel, s = amax(|row|) / 448, q = round(W / s) (float32 arithmetic, saturated at ±448).
+  A row-parallel shard (tensor parallelism) holds part of each row: the model sets `row_amax` to the
+  whole row's amax first, so every rank's scales are the unsplit model's.
 - On the CPU, and on GPUs without FP8 tensor cores (compute capability below 8.9), the weight is then
   dequantized to the model dtype (W = q · s) and the layer runs a plain matmul with unquantized
   activations: what CI checks the loader with, against HF transformers on the dequantized checkpoint.
@@ -39,10 +41,12 @@ def fp8_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) → (N, K) e4m3 and (N,) float32 scales with q · s ≈ w, row by row."""
+def quantize_per_channel(w: torch.Tensor, row_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) → (N, K) e4m3 and (N,) float32 scales with q · s ≈ w, row by row (`row_amax`: each
+    row's amax where `w` holds a slice of the rows' columns)."""
     wf = w.float()
-    scale = (wf.abs().amax(dim=1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    amax = wf.abs().amax(dim=1) if row_amax is None else row_amax
+    scale = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
     q = (wf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
@@ -82,10 +86,13 @@ class Fp8LinearMethod(LinearMethod):
             return True
         return leaf in _IGNORED_LEAVES
 
+    def quantizes_at_load(self, layer: Linear) -> bool:
+        return not self.serialized
+
     def finish_loading(self, layer: Linear) -> None:
         with torch.no_grad():
             if not self.serialized:
-                q, scale = quantize_per_channel(layer.weight)
+                q, scale = quantize_per_channel(layer.weight, getattr(layer, "row_amax", None))
                 layer.weight = nn.Parameter(q, requires_grad=False)
                 layer.weight_scale = nn.Parameter(scale, requires_grad=False)
             if self.dequantize or not fp8_supported(layer.weight.device):

@@ -30,9 +30,9 @@ def json_type(t: type) -> str:
 
 # Fields the chart sets itself, so that pods, Services and probes agree (or that come by environment).
 CHART_OWNED = {
-    EngineConfig: {"model"},
+    EngineConfig: {"model", "tensor_parallel_size"},         # the pool's `gpus`
     FrontendConfig: {"model", "redis.url", "host", "http_port", "grpc_port", "api_key"},
-    WorkerConfig: {"engine.model", "redis.url", "role", "host", "advertise_host", "port", "metrics_port", "worker_id"},
+    WorkerConfig: {"engine.model", "engine.tensor_parallel_size", "redis.url", "role", "host", "advertise_host", "port", "metrics_port", "worker_id"},
     RedisConfig: {"url"},
 }
 # Fields the chart renders that runtime/config.py does not declare yet, by the work that adds them
@@ -186,3 +186,16 @@ def test_the_planner_pod_runs_splitserve_planner_with_its_targets():
     assert build_parser().parse_args(args).command == "planner"
     sla = {k for k in VALUES["planner"]["config"] if k != "controller"}
     assert sla and sla <= {f.name for f in fields(config_module.PlannerComponentConfig)}
+
+
+def test_a_pools_gpus_are_its_workers_tensor_parallel_size():
+    """`gpus: 2` gives each pod of the pool two GPUs and splits its workers' model over them; a CPU
+    pool (gpus 0) runs unsplit."""
+    objs = render_values({"decode": {"gpus": 2}, "prefill": {"gpus": 0}})
+    configs = component_configs(objs)
+    assert configs["decode"]["engine"]["tensor_parallel_size"] == 2
+    assert configs["prefill"]["engine"]["tensor_parallel_size"] == 1
+    decode = pod_specs(objs)["splitserve-decode"]["containers"][0]["resources"]
+    assert decode["limits"]["nvidia.com/gpu"] == 2 and decode["requests"]["nvidia.com/gpu"] == 2
+    w = config_from_dict(WorkerConfig, configs["decode"], "decode.json")
+    assert w.engine.tensor_parallel_size == 2

@@ -56,7 +56,7 @@ def make(redis_url: str, cluster: Cluster, broken: frozenset[str] = frozenset(),
     exist, so they exit with an error at every start."""
     model_dir = resolve_model("tiny")
 
-    def spawn(pool, name):
+    def spawn(pool, name, gpus=None):
         role = ROLES[pool]
         engine = EngineConfig(model="/nonexistent/model" if name in broken else model_dir, mock=True, device="cpu")
         cfg = WorkerConfig(engine=engine, redis=RedisConfig(url=redis_url, lease_ttl_s=lease_ttl_s), role=role,

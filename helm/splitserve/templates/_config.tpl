@@ -29,6 +29,8 @@ SPLITSERVE_ADMIN_TOKEN).
 {{- range $k, $v := $root.Values.engine }}{{ $_ := set $engine $k $v }}{{ end }}
 {{- range $k, $v := ($pool.config.engine | default dict) }}{{ $_ := set $engine $k $v }}{{ end }}
 {{- $_ := set $engine "model" (include "splitserve.modelDir" $root) }}
+{{- /* a worker spans its pool's GPUs: the model split over them (1 on the CPU) */}}
+{{- $_ := set $engine "tensor_parallel_size" (max 1 (int $pool.gpus)) }}
 {{- $c := dict }}
 {{- range $k, $v := $pool.config }}{{ if ne $k "engine" }}{{ $_ := set $c $k $v }}{{ end }}{{ end }}
 {{- $_ := set $c "engine" $engine }}

@@ -152,7 +152,10 @@ def test_arch_presets_have_the_real_dimensions(tmp_path):
     assert big.rope_scaling["rope_type"] == "llama3"
     small = ModelConfig.from_dir(write_arch_dir("llama-3.2-1b", tmp_path / "1b"))
     assert (small.hidden_size, small.num_layers, small.head_dim, small.tie_word_embeddings) == (2048, 16, 64, True)
-    assert set(ARCHS) == {"llama-3.1-8b", "llama-3.2-1b"}
+    huge = ModelConfig.from_dir(write_arch_dir("llama-3.1-70b", tmp_path / "70b"))
+    assert (huge.hidden_size, huge.num_layers, huge.num_heads, huge.num_kv_heads, huge.intermediate_size,
+            huge.vocab_size, huge.head_dim) == (8192, 80, 64, 8, 28672, 128256, 128)
+    assert set(ARCHS) == {"llama-3.1-8b", "llama-3.1-70b", "llama-3.2-1b"}
     assert json.loads((tmp_path / "8b" / "config.json").read_text())["model_type"] == "llama"
 
 

@@ -113,7 +113,7 @@ def test_a_worker_that_ran_stably_before_crashing_starts_the_count_again():
 def test_a_connector_backs_off_a_crashed_worker_then_leaves_a_crash_loop_failed(caplog):
     now = [0.0]
     loops = []
-    spawn = lambda pool, name: subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])   # noqa: E731
+    spawn = lambda pool, name, gpus: subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])   # noqa: E731
     c = LocalProcessConnector(spawn, {D: "decode", P: "prefill"}, RestartPolicy(backoff_s=1.0, crash_loop_restarts=1),
                               on_crash_loop=loops.append, clock=lambda: now[0])
 
@@ -139,7 +139,7 @@ def test_a_connector_backs_off_a_crashed_worker_then_leaves_a_crash_loop_failed(
 
 
 def test_a_crash_while_restarts_are_off_fails_the_worker_at_once_and_quietly(caplog):
-    spawn = lambda pool, name: subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])   # noqa: E731
+    spawn = lambda pool, name, gpus: subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])   # noqa: E731
     c = LocalProcessConnector(spawn, {D: "decode", P: "prefill"}, clock=lambda: 0.5)
     c.restart_crashed = False                        # serve's start-up: a crash means a bad model or flag
     asyncio.run(c.start(D))
