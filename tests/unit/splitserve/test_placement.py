@@ -86,12 +86,14 @@ def serve_cli(env, *argv: str) -> subprocess.CompletedProcess:
 
 
 def test_serve_refuses_more_gpus_than_the_host_has_before_starting_anything(fake_driver):
-    r = serve_cli(fake_driver, "--device", "cuda", "--prefill-workers", "1", "--decode-workers", "2",
+    # --device auto: the (stand-in) driver shows GPUs, so the workers are placed on them; --device cuda
+    # would be refused first on this machine's CPU build of torch (runtime/host_checks.py)
+    r = serve_cli(fake_driver, "--device", "auto", "--prefill-workers", "1", "--decode-workers", "2",
                   "--decode-tp", "2")
     assert r.returncode == 2
     assert ("splitserve serve: the workers need 5 GPUs (1 x 1 + 2 x 2); the inventory holds 4 (0,1,2,3): start "
             "fewer workers, a smaller TP, or share GPUs with --gpus-per-worker") in r.stderr
-    r = serve_cli(fake_driver, "--device", "cuda", "--gpus", "0,5")
+    r = serve_cli(fake_driver, "--device", "auto", "--gpus", "0,5")
     assert r.returncode == 2 and "--gpus 0,5: GPU 5 is not on this host (visible GPUs: 0,1,2,3)" in r.stderr
-    r = serve_cli(fake_driver, "--device", "cuda", "--tensor-parallel-size", "4", "--prefill-workers", "0")
+    r = serve_cli(fake_driver, "--device", "auto", "--tensor-parallel-size", "4", "--prefill-workers", "0")
     assert r.returncode == 2 and "num_key_value_heads (2) is not divisible by --tensor-parallel-size 4" in r.stderr
