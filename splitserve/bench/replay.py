@@ -52,7 +52,7 @@ from runtime.config import LOWER_TIER_WEIGHT, RoutingPolicy
 from sim.oracle import PooledCacheOracle
 from splitserve.bench.sessions import SessionsConfig, load_azure, session_specs
 from splitserve.bench.clients import RequestSpec
-from splitserve.bench.serve import _event_loop_factory, emit, git_sha, run_level
+from splitserve.bench.serve import _event_loop_factory, emit, git_sha, run_level_in_process
 from splitserve.bench.stats import summarize_level
 from splitserve.bench.workloads import BenchInputError, load_trace, random_prompt, trace_specs
 
@@ -295,7 +295,7 @@ async def replay(args: argparse.Namespace, specs: list[RequestSpec], url: str, d
                  redis_url: str, namespace: str):
     client_args = SimpleNamespace(url=url, timeout_s=args.timeout_s, api_key=None,
                                   no_progress=args.no_progress)
-    run = await run_level(client_args, MODEL_NAME, specs, None, desc)
+    run = await run_level_in_process(client_args, MODEL_NAME, specs, None, desc)
     return run, await worker_statuses(redis_url, namespace)
 
 
