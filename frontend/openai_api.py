@@ -25,6 +25,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from frontend.generate import Delta, GenerateInput, generate_samples
 from frontend.http_errors import OffLoopJsonRoute
+from frontend.sse import ChunkEncoder, PushedStream, event as _event
 from frontend.schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
                               TokenizeChatRequest, TokenizeCompletionRequest, _Common)
 from frontend.state import FrontendState
@@ -111,6 +112,9 @@ def openai_routes(state: FrontendState) -> APIRouter:
     async def respond(request: Request, req: _Common, inputs: list[GenerateInput], chat: bool, post=None):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
+        if req.stream and len(inputs) == 1 and post is None and inputs[0].sampling.grammar is None \
+                and inputs[0].sampling.logprobs is None:
+            return pushed_stream(rid, created, req, inputs[0], chat)
         if req.stream:
             events = generate_samples(state.generator, inputs, req.n)
             # a grammar compiles when a worker admits the request: wait for that (the first token)
@@ -152,6 +156,35 @@ def openai_routes(state: FrontendState) -> APIRouter:
             _add_usage(usage, last)
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": state.model_name, "choices": choices, "usage": usage}
+
+    def pushed_stream(rid: str, created: int, req: _Common, inp: GenerateInput, chat: bool) -> PushedStream:
+        """The common stream (one choice, no tools, no logprobs, no grammar): each token's event is
+        written on the worker stream's turn (frontend/sse.py), the same bytes `_sse` sends."""
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = _event({"id": rid, "object": obj, "created": created, "model": state.model_name,
+                       "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                    "finish_reason": None, "logprobs": None}]}) if chat else b""
+        with_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def tail(last: Delta | None) -> bytes:
+            if not with_usage:
+                return b""
+            usage = _usage(0, 0, 0)
+            if last is not None:
+                _add_usage(usage, last)
+            return _event({"id": rid, "object": obj, "created": created, "model": state.model_name,
+                           "choices": [], "usage": usage})
+        encoder = ChunkEncoder(rid, created, state.model_name, chat, bool(req.return_token_ids))
+        return PushedStream(lambda on_delta: state.generator.stream(inp, on_delta), encoder, head, tail,
+                            lambda e: _error_event(rid, e), FINISH_TEXT)
+
+    def _error_event(rid: str, e: Exception) -> bytes:
+        if not isinstance(e, SplitserveError):
+            log.error("stream %s failed", rid, exc_info=e)
+            e = SplitserveError(f"internal error: {type(e).__name__}")
+        state.metrics.errors.labels("http", str(e.http_status)).inc()
+        return _event({"error": {"message": e.message, "type": e.error_type, "param": e.param,
+                                 "code": e.http_status}})
 
     async def _collect_all(inputs: list[GenerateInput], n: int) -> list[list[Delta]]:
         out: list[list[Delta]] = [[] for _ in inputs]
@@ -228,12 +261,7 @@ def openai_routes(state: FrontendState) -> APIRouter:
                 yield _event({"id": rid, "object": obj, "created": created, "model": state.model_name,
                               "choices": [], "usage": usage})
         except Exception as e:   # mid-stream failure: tell the client in-band, then end
-            if not isinstance(e, SplitserveError):
-                log.exception("stream %s failed", rid)
-                e = SplitserveError(f"internal error: {type(e).__name__}")
-            state.metrics.errors.labels("http", str(e.http_status)).inc()
-            yield _event({"error": {"message": e.message, "type": e.error_type, "param": e.param,
-                                    "code": e.http_status}})
+            yield _error_event(rid, e)
         yield b"data: [DONE]\n\n"
 
     def model_card() -> dict:
@@ -346,7 +374,3 @@ def _add_usage(usage: dict, d: Delta) -> None:
     usage["completion_tokens"] += d.completion_tokens
     usage["total_tokens"] += d.prompt_tokens + d.completion_tokens
     usage["prompt_tokens_details"]["cached_tokens"] += d.cached_tokens
-
-
-def _event(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"

@@ -5,7 +5,8 @@ are refused (frontend/admission.py), with one log line each. For each accepted w
 frontend keeps one gRPC channel and
 one long-lived bidirectional Session stream that multiplexes all of this frontend's requests on
 that worker: Submit/Cancel go out, one StepOutput per engine step comes back and is fanned out to
-the per-request queues. If a stream breaks (the worker died) or its lease expires, every request
+the requests' sinks, synchronously, in one turn of the loop (a sink does its token's work there:
+frontend/generation.py). If a stream breaks (the worker died) or its lease expires, every request
 on it receives `WORKER_LOST` and the caller migrates it.
 
 Only `ready` workers join and are routed to (runtime/lifecycle.py). A worker that starts draining
@@ -82,10 +83,12 @@ class WorkerConnection:
         for q in self._streams.values():
             q.put_nowait(marker)
 
-    def submit(self, msg: worker_pb2.WorkerSubmit) -> asyncio.Queue:
+    def submit(self, msg: worker_pb2.WorkerSubmit, sink=None):
+        """Send the request; its deltas (and WORKER_LOST / SHUTTING_DOWN) go to `sink.put_nowait`,
+        called on the session reader's turn (frontend/generation.py); default: a new asyncio.Queue."""
         if not self.alive:
             raise Unavailable(f"worker {self.worker_id} is gone")
-        q: asyncio.Queue = asyncio.Queue()
+        q = asyncio.Queue() if sink is None else sink
         self._streams[msg.request_id] = q
         self._out.put_nowait(worker_pb2.SessionRequest(submit=msg))
         return q
