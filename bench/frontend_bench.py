@@ -48,13 +48,18 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 START_TIMEOUT_S = 180.0
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of every thread of the process so far, seconds (0 once it is gone)."""
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(utime, stime) of every thread of the process so far, seconds (0 once it is gone)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK       # fields 14 and 15 of stat(5)
+        return 0.0, 0.0
+    return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK       # fields 14 and 15 of stat(5)
+
+
+def cpu_of(pids: list[int]) -> tuple[float, float]:
+    times = [cpu_seconds(p) for p in pids]
+    return sum(u for u, _ in times), sum(s for _, s in times)
 
 
 def children(pid: int) -> list[int]:
@@ -169,9 +174,11 @@ def measure(tree: Tree, args: argparse.Namespace, api: str, frontends: int, repe
         url = cluster.url if api == "http" else f"grpc://127.0.0.1:{cluster.grpc_port}"
         bench_serve(url, args, max(args.concurrency, 2 * frontends), seed=1000 + repeat)     # warm-up
         pids = cluster.frontend_pids()
-        before = sum(cpu_seconds(p) for p in pids)
+        user0, sys0 = cpu_of(pids)
         level = bench_serve(url, args, args.num_requests or 4 * args.concurrency, seed=repeat)
-        cpu_s = sum(cpu_seconds(p) for p in pids) - before
+        user1, sys1 = cpu_of(pids)
+        user_s, sys_s = user1 - user0, sys1 - sys0
+        cpu_s = user_s + sys_s
     finally:
         cluster.stop()
     tokens = level["output_tokens"]
@@ -179,7 +186,7 @@ def measure(tree: Tree, args: argparse.Namespace, api: str, frontends: int, repe
     itl = level["itl_p50_s"]
     return {"bench": "frontend", "tree": tree.sha, "baseline": tree.commit is not None, "api": api,
             "frontends": frontends, "repeat": repeat, "output_tokens": tokens,
-            "frontend_cpu_s": round(cpu_s, 3),
+            "frontend_cpu_s": round(cpu_s, 3), "frontend_user_s": round(user_s, 3), "frontend_sys_s": round(sys_s, 3),
             "frontend_cpu_us_per_token": round(cpu_s / tokens * 1e6, 2) if tokens else None,
             "frontend_cpu_s_per_1k_tokens": round(cpu_s / tokens * 1e3, 5) if tokens else None,
             "output_tok_s": level["output_tok_s"], "itl_p50_s": itl, "itl_p99_s": level["itl_p99_s"],

@@ -99,7 +99,7 @@ class Generator:
         self.num_active = 0
         self.shutting_down = False
         self.on_first_token = None     # (ttft_s, prefilled_remotely) -> None: the latency window
-        self.on_itl = None             # seconds per token -> None
+        self.on_itls = None            # [seconds per token, ...] -> None (a batch of inter-token gaps)
         self.on_arrival = None         # () -> None: a request arrived (the planner's load)
         self.on_done = None            # (arrival unix time, prompt, output, cached tokens) -> None
 

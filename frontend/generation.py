@@ -32,6 +32,7 @@ from kvstore.hashing import block_hashes
 from proto.splitserve.v1 import generation_pb2, worker_pb2
 from runtime.convert import FINISH_FROM_PB, sampling_to_pb
 from runtime.errors import InvalidRequest, SplitserveError, Unavailable
+from runtime.metrics import observe_many
 from runtime.types import FinishReason
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 
 MAX_MIGRATIONS = 3           # workers that die under one request before it fails
 MAX_GIVE_BACKS = 16          # draining workers that hand one request back before it fails
+ITL_BATCH = 64               # inter-token gaps a request gathers before they go into the metrics
 
 _DONE = object()             # control: the request finished
 _ERROR = generation_pb2.FINISH_REASON_ERROR
@@ -70,7 +72,7 @@ class Generation:
     """One request's generation; `run()` drives it, `put_nowait` is the worker stream's side."""
 
     __slots__ = ("g", "inp", "on_delta", "rid", "detok", "output", "cached", "start", "last", "conn",
-                 "remote", "overlap_blocks", "finished", "ended", "control")
+                 "remote", "overlap_blocks", "finished", "ended", "control", "itls")
 
     def __init__(self, generator: "Generator", inp: "GenerateInput", on_delta: Callable[[Delta], None]) -> None:
         self.g, self.inp, self.on_delta = generator, inp, on_delta
@@ -86,6 +88,7 @@ class Generation:
         self.finished = False          # no more tokens are taken (the last one came, or it failed)
         self.ended = False             # it ended normally: the worker forgot it already
         self.control: asyncio.Queue = asyncio.Queue()
+        self.itls: list[float] = []    # inter-token gaps not yet in the metrics (they go in batches)
 
     # ---- the session reader's side: synchronous, once per RequestDelta ------------------------
     def put_nowait(self, item) -> None:
@@ -99,38 +102,48 @@ class Generation:
                 self.control.put_nowait(e)
 
     def _tokens(self, delta: worker_pb2.RequestDelta) -> None:
-        g, m = self.g, self.g.metrics
         ids = list(delta.token_ids)
-        now = time.perf_counter()
         if ids:
+            now = time.perf_counter()
             if not self.output:
-                m.ttft.observe(now - self.start)
-                g.pool.router.first_token(self.rid)
-                if g.on_first_token is not None:
-                    g.on_first_token(now - self.start, self.remote is not None)
-                self.cached = delta.num_cached_tokens
+                self._first_token(now, delta.num_cached_tokens)
             elif self.last is not None:
-                itl = (now - self.last) / len(ids)
-                m.itl.observe(itl)
-                if g.on_itl is not None:
-                    g.on_itl(itl)
+                itls = self.itls
+                itls.append((now - self.last) / len(ids))
+                if len(itls) >= ITL_BATCH:
+                    self._flush_itls()
             self.last = now
             self.output += ids
-        text = self.detok.add(ids)
-        reason = FINISH_FROM_PB.get(delta.finish_reason)
-        if self.detok.stopped:
+        detok = self.detok
+        text = detok.add(ids)
+        reason = FINISH_FROM_PB.get(delta.finish_reason) if delta.finish_reason else None
+        if detok.stopped:
             reason = FinishReason.STOP
             self.conn.cancel(self.rid)
         logprobs = list(delta.logprobs) if delta.logprobs else None
         if reason is not None:
-            text += self.detok.flush()
+            text += detok.flush()
             self.finished = True
-            m.requests.labels("all", reason.name.lower()).inc()
-            self.on_delta(Delta(ids, text, reason, len(self.inp.prompt_token_ids), len(self.output),
-                                          self.cached, logprobs))
+            self.g.metrics.requests.labels("all", reason.name.lower()).inc()
+            self.on_delta(Delta(ids, text, reason, len(self.inp.prompt_token_ids), len(self.output), self.cached,
+                                logprobs))
             self.control.put_nowait(_DONE)
         elif ids or text:
             self.on_delta(Delta(ids, text, logprobs=logprobs))
+
+    def _first_token(self, now: float, cached_tokens: int) -> None:
+        g = self.g
+        g.metrics.ttft.observe(now - self.start)
+        g.pool.router.first_token(self.rid)
+        if g.on_first_token is not None:
+            g.on_first_token(now - self.start, self.remote is not None)
+        self.cached = cached_tokens
+
+    def _flush_itls(self) -> None:
+        itls, self.itls = self.itls, []
+        observe_many(self.g.metrics.itl, itls)
+        if self.g.on_itls is not None:
+            self.g.on_itls(itls)
 
     # ---- the driver ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -229,6 +242,7 @@ class Generation:
                 self.conn.release(self.rid)
             else:
                 self.conn.cancel(self.rid)   # client went away or an error: free the worker's blocks
+        self._flush_itls()
         m.e2e.observe(time.perf_counter() - self.start)
         if g.on_done is not None and n_out:
             g.on_done(arrived_at, len(self.inp.prompt_token_ids), n_out, self.cached)

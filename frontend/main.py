@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import gc
 import logging
+import os
 from pathlib import Path
 
 import redis.asyncio as aioredis
@@ -53,6 +54,17 @@ def return_big_buffers_to_the_os() -> None:
         pass
 
 
+def event_loop_factory():
+    """uvloop's event loop where it is installed (SPLITSERVE_UVLOOP=0: asyncio's own)."""
+    if os.environ.get("SPLITSERVE_UVLOOP", "1") == "0":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 class HttpServer(uvicorn.Server):
     """uvicorn without its own signal handling. Its handler (installed with signal.signal whatever
     `install_signal_handlers` says) began uvicorn's own shutdown at the first SIGTERM: 2 s later it
@@ -86,7 +98,7 @@ async def serve_frontend(cfg: FrontendConfig) -> None:
                           remote_prefill_min_tokens=cfg.remote_prefill_min_tokens,
                           max_prefill_queue_tokens=cfg.max_prefill_queue_tokens)
     latency = LatencyPublisher(redis, cfg.redis.namespace)
-    generator.on_first_token, generator.on_itl = latency.first_token, latency.inter_token
+    generator.on_first_token, generator.on_itls = latency.first_token, latency.inter_tokens
     generator.on_arrival, generator.on_done = latency.arrival, latency.done
     latency_task = asyncio.create_task(latency.run(), name="latency-publisher")
     state = FrontendState(generator=generator, tokenizer=tokenizer, metrics=metrics, model_name=model_name,

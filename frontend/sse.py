@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 RAW_SEND = "splitserve.raw_send"        # the server's own `send`, put in the scope by the outermost app
 HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8")]
 _dumps = json.dumps
+_string = json.encoder.encode_basestring_ascii     # what json.dumps(a_str) returns, without its wrapping
 
 
 def event(obj: dict) -> bytes:
@@ -53,9 +54,9 @@ class ChunkEncoder:
 
     def encode(self, d: Delta, reason: str | None) -> bytes:
         if self._chat:
-            body = f'"delta":{{"content":{_dumps(d.text)}}}' if d.text else '"delta":{}'
+            body = f'"delta":{{"content":{_string(d.text)}}}' if d.text else '"delta":{}'
         else:
-            body = f'"text":{_dumps(d.text)}'
+            body = f'"text":{_string(d.text)}'
         tail = f',"finish_reason":"{reason}","logprobs":null' if reason else ',"finish_reason":null,"logprobs":null'
         if self._ids:
             tail += f',"token_ids":[{",".join(map(str, d.token_ids))}]'
