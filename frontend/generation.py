@@ -24,7 +24,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from frontend.tokenizer import IncrementalDetokenizer
 from frontend.workers import SHUTTING_DOWN, WORKER_LOST
@@ -34,9 +34,6 @@ from runtime.convert import FINISH_FROM_PB, sampling_to_pb
 from runtime.errors import InvalidRequest, SplitserveError, Unavailable
 from runtime.metrics import observe_many
 from runtime.types import FinishReason
-
-if TYPE_CHECKING:
-    from frontend.generate import GenerateInput, Generator
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +56,7 @@ class Delta:
     logprobs: list | None = None          # generation_pb2.TokenLogprob per token, when asked for
 
 
-def refused(inp: "GenerateInput", error: str, started: bool) -> InvalidRequest:
+def refused(inp, error: str, started: bool) -> InvalidRequest:
     """A worker's refusal of a request. Before its first token a refused request with a grammar
     was refused for that grammar (it compiles at admission; the frontend checked the rest), so
     the error names the field the grammar came from."""
@@ -74,7 +71,8 @@ class Generation:
     __slots__ = ("g", "inp", "on_delta", "rid", "detok", "output", "cached", "start", "last", "conn",
                  "remote", "overlap_blocks", "finished", "ended", "control", "itls")
 
-    def __init__(self, generator: "Generator", inp: "GenerateInput", on_delta: Callable[[Delta], None]) -> None:
+    def __init__(self, generator, inp, on_delta: Callable[[Delta], None]) -> None:
+        """`generator`: frontend.generate.Generator (the fleet and its policy); `inp`: its GenerateInput."""
         self.g, self.inp, self.on_delta = generator, inp, on_delta
         self.rid = inp.request_id or uuid.uuid4().hex
         self.detok = IncrementalDetokenizer(generator.tokenizer, inp.stop)

@@ -197,8 +197,10 @@ def merged(ds: list[Delta]) -> Delta:
                  last.prompt_tokens, last.completion_tokens, last.cached_tokens, logprobs or None)
 
 
-async def start_grpc_server(state: FrontendState, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20)])
+async def start_grpc_server(state: FrontendState, host: str, port: int,
+                            reuse_port: bool = False) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20),
+                                      ("grpc.so_reuseport", int(reuse_port))])
     service = GenerationService(state)
     name = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, {

@@ -1,7 +1,8 @@
 """Adapter between the frontend's worker pool and the KV-aware router (router/).
 
 It keeps the router's worker set in step with discovery, feeds it KV events from Redis (resyncing
-a worker through its Snapshot RPC when events went missing) and worker-reported load, and turns
+a worker through its Snapshot RPC when events went missing) and worker-reported load (pushed on
+each worker's session stream while it runs, polled every 0.5 s besides), and turns
 its decisions into the pool's (worker id, cached blocks) answer. The router is made when the first
 worker joins: the pool admits only workers of one block size (frontend/admission.py), and that
 block size may be learned from the first one.
@@ -78,6 +79,21 @@ class FrontendRouter:
         if self.router is not None:
             self.router.finished(request_id, worker_id)
 
+    def worker_load(self, worker_id: str, load: worker_pb2.WorkerLoad) -> None:
+        """A worker's load as its session stream brought it (every 50 ms while it runs): its KV
+        blocks in use, queued prompt tokens and running requests, whichever frontend sent them."""
+        if self.router is not None and worker_id in self._stubs:
+            self.router.update_worker_load(worker_id, load.num_total_blocks - load.num_free_blocks,
+                                           load.num_waiting_prefill_tokens, load.num_running)
+
+    def decodes(self) -> dict[str, tuple[int, int]]:
+        """Per worker, the requests it decodes as this frontend's KV policy counts them: (this
+        frontend's, the other frontends' as the worker last reported them)."""
+        if self.router is None:
+            return {}
+        q = self.router._queues
+        return {w: (int(q.decoding[row]), int(q.others[row])) for w, row in q.row.items()}
+
     # ---- background feeds ---------------------------------------------------------------
     def start(self, redis: aioredis.Redis, namespace: str, load_interval_s: float = 0.5) -> None:
         """Feed the router KV events and load from now on (or from when it is made)."""
@@ -112,7 +128,7 @@ class FrontendRouter:
                 try:
                     s = await stub.GetStatus(worker_pb2.WorkerStatusRequest(), timeout=1.0)
                     self.router.update_worker_load(wid, s.num_total_blocks - s.num_free_blocks,
-                                                   s.num_waiting_prefill_tokens)
+                                                   s.num_waiting_prefill_tokens, s.num_running)
                 except Exception:   # a dying worker; discovery removes it
                     pass
 
@@ -120,3 +136,22 @@ class FrontendRouter:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class RouterLoadCollector:
+    """Prometheus samples of what this frontend routes with: `splitserve_router_decodes{frontend,
+    worker, source="own|others"}` (requests decoding on each worker, sent by this frontend or by
+    the others), read at scrape time."""
+
+    def __init__(self, router: FrontendRouter, frontend_id: str) -> None:
+        self.router, self.frontend_id = router, frontend_id
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+        g = GaugeMetricFamily("splitserve_router_decodes", "Requests decoding on each worker as this frontend's "
+                              "router counts them: sent by this frontend (own) or by the others (others, from "
+                              "the workers' load reports)", labels=["frontend", "worker", "source"])
+        for worker, (own, others) in self.router.decodes().items():
+            g.add_metric([self.frontend_id, worker, "own"], own)
+            g.add_metric([self.frontend_id, worker, "others"], others)
+        yield g

@@ -56,6 +56,7 @@ class WorkerConnection:
         self.alive = True
         self.draining = info.state == WorkerState.DRAINING
         self.has_session = info.role != "prefill"
+        self.on_load = None      # (worker id, WorkerLoad) -> None: the worker's load, as its stream brings it
         self._reader = asyncio.create_task(self._run() if self.has_session else self._watch(),
                                            name=f"session-{info.worker_id}")
 
@@ -115,6 +116,8 @@ class WorkerConnection:
                 if step.draining and not self.draining:
                     log.info("worker %s is draining", self.worker_id)
                     self.draining = True
+                if step.HasField("load") and self.on_load is not None:
+                    self.on_load(self.worker_id, step.load)
                 for delta in step.deltas:
                     q = self._streams.get(delta.request_id)
                     if q is not None:
@@ -231,6 +234,7 @@ class WorkerPool:
                 continue
             log.info("worker %s joined (%s at %s, %d-token blocks)", wid, info.role, info.address, info.block_size)
             conn = WorkerConnection(info)
+            conn.on_load = self.router.worker_load
             self.workers[wid] = conn
             self.router.add_worker(wid, info, conn.stub)
         self.changed.set()

@@ -139,6 +139,9 @@ def serve(cfg: ServeConfig, launcher: type[Launcher] | None = None, connect=None
         except (InvalidRequest, ValueError, OSError) as e:
             print(f"splitserve serve: --planner: {getattr(e, 'message', e)}", file=sys.stderr)
             return 2
+    if cfg.frontends < 1:
+        print("splitserve serve: --frontends must be at least 1", file=sys.stderr)
+        return 2
     try:
         book = pool_book(cfg)
     except InvalidRequest as e:
@@ -179,10 +182,11 @@ class Launcher:
         self.stop = asyncio.Event()
         self.kill_now = asyncio.Event()
         self.redis: EmbeddedRedis | None = None
-        self.frontend: subprocess.Popen | None = None
-        self.frontend_started = 0.0
-        self.frontend_history = CrashHistory(RestartPolicy(backoff_s=cfg.controller.restart_backoff_s,
-                                                           crash_loop_restarts=cfg.controller.crash_loop_restarts))
+        policy = RestartPolicy(backoff_s=cfg.controller.restart_backoff_s,
+                               crash_loop_restarts=cfg.controller.crash_loop_restarts)
+        # --frontends N: N processes on the same ports, each restarted on its own when it dies
+        self.fronts = [FrontendSlot(i, history=CrashHistory(policy)) for i in range(cfg.frontends)]
+        self.frontend_history = self.fronts[0].history
         self.connector: LocalProcessConnector | None = None
         self.controller: PoolController | None = None
         self.planner = None                           # with --planner: a planner.live.PlannerLoop (an actor on Ray)
@@ -223,7 +227,8 @@ class Launcher:
             self.env["SPLITSERVE_API_KEY"] = cfg.frontend.api_key    # by environment, never argv or a file
         if not await self._start_controller():
             return 2
-        self._start_frontend()
+        for slot in self.fronts:
+            self._start_frontend(slot.index)
         self.controller.start()
         if not await self._wait_ready():
             return 0 if self.stop.is_set() else 1     # stopped on request while starting: not a failure
@@ -277,10 +282,16 @@ class Launcher:
         return self.cluster.spawn_component(command, name, worker_config(self.cfg, self.model_dir, role, index),
                                             self.env)
 
-    def _start_frontend(self) -> None:
-        self.frontend = self.cluster.spawn_component("frontend", "frontend", frontend_config(self.cfg, self.model_dir),
-                                                     self.env)
-        self.frontend_started = time.monotonic()
+    @property
+    def frontend(self):
+        """The first frontend process (the only one without --frontends)."""
+        return self.fronts[0].proc
+
+    def _start_frontend(self, index: int = 0) -> None:
+        name = "frontend" if len(self.fronts) == 1 else f"frontend-{index}"
+        slot = self.fronts[index]
+        slot.proc = self.cluster.spawn_component("frontend", name, frontend_config(self.cfg, self.model_dir), self.env)
+        slot.started = time.monotonic()
 
     async def _wait_ready(self) -> bool:
         """Until the frontend's /health counts every worker (False: a child died, time ran out or a stop)."""
@@ -293,8 +304,9 @@ class Launcher:
                 if failed:
                     log.error("%s exited during start-up (%s)", failed[0].name, failed[0].detail)
                     return False
-                if self.frontend.poll() is not None:
-                    log.error("the frontend exited during start-up (%s)", describe_exit(self.frontend.returncode))
+                dead = next((f.proc for f in self.fronts if f.proc.poll() is not None), None)
+                if dead is not None:
+                    log.error("a frontend exited during start-up (%s)", describe_exit(dead.returncode))
                     return False
                 try:
                     r = await client.get(url)
@@ -321,13 +333,14 @@ class Launcher:
                          self.redis.port)
             except RuntimeError as e:
                 log.warning("restarting Redis failed (%s); trying again", e)
-        f = self.frontend
-        if f is not None and f.poll() is not None:
-            self.frontend = None
-            if not self._restart_later("frontend", f.returncode, self.frontend_started, self.frontend_history,
-                                       self._start_frontend, "the workers keep running"):
-                log.error("the frontend keeps crashing (%s); stopping", describe_exit(f.returncode))
-                return False
+        for slot in self.fronts:
+            f = slot.proc
+            if f is not None and f.poll() is not None:
+                slot.proc = None
+                if not self._restart_later("frontend", f.returncode, slot.started, slot.history,
+                                           lambda i=slot.index: self._start_frontend(i), "the workers keep running"):
+                    log.error("the frontend keeps crashing (%s); stopping", describe_exit(f.returncode))
+                    return False
         return True
 
     def _restart_later(self, component: str, returncode: int, started: float, history: CrashHistory,
@@ -368,8 +381,9 @@ class Launcher:
             await bounded("closing the planner", self.planner.close(), CLOSE_TIMEOUT_S)
         if self.controller is not None:
             await bounded("closing the pool controller", self.controller.close(), CLOSE_TIMEOUT_S)
-        if self.frontend is not None and self.frontend.poll() is None:
-            self.frontend.send_signal(signal.SIGTERM)
+        for f in self.fronts:
+            if f.proc is not None and f.proc.poll() is None:
+                f.proc.send_signal(signal.SIGTERM)
         if self.connector is not None:
             for h in self.connector.list():
                 try:
@@ -434,8 +448,18 @@ def worker_config(cfg: ServeConfig, model_dir: str, role: str, index: int | str)
                         prefill_deadline_ms=deadline)
 
 
+@dataclasses.dataclass(slots=True)
+class FrontendSlot:
+    """One of serve's frontend processes (on Ray, the actor that stands for one)."""
+    index: int
+    history: CrashHistory
+    proc: object = None            # a Popen, or what answers poll / send_signal / kill like one
+    started: float = 0.0
+
+
 def frontend_config(cfg: ServeConfig, model_dir: str) -> FrontendConfig:
-    """The frontend's: the workers' model, named for clients; no key (it comes by environment)."""
+    """The frontend's: the workers' model, named for clients; no key (it comes by environment). Several
+    frontends share the ports (SO_REUSEPORT)."""
     spec = cfg.engine.model
     model_name = cfg.frontend.model_name or (spec.split(":")[0] if spec.startswith("tiny") else Path(model_dir).name)
     max_model_len = cfg.engine.max_model_len
@@ -443,7 +467,7 @@ def frontend_config(cfg: ServeConfig, model_dir: str) -> FrontendConfig:
         from perf.profile import DEFAULT_MAX_MODEL_LEN
         max_model_len = DEFAULT_MAX_MODEL_LEN
     return dataclasses.replace(cfg.frontend, model=model_dir, model_name=model_name, api_key=None,
-                               max_model_len=max_model_len)
+                               max_model_len=max_model_len, reuse_port=cfg.frontend.reuse_port or cfg.frontends > 1)
 
 
 def wait_ready(cluster: Cluster, health_url: str, num_decode: int, num_prefill: int, timeout_s: float,

@@ -8,15 +8,13 @@ when all are ready they start together. Each sends its results back (`RequestRes
 from time.perf_counter, which on Linux is CLOCK_MONOTONIC and so one clock for every process); the
 level's duration runs from the first start to the last end, and its loop lag is every process's.
 
-It knows nothing of what the clients send: serve.py's `run_level_in_process` does that.
+It knows nothing of what the clients send: serve.py's `level_share` runs one process's share.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import multiprocessing
-import time
 
 from splitserve.bench.clients import RequestResult
 
@@ -26,32 +24,16 @@ def shares(total: int, n: int) -> list[int]:
     return [total // n + (k < total % n) for k in range(n)]
 
 
-def _child(conn, args: argparse.Namespace, model: str, concurrency: int | None, salt: int, k: int, n: int) -> None:
-    from splitserve.bench.serve import make_plan, level_specs, run_level_in_process, _event_loop_factory
-
-    plan = make_plan(args)
-    specs = level_specs(plan, args, concurrency, salt)[k::n]
-    mine = None if concurrency is None else shares(concurrency, n)[k]
-    conn.send("ready")
-    conn.recv()                                     # go
-    with asyncio.Runner(loop_factory=_event_loop_factory(args.url)) as runner:
-        start = time.perf_counter()
-        run = runner.run(run_level_in_process(args, model, specs, mine, f"p{k}")) if specs and mine != 0 \
-            else None
-        end = time.perf_counter()
-    conn.send((start, end, run.results if run else [], run.loop_lag_s if run else [],
-               run.max_in_flight if run else 0))
-    conn.close()
-
-
-def run_level_processes(args: argparse.Namespace, model: str, concurrency: int | None, salt: int, n: int):
-    """The level run by `n` processes; returns (results, duration_s, max_in_flight, loop_lag_s)."""
+def run_level_processes(child, args: argparse.Namespace, model: str, concurrency: int | None, salt: int, n: int):
+    """The level run by `n` processes, each `child(conn, args, model, concurrency, salt, k, n)` (a
+    module-level function: serve.py's `level_share`); returns (results, duration_s, max_in_flight,
+    loop_lag_s)."""
     ctx = multiprocessing.get_context("spawn")
     pipes, procs = [], []
     args = argparse.Namespace(**{**vars(args), "no_progress": True})
     for k in range(n):
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=_child, args=(child, args, model, concurrency, salt, k, n), daemon=True)
+        p = ctx.Process(target=child, args=(child, args, model, concurrency, salt, k, n), daemon=True)
         p.start()
         pipes.append(parent)
         procs.append(p)

@@ -318,8 +318,29 @@ async def run_level(args: argparse.Namespace, plan: Plan, model: str, concurrenc
                                           f"c={concurrency}" if concurrency else "replay")
     from splitserve.bench.procs import run_level_processes
     results, duration_s, max_in_flight, lag = await asyncio.to_thread(
-        run_level_processes, args, model, concurrency, salt, n)
+        run_level_processes, level_share, args, model, concurrency, salt, n)
     return LevelRun(results, duration_s, max_in_flight, lag)
+
+
+def level_share(conn, args: argparse.Namespace, model: str, concurrency: int | None, salt: int, k: int,
+                n: int) -> None:
+    """In client process k of n (procs.py): build the level's requests, take every n-th from the
+    k-th and a share of the concurrency, say ready, wait for go, run, send the results back."""
+    from splitserve.bench.procs import shares
+
+    plan = make_plan(args)
+    specs = level_specs(plan, args, concurrency, salt)[k::n]
+    mine = None if concurrency is None else shares(concurrency, n)[k]
+    conn.send("ready")
+    conn.recv()                                     # go
+    with asyncio.Runner(loop_factory=_event_loop_factory(args.url)) as runner:
+        start = time.perf_counter()
+        run = runner.run(run_level_in_process(args, model, specs, mine, f"p{k}")) if specs and mine != 0 \
+            else None
+        end = time.perf_counter()
+    conn.send((start, end, run.results if run else [], run.loop_lag_s if run else [],
+               run.max_in_flight if run else 0))
+    conn.close()
 
 
 # The client's loop lag (p99) beyond this share of the ITL p50 stamps chunks late enough to distort ITL.
