@@ -99,7 +99,8 @@ class WorkerService(StatusService):
         self._load_sent = stats
         load = worker_pb2.WorkerLoad(num_running=stats.num_running, num_waiting=stats.num_waiting,
                                      num_waiting_prefill_tokens=stats.num_waiting_prefill_tokens,
-                                     num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks)
+                                     num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks,
+                                     num_decoding=stats.num_decoding)
         for session in self._sessions.values():
             session.queue.put_nowait(load)
 

@@ -81,10 +81,10 @@ class FrontendRouter:
 
     def worker_load(self, worker_id: str, load: worker_pb2.WorkerLoad) -> None:
         """A worker's load as its session stream brought it (every 50 ms while it runs): its KV
-        blocks in use, queued prompt tokens and running requests, whichever frontend sent them."""
+        blocks in use, queued prompt tokens and decoding requests, whichever frontend sent them."""
         if self.router is not None and worker_id in self._stubs:
             self.router.update_worker_load(worker_id, load.num_total_blocks - load.num_free_blocks,
-                                           load.num_waiting_prefill_tokens, load.num_running)
+                                           load.num_waiting_prefill_tokens, load.num_decoding)
 
     def decodes(self) -> dict[str, tuple[int, int]]:
         """Per worker, the requests it decodes as this frontend's KV policy counts them: (this
@@ -128,7 +128,7 @@ class FrontendRouter:
                 try:
                     s = await stub.GetStatus(worker_pb2.WorkerStatusRequest(), timeout=1.0)
                     self.router.update_worker_load(wid, s.num_total_blocks - s.num_free_blocks,
-                                                   s.num_waiting_prefill_tokens, s.num_running)
+                                                   s.num_waiting_prefill_tokens)
                 except Exception:   # a dying worker; discovery removes it
                     pass
 

@@ -15,8 +15,8 @@ failed) leaves the queue.
 Worker reports (queued prompt tokens, from every frontend) can only raise the estimate: the tokens
 the report counts minus the cached tokens of this router's own queued prompts (the report counts a
 waiting prompt whole) are a lower bound of the queue, and they make work that other frontends sent
-visible. Their running counts do the same for decodes: what a worker runs beyond this router's own
-decodes there was sent by other frontends (`others`), and the KV cost counts both.
+visible. Their decoding counts do the same for decodes: what a worker decodes beyond this router's
+own decodes there was sent by other frontends (`others`), and the KV cost counts both.
 
 Pure: an injected clock, no I/O. It knows nothing of the index or of how a worker is chosen.
 """
@@ -54,8 +54,8 @@ class PrefillQueues:
         self.decoding = np.zeros(8, dtype=np.int64)
         self.decoding_total = 0                     # sum of ``decoding``: 0 lets the scan skip it
         self._decoder: dict[str, str] = {}          # decoding request id -> worker id
-        # row -> requests that worker runs for other routers (its last report's running count less
-        # what this router had decoding there then): other frontends' load
+        # row -> requests that worker decodes for other routers (its last report's decoding count
+        # less what this router had decoding there then): other frontends' load
         self.others = np.zeros(8, dtype=np.int64)
         self.others_total = 0
 
@@ -166,11 +166,13 @@ class PrefillQueues:
                 self.busy_until[row] = floor
 
 
-    def report_running(self, worker_id: str, num_running: int) -> None:
-        """A worker's running requests by its own count: those beyond this router's decodes there
-        were sent by other routers (other frontends), and count as decodes until the next report."""
+    def report_decoding(self, worker_id: str, num_decoding: int) -> None:
+        """A worker's decoding requests by its own count: those beyond this router's decodes and
+        queued prompts there (a worker counts a prompt as decoding from the step that computes its
+        last chunk, a step before its first token reaches the router) were sent by other routers
+        (other frontends), and count as decodes until the next report."""
         row = self.row[worker_id]
-        others = max(0, num_running - int(self.decoding[row]))
+        others = max(0, num_decoding - int(self.decoding[row]) - len(self._queues[worker_id].items))
         self.others_total += others - int(self.others[row])
         self.others[row] = others
 

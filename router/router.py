@@ -166,15 +166,16 @@ class Router:
         self._queues.finished(request_id, worker_id)
 
     def update_worker_load(self, worker_id: str, active_blocks: int,
-                           waiting_prefill_tokens: int, num_running: int | None = None) -> None:
-        """A worker's own report. ``num_running`` (its running requests, whoever routed them) lets the
-        KV policy count the decodes other routers (frontends) sent there (router/queues.py)."""
+                           waiting_prefill_tokens: int, num_decoding: int | None = None) -> None:
+        """A worker's own report. ``num_decoding`` (its running requests past their prefill, whoever
+        routed them) lets the KV policy count the decodes other routers (frontends) sent there
+        (router/queues.py)."""
         if worker_id not in self._roles:
             raise UnknownWorker(worker_id)
         self._loads.report(worker_id, active_blocks, waiting_prefill_tokens)
         self._queues.report(worker_id, waiting_prefill_tokens, self._prefill.linear_seconds)
-        if num_running is not None:
-            self._queues.report_running(worker_id, num_running)
+        if num_decoding is not None:
+            self._queues.report_decoding(worker_id, num_decoding)
 
     def load(self, worker_id: str) -> float:
         """The load the KV cost uses for this worker (decode blocks, or queued prefill blocks)."""
