@@ -23,6 +23,12 @@ from runtime.kv_events import KvEventConsumer
 
 log = logging.getLogger(__name__)
 
+# KV event reads, at most one per this interval while events flow: a mock or GPU worker publishes a
+# batch per engine step (~10 ms), and an XREAD through redis-py cost the frontend ~0.5 ms of CPU,
+# more than the tokens of the step; batches now come several to a read, for an index at most this
+# much later (docs/frontend.md measures what that costs).
+KV_EVENT_MIN_INTERVAL_S = 0.025
+
 ROLES = {"aggregated": WorkerRole.AGGREGATED, "decode": WorkerRole.DECODE, "prefill": WorkerRole.PREFILL}
 
 
@@ -104,7 +110,8 @@ class FrontendRouter:
         if self.router is None or self._feeds is None or self._tasks:
             return
         redis, namespace, load_interval_s = self._feeds
-        consumer = KvEventConsumer(redis, namespace, self.router, self._resync)
+        consumer = KvEventConsumer(redis, namespace, self.router, self._resync,
+                                   min_interval_s=KV_EVENT_MIN_INTERVAL_S)
         self._tasks = [asyncio.create_task(consumer.run(), name="kv-events"),
                        asyncio.create_task(self._poll_load(load_interval_s), name="worker-load")]
 
