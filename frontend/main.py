@@ -1,5 +1,6 @@
-"""Runs the frontend process: HTTP (uvicorn) and gRPC servers on one event loop (uvloop's where it is
-installed), worker discovery (which admits only workers of this frontend's model and block size:
+"""Runs the frontend process: HTTP (uvicorn) and gRPC servers on one asyncio event loop (not uvloop's:
+grpc.aio supports asyncio's own, and with uvloop a replay of mock sessions saw streams reset and
+TTFT quadruple), worker discovery (which admits only workers of this frontend's model and block size:
 frontend/admission.py). With reuse_port both ports are bound with SO_REUSEPORT, so that several
 frontend processes of one host (`serve --frontends N`) serve one address.
 
@@ -15,7 +16,6 @@ import contextlib
 import ctypes
 import gc
 import logging
-import os
 import socket
 from pathlib import Path
 
@@ -55,17 +55,6 @@ def return_big_buffers_to_the_os() -> None:
         ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
     except (OSError, AttributeError):
         pass
-
-
-def event_loop_factory():
-    """uvloop's event loop where it is installed (SPLITSERVE_UVLOOP=0: asyncio's own)."""
-    if os.environ.get("SPLITSERVE_UVLOOP", "1") == "0":
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
 
 
 def http_socket(host: str, port: int) -> socket.socket:

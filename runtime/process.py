@@ -126,7 +126,7 @@ def install_signal_events(first: asyncio.Event, second: asyncio.Event) -> None:
         loop.add_signal_handler(sig, on_signal)
 
 
-def run_component(main: Coroutine[Any, Any, T], loop_factory=None) -> T:
+def run_component(main: Coroutine[Any, Any, T]) -> T:
     """`asyncio.run(main)`, with SIGINT/SIGTERM taken off the loop before it closes.
 
     The loop closes its signal wake-up socket before it removes its handlers. A signal that lands
@@ -139,8 +139,7 @@ def run_component(main: Coroutine[Any, Any, T], loop_factory=None) -> T:
             return await main
         finally:
             quiet_late_signals()
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(guarded())
+    return asyncio.run(guarded())
 
 
 def quiet_late_signals() -> None:
