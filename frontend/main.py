@@ -1,6 +1,5 @@
-"""Runs the frontend process: HTTP (uvicorn) and gRPC servers on one asyncio event loop (not uvloop's:
-grpc.aio supports asyncio's own, and with uvloop a replay of mock sessions saw streams reset and
-TTFT quadruple), worker discovery (which admits only workers of this frontend's model and block size:
+"""Runs the frontend process: HTTP (uvicorn) and gRPC servers on one event loop (uvloop's by default:
+it took a third of the frontend's CPU per gRPC token, docs/frontend.md), worker discovery (which admits only workers of this frontend's model and block size:
 frontend/admission.py). With reuse_port both ports are bound with SO_REUSEPORT, so that several
 frontend processes of one host (`serve --frontends N`) serve one address.
 
@@ -34,7 +33,7 @@ from frontend.routing import FrontendRouter, RouterLoadCollector
 from frontend.state import FrontendState
 from frontend.tokenizer import ModelTokenizer, TokenizerPool
 from frontend.workers import WorkerPool
-from runtime.config import FrontendConfig
+from runtime.config import EventLoop, FrontendConfig
 from runtime.metrics import FrontendMetrics
 from runtime.process import install_signal_events
 
@@ -55,6 +54,18 @@ def return_big_buffers_to_the_os() -> None:
         ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
     except (OSError, AttributeError):
         pass
+
+
+def event_loop_factory(kind: EventLoop):
+    """The event loop `--event-loop` names (asyncio's own when uvloop is not installed)."""
+    if kind is EventLoop.ASYNCIO:
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        log.warning("uvloop is not installed: running on asyncio's event loop")
+        return None
+    return uvloop.new_event_loop
 
 
 def http_socket(host: str, port: int) -> socket.socket:

@@ -30,6 +30,12 @@ class Device(StrEnum):
     CUDA = "cuda"
 
 
+class EventLoop(StrEnum):
+    """The frontend's event loop."""
+    UVLOOP = "uvloop"            # libuv's: cheaper wake-ups and socket writes (docs/frontend.md)
+    ASYNCIO = "asyncio"          # the standard library's
+
+
 class RoutingPolicy(StrEnum):
     """How the router picks a request's worker (router/selection.py)."""
     KV = "kv"                    # lowest predicted time to first token: queue wait + uncached prefill
@@ -146,6 +152,7 @@ class FrontendConfig:
     host: str = arg("127.0.0.1", "address the HTTP and gRPC servers bind")
     http_port: int = arg(8000, "OpenAI-compatible HTTP port")
     grpc_port: int = arg(50051, "gRPC port (splitserve.v1.Generation)")
+    event_loop: EventLoop = arg(EventLoop.UVLOOP, "the event loop the HTTP and gRPC servers run on")
     reuse_port: bool = arg(False, "bind the HTTP and gRPC ports with SO_REUSEPORT, so that several frontend "
                            "processes on this host share them and the kernel spreads connections over them "
                            "(`serve --frontends N` sets it)")
