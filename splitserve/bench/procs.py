@@ -24,16 +24,16 @@ def shares(total: int, n: int) -> list[int]:
     return [total // n + (k < total % n) for k in range(n)]
 
 
-def run_level_processes(child, args: argparse.Namespace, model: str, concurrency: int | None, salt: int, n: int):
-    """The level run by `n` processes, each `child(conn, args, model, concurrency, salt, k, n)` (a
+def run_level_processes(share, args: argparse.Namespace, model: str, concurrency: int | None, salt: int, n: int):
+    """The level run by `n` processes, each `share(conn, args, model, concurrency, salt, k, n)` (a
     module-level function: serve.py's `level_share`); returns (results, duration_s, max_in_flight,
     loop_lag_s)."""
     ctx = multiprocessing.get_context("spawn")
     pipes, procs = [], []
     args = argparse.Namespace(**{**vars(args), "no_progress": True})
     for k in range(n):
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=child, args=(child, args, model, concurrency, salt, k, n), daemon=True)
+        parent, end = ctx.Pipe()
+        p = ctx.Process(target=share, args=(end, args, model, concurrency, salt, k, n), daemon=True)
         p.start()
         pipes.append(parent)
         procs.append(p)
