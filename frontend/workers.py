@@ -57,6 +57,7 @@ class WorkerConnection:
         self.draining = info.state == WorkerState.DRAINING
         self.has_session = info.role != "prefill"
         self.on_load = None      # (worker id, WorkerLoad) -> None: the worker's load, as its stream brings it
+        self._warn = Throttled(log)
         self._reader = asyncio.create_task(self._run() if self.has_session else self._watch(),
                                            name=f"session-{info.worker_id}")
 
@@ -117,7 +118,7 @@ class WorkerConnection:
                     log.info("worker %s is draining", self.worker_id)
                     self.draining = True
                 if step.HasField("load") and self.on_load is not None:
-                    self.on_load(self.worker_id, step.load)
+                    self._load(step.load)
                 for delta in step.deltas:
                     q = self._streams.get(delta.request_id)
                     if q is not None:
@@ -129,6 +130,12 @@ class WorkerConnection:
             log.warning("session with worker %s broke: %s", self.worker_id, e.code().name)
         finally:
             self._lost()
+
+    def _load(self, load: worker_pb2.WorkerLoad) -> None:
+        try:
+            self.on_load(self.worker_id, load)
+        except Exception as e:      # routing on without this report beats losing every stream on it
+            self._warn.warning("load", "worker %s: its load report was not taken: %s", self.worker_id, e)
 
     async def _watch(self) -> None:
         """Prefill workers carry no session: notice their death by the channel's state."""
