@@ -38,7 +38,8 @@ for stage in "${@:-mock}"; do
               --kv-cache-dtype fp8 --http-port "$port" --grpc-port $(( port + 100 )) --admin-port 0 \
               > "$OUT/serve_gpus$1.log" 2>&1 &
             sp=$!
-            for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" > /dev/null && break; sleep 1; done
+            ready_by=$(( $(date +%s) + $(left 90 300) ))      # leave the bench 90 s at least
+            until curl -sf "http://127.0.0.1:$port/health" > /dev/null || [ "$(date +%s)" -ge "$ready_by" ]; do sleep 1; done
             timeout "$(left 20 200)" $PY -m splitserve bench serve --url "http://127.0.0.1:$port" --isl 1024 \
               --osl 1024 --concurrency "$2" --processes "${PROCS:-8}" --gpus "$1" --no-progress \
               --label "gpus=$1" --output "$OUT/frontend_gpus.jsonl" > /dev/null
