@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import redis.asyncio as aioredis
 
@@ -43,6 +44,7 @@ class FrontendRouter:
         self._stubs: dict[str, object] = {}
         self._tasks: list[asyncio.Task] = []
         self._feeds: tuple[aioredis.Redis, str, float] | None = None
+        self._pushed_at: dict[str, float] = {}     # worker -> when its stream last brought its load
 
     # ---- membership (called by WorkerPool) ----------------------------------------------
     def add_worker(self, worker_id: str, info, stub=None) -> None:
@@ -57,6 +59,7 @@ class FrontendRouter:
     def remove_worker(self, worker_id: str) -> None:
         self.router.remove_worker(worker_id)
         self._stubs.pop(worker_id, None)
+        self._pushed_at.pop(worker_id, None)
 
     # ---- decisions ----------------------------------------------------------------------
     def route(self, request_id: str, block_hashes: list[int], num_prompt_tokens: int,
@@ -91,6 +94,7 @@ class FrontendRouter:
         if self.router is not None and worker_id in self._stubs:
             self.router.update_worker_load(worker_id, load.num_total_blocks - load.num_free_blocks,
                                            load.num_waiting_prefill_tokens, load.num_decoding)
+            self._pushed_at[worker_id] = time.monotonic()
 
     def decodes(self) -> dict[str, tuple[int, int]]:
         """Per worker, the requests it decodes as this frontend's KV policy counts them: (this
@@ -131,7 +135,10 @@ class FrontendRouter:
     async def _poll_load(self, interval_s: float) -> None:
         while True:
             await asyncio.sleep(interval_s)
+            fresh = time.monotonic() - interval_s
             for wid, stub in list(self._stubs.items()):
+                if self._pushed_at.get(wid, 0.0) > fresh:
+                    continue            # its session stream brought a newer report
                 try:
                     s = await stub.GetStatus(worker_pb2.WorkerStatusRequest(), timeout=1.0)
                     self.router.update_worker_load(wid, s.num_total_blocks - s.num_free_blocks,
