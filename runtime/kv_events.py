@@ -118,7 +118,9 @@ class KvEventConsumer:
 
     Resyncs run as separate tasks so that reading never waits on a worker; events arriving
     meanwhile are buffered by the index and replayed after the snapshot. A failed resync is
-    retried after ``resync_retry_s``. Malformed entries are logged, counted and skipped.
+    retried after ``resync_retry_s``. Malformed entries are logged, counted and skipped. With
+    ``min_interval_s`` a read that found entries is followed by the next one no sooner than that
+    after it began, so that a busy fleet's batches come several to a read.
     """
 
     def __init__(self, redis: aioredis.Redis, namespace: str, sink: EventSink, resync: ResyncFn,
