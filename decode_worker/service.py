@@ -2,7 +2,8 @@
 
 A frontend opens one Session and sends Submit/Cancel messages on it; the worker answers with one
 StepOutput per engine step carrying the new tokens of every request of that frontend (several
-queued steps are merged into one message when the frontend reads slower than the engine runs).
+queued steps are merged into one message when the frontend reads slower than the engine runs), and
+the worker's load (`WorkerLoad`) to every frontend whenever the engine refreshes its stats.
 When a Session ends for any reason, its unfinished requests are aborted and their blocks freed.
 A Submit naming a prefill worker goes through `RemotePrefillClient`.
 
@@ -35,11 +36,21 @@ log = logging.getLogger(__name__)
 _DRAINING = worker_pb2.StepOutput(draining=True)
 
 
+def _merge(out: worker_pb2.StepOutput, item) -> None:
+    """Add one queued item (a step's deltas, the draining notice, a load) to the message to send."""
+    if item is _DRAINING:
+        out.draining = True
+    elif isinstance(item, worker_pb2.WorkerLoad):
+        out.load.CopyFrom(item)           # the latest load wins
+    else:
+        out.deltas.extend(item)
+
+
 class _Session:
     def __init__(self, session_id: SessionId) -> None:
         self.id = session_id
-        # deltas to send; _DRAINING: tell the frontend; None: end the stream
-        self.queue: asyncio.Queue[list[worker_pb2.RequestDelta] | worker_pb2.StepOutput | None] = asyncio.Queue()
+        # deltas to send; a WorkerLoad; _DRAINING: tell the frontend; None: end the stream
+        self.queue: asyncio.Queue = asyncio.Queue()
         self.active: set[str] = set()
 
 
@@ -50,6 +61,7 @@ class WorkerService(StatusService):
         self.remote: RemotePrefillClient | None = None
         self._loop = asyncio.get_running_loop()
         self._sessions: dict[SessionId, _Session] = {}
+        self._load_sent = None          # the engine stats last sent as every session's load
         self._session_ids = itertools.count(1)
         self.draining = False
 
@@ -76,6 +88,22 @@ class WorkerService(StatusService):
                 session.active.discard(o.request_id)
         for session, deltas in by_session.items():
             session.queue.put_nowait(deltas)
+        self._push_load()
+
+    def _push_load(self) -> None:
+        """Every frontend gets the worker's load each time the engine refreshed its stats (at most
+        every engine.STATS_INTERVAL_S while it runs): with several frontends, each routes with the
+        requests the others sent here too."""
+        stats = self.engine_loop.stats
+        if stats is self._load_sent:
+            return
+        self._load_sent = stats
+        load = worker_pb2.WorkerLoad(num_running=stats.num_running, num_waiting=stats.num_waiting,
+                                     num_waiting_prefill_tokens=stats.num_waiting_prefill_tokens,
+                                     num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks,
+                                     num_decoding=stats.num_decoding)
+        for session in self._sessions.values():
+            session.queue.put_nowait(load)
 
     # ---- lifecycle (runtime.worker_host.Drainable) -------------------------------------------
     def begin_drain(self) -> None:
@@ -114,18 +142,15 @@ class WorkerService(StatusService):
                 item = await session.queue.get()
                 if item is None:
                     return
-                out = worker_pb2.StepOutput(draining=item.draining) if item is _DRAINING \
-                    else worker_pb2.StepOutput(deltas=item)
+                out = worker_pb2.StepOutput()
+                _merge(out, item)
                 end = False
                 while not session.queue.empty():      # coalesce steps the reader has not taken yet
                     more = session.queue.get_nowait()
                     if more is None:
                         end = True
                         break
-                    if more is _DRAINING:
-                        out.draining = True
-                    else:
-                        out.deltas.extend(more)
+                    _merge(out, more)
                 yield out
                 if end:
                     return

@@ -55,6 +55,7 @@ class EngineStats:
     tier_copy_errors: int = 0           # G1 <-> G2 copies that failed
     num_onboarding: int = 0             # requests waiting for their blocks from host or disk
     num_deadline_deferred: int = 0      # prefill deadline order: prompts put behind savable ones, so far
+    num_decoding: int = 0               # running requests past their prefill (what routers count as decodes)
 
 
 @dataclass(slots=True)
@@ -242,14 +243,16 @@ class Engine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
+        prefilling = [r for r in s.running if r.num_computed_tokens < r.num_tokens - 1]
         to_prefill = sum(r.num_tokens for r in s.waiting) + sum(
-            r.num_tokens - r.num_computed_tokens - 1 for r in s.running if r.num_computed_tokens < r.num_tokens - 1)
+            r.num_tokens - r.num_computed_tokens - 1 for r in prefilling)
         io = self.tier_io
         return EngineStats(self.pool.num_blocks, self.pool.num_free, len(s.running), len(s.waiting),
                            s.num_preemptions, s.num_prompt_tokens, s.num_prefix_hit_tokens, to_prefill,
                            len(s.remote.awaiting_kv), len(s.remote.held), s.num_gpu_hit_blocks,
                            io.tiers.stats() if io is not None else None, io.copy_errors if io is not None else 0,
-                           len(s.onboarding.waiting) if s.onboarding is not None else 0, s.order.num_deferred)
+                           len(s.onboarding.waiting) if s.onboarding is not None else 0, s.order.num_deferred,
+                           len(s.running) - len(prefilling))
 
     @property
     def has_work(self) -> bool:

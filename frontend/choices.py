@@ -60,6 +60,14 @@ class CompletionChoices:
             vllm = shapes.vllm_prompt(self.token_text, inp.prompt_token_ids, lps, req.prompt_logprobs)
         return text, logprobs, vllm
 
+    @property
+    def plain(self) -> bool:
+        """Its stream is the generation's text alone (no echo, logprobs, prompt logprobs or scoring):
+        the pushed stream may send it (frontend/sse.py)."""
+        r = self.req
+        return not (r.echo or r.logprobs is not None or r.prompt_logprobs is not None or
+                    any(inp.score_only or inp.sampling.prompt_logprobs is not None for inp in self.inputs))
+
     def choice(self, i: int, deltas: list[Delta]) -> dict:
         inp, last = self.inputs[i], deltas[-1]
         head_text, head_lp, vllm = self._head(i, deltas[0])
@@ -123,6 +131,13 @@ class ChatChoices:
         self._tool_stream = tool_stream
         self._streams: dict[int, ToolCallStream] = {}
         self._prompt_lps = None
+
+    @property
+    def plain(self) -> bool:
+        """Its stream is the generation's text alone (no tool calls, logprobs or prompt logprobs):
+        the pushed stream may send it (frontend/sse.py)."""
+        return self.post is None and self._tool_stream is None and not any(
+            inp.sampling.logprobs is not None or inp.sampling.prompt_logprobs is not None for inp in self.inputs)
 
     def choice(self, i: int, deltas: list[Delta]) -> dict:
         text, last = "".join(d.text for d in deltas), deltas[-1]

@@ -3,13 +3,13 @@
 `GenerateInput` is what both APIs reduce a request to (prompt token ids + sampling). `Generator`
 holds requests to the context limit (`context_limit`: the configured or the model's context, and
 what each ready decode worker's engine and KV cache hold for one sequence, as their discovery
-records say), routes a request to a worker, fans the worker's token deltas through an incremental
-detokenizer with stop strings, migrates the request to another worker if its worker dies or gives
-it back while draining (prompt + tokens so far: the client's stream just continues), and cancels it
-on the worker when the client goes away. A request's first delta brings its prompt logprobs when it
-asked (with their token ids, which the workers leave to the frontend); a request moved after its first
-token asks for none again. A worker's refusal before the first token of a request
-with a grammar names the field the grammar came from. On shutdown (`begin_shutdown`) new requests
+records say) and decides where a prompt is prefilled; one request's life (routing, the per-token
+work on the worker stream's turn, migration, cancellation) is a `Generation` (frontend/
+generation.py), which an API drives either pushed (`stream`: a callback per delta, what the HTTP
+and gRPC streams use) or pulled (`generate`: an async iterator). A request's first delta brings its
+prompt logprobs when it asked; a request moved after its first token asks for none again. A worker's
+refusal before the first token of a request with a grammar names the field the grammar came from.
+On shutdown (`begin_shutdown`) new requests
 are refused with 503 while those in flight finish; `interrupt_all` ends the rest with an error the
 APIs send in-band.
 """
@@ -17,27 +17,22 @@ APIs send in-band.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import time
-import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
-from runtime.types import FinishReason, SamplingParams
+from runtime.types import SamplingParams
 from frontend.disagg_policy import ItlGuard, must_wait
-from frontend.tokenizer import IncrementalDetokenizer, ModelTokenizer
-from frontend.workers import SHUTTING_DOWN, WORKER_LOST, WorkerPool
-from kvstore.hashing import block_hashes
-from proto.splitserve.v1 import generation_pb2, worker_pb2
-from runtime.convert import FINISH_FROM_PB, sampling_to_pb
-from runtime.errors import InvalidRequest, SplitserveError, Unavailable
+from frontend.generation import Delta, Generation  # noqa: F401 (Delta: the APIs' type)
+from frontend.tokenizer import ModelTokenizer
+from frontend.workers import SHUTTING_DOWN, WorkerPool
+from proto.splitserve.v1 import worker_pb2
+from runtime.errors import InvalidRequest, Unavailable
 from runtime.metrics import FrontendMetrics
 
 log = logging.getLogger(__name__)
 
-MAX_MIGRATIONS = 3           # workers that die under one request before it fails
-MAX_GIVE_BACKS = 16          # draining workers that hand one request back before it fails
+_END = object()
 
 
 @dataclass(slots=True)
@@ -49,18 +44,6 @@ class GenerateInput:
     routing_key: str | None = None      # prompt_cache_key / user: the router's affinity hint
     grammar_param: str | None = None    # the request field its grammar came from, named when it is refused
     score_only: bool = False            # max_tokens 0: the prompt is scored; the one token run for it is not returned
-
-
-@dataclass(slots=True)
-class Delta:
-    token_ids: list[int]
-    text: str
-    finish_reason: FinishReason | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    logprobs: list | None = None          # generation_pb2.TokenLogprob per token, when asked for
-    prompt_logprobs: list | None = None   # with the first delta, when asked: TokenLogprob of prompt tokens 2..
 
 
 async def generate_samples(generator: "Generator", inputs: list[GenerateInput],
@@ -109,34 +92,6 @@ async def generate_samples(generator: "Generator", inputs: list[GenerateInput],
             t.cancel()
 
 
-def _submitted_sampling(sampling: SamplingParams, output: list[int]) -> worker_pb2.EngineSampling:
-    """The sampling a worker gets: a request moved after its first token has had its prompt
-    logprobs (they came with that token), so the next worker computes none."""
-    if output and sampling.prompt_logprobs is not None:
-        sampling = dataclasses.replace(sampling, prompt_logprobs=None)
-    return sampling_to_pb(sampling)
-
-
-def _prompt_logprobs(delta, inp: GenerateInput) -> list | None:
-    """A first delta's prompt logprobs with their token ids (workers send them without: the
-    frontend holds the prompt); None where the request did not ask."""
-    if inp.sampling.prompt_logprobs is None:
-        return None
-    lps = delta.prompt_logprobs
-    for m, token in zip(lps, inp.prompt_token_ids[1:]):
-        m.token_id = token
-    return list(lps)
-
-
-def _refused(inp: GenerateInput, error: str, started: bool) -> InvalidRequest:
-    """A worker's refusal of a request. Before its first token a refused request with a grammar
-    was refused for that grammar (it compiles at admission; the frontend checked the rest), so
-    the error names the field the grammar came from."""
-    error = error or "the worker rejected the request"
-    param = inp.grammar_param if inp.sampling.grammar is not None and not started else None
-    return InvalidRequest(f"{param}: {error}" if param else error, param)
-
-
 class Generator:
     def __init__(self, pool: WorkerPool, tokenizer: ModelTokenizer, metrics: FrontendMetrics,
                  max_model_len: int, wait_for_workers_s: float = 10.0,
@@ -151,7 +106,7 @@ class Generator:
         self.num_active = 0
         self.shutting_down = False
         self.on_first_token = None     # (ttft_s, prefilled_remotely) -> None: the latency window
-        self.on_itl = None             # seconds per token -> None
+        self.on_itls = None            # [seconds per token, ...] -> None (a batch of inter-token gaps)
         self.on_arrival = None         # () -> None: a request arrived (the planner's load)
         self.on_done = None            # (arrival unix time, prompt, output, cached tokens) -> None
 
@@ -232,119 +187,23 @@ class Generator:
         return worker_pb2.RemotePrefill(prefill_worker_id=choice.conn.worker_id,
                                         prefill_address=choice.conn.info.address)
 
+    def stream(self, inp: GenerateInput, on_delta: Callable[[Delta], None]) -> Awaitable[None]:
+        """Run one generation, pushing each delta to `on_delta` on the worker stream's turn
+        (frontend/generation.py); the awaitable ends with the request, raising its error."""
+        return Generation(self, inp, on_delta).run()
+
     async def generate(self, inp: GenerateInput) -> AsyncIterator[Delta]:
-        if self.shutting_down:
-            raise Unavailable("the server is shutting down")
-        rid = inp.request_id or uuid.uuid4().hex
-        m = self.metrics
-        start = time.perf_counter()
-        arrived_at = time.time()
-        if self.on_arrival is not None:
-            self.on_arrival()
-        last = None
-        detok = IncrementalDetokenizer(self.tokenizer, inp.stop)
-        output: list[int] = []
-        cached = 0
-        exclude: set[str] = set()
-        hashes: list[int] | None = None       # once a worker is in the pool, the block size is known
-        m.running.inc()
-        self.num_active += 1
-        conn = None
-        finished = False
-        moves = {"worker_lost": 0, "drain": 0}
+        """The same generation, pulled: its deltas as an async iterator (errors are raised by it)."""
+        q: asyncio.Queue = asyncio.Queue()
+        task = asyncio.ensure_future(self.stream(inp, q.put_nowait))
+        task.add_done_callback(lambda _t: q.put_nowait(_END))
         try:
             while True:
-                if self.shutting_down and conn is not None and not self.pool.num_alive():
-                    raise Unavailable("the server is shutting down")      # nowhere left to move it
-                if not self.pool.num_alive() and not await self.pool.wait_for_workers(self.wait_for_workers_s):
-                    raise Unavailable("no workers are available")
-                if hashes is None:
-                    hashes = block_hashes(inp.prompt_token_ids, self.pool.block_size)
-                try:
-                    choice = self.pool.choose(rid, hashes, len(inp.prompt_token_ids), exclude,
-                                              hint=inp.routing_key)
-                except Unavailable:
-                    if conn is not None and await self.pool.wait_for_workers(self.wait_for_workers_s):
-                        exclude.clear()
-                        choice = self.pool.choose(rid, hashes, len(inp.prompt_token_ids), exclude,
-                                                  hint=inp.routing_key)
-                    else:
-                        raise
-                conn = choice.conn
-                remote = self._remote_prefill(rid, hashes, inp, choice.overlap_blocks, bool(output),
-                                              conn.num_active)
-                q = conn.submit(worker_pb2.WorkerSubmit(
-                    request_id=rid, prompt_token_ids=inp.prompt_token_ids,
-                    sampling=_submitted_sampling(inp.sampling, output), output_token_ids=output, remote_prefill=remote))
-                while True:
-                    delta = await q.get()
-                    if delta is WORKER_LOST:
-                        reason = "worker_lost"
-                        break
-                    if delta is SHUTTING_DOWN:
-                        raise Unavailable("the server is shutting down")
-                    if delta.migrate:                # a draining worker gives it back
-                        conn.release(rid)
-                        reason = "drain"
-                        break
-                    if delta.finish_reason == generation_pb2.FINISH_REASON_ERROR:
-                        if delta.internal_error:
-                            raise SplitserveError(f"the worker failed: {delta.error}")
-                        raise _refused(inp, delta.error, bool(output))
-                    now = time.perf_counter()
-                    if not output and delta.token_ids:
-                        m.ttft.observe(now - start)
-                        self.pool.router.first_token(rid)
-                        if self.on_first_token is not None:
-                            self.on_first_token(now - start, remote is not None)
-                        cached = delta.num_cached_tokens
-                    elif last is not None and delta.token_ids:
-                        itl = (now - last) / len(delta.token_ids)
-                        m.itl.observe(itl)
-                        if self.on_itl is not None:
-                            self.on_itl(itl)
-                    last = now
-                    prompt_lps = _prompt_logprobs(delta, inp) if not output else None
-                    output.extend(delta.token_ids)
-                    text = detok.add(list(delta.token_ids))
-                    reason = FINISH_FROM_PB.get(delta.finish_reason)
-                    if detok.stopped:
-                        reason = FinishReason.STOP
-                        conn.cancel(rid)
-                    if reason is not None:
-                        text += detok.flush()
-                        finished = True
-                        m.requests.labels("all", reason.name.lower()).inc()
-                        yield Delta(list(delta.token_ids), text, reason, len(inp.prompt_token_ids),
-                                    len(output), cached, list(delta.logprobs) or None, prompt_lps)
-                        return
-                    if delta.token_ids or text:
-                        yield Delta(list(delta.token_ids), text, logprobs=list(delta.logprobs) or None,
-                                    prompt_logprobs=prompt_lps)
-                self.pool.router.finished(rid, conn.worker_id)
-                exclude.add(conn.worker_id)
-                m.migrations.labels(reason).inc()
-                moves[reason] += 1
-                if reason == "worker_lost":
-                    log.warning("request %s lost its worker %s after %d tokens; migrating", rid,
-                                conn.worker_id, len(output))
-                else:
-                    log.debug("request %s given back by draining worker %s after %d tokens; moving it", rid,
-                              conn.worker_id, len(output))
-                if moves["worker_lost"] > MAX_MIGRATIONS or moves["drain"] > MAX_GIVE_BACKS:
-                    raise Unavailable("the request's workers failed repeatedly")
+                d = await q.get()
+                if d is _END:
+                    task.result()
+                    return
+                yield d
         finally:
-            m.running.dec()
-            self.num_active -= 1
-            self.pool.router.finished(rid)
-            if conn is not None:
-                if finished:
-                    conn.release(rid)
-                else:
-                    conn.cancel(rid)   # client went away or an error: free the worker's blocks
-            m.e2e.observe(time.perf_counter() - start)
-            if self.on_done is not None and output:
-                self.on_done(arrived_at, len(inp.prompt_token_ids), len(output), cached)
-            m.prompt_tokens.inc(len(inp.prompt_token_ids))
-            m.generation_tokens.inc(len(output))
-            m.cached_tokens.inc(cached)
+            if not task.done():
+                task.cancel()       # the consumer went away: the generation cancels on its worker

@@ -6,14 +6,18 @@ unknown model, UNAUTHENTICATED without the API key, RESOURCE_EXHAUSTED when the 
 full). A request whose bytes do not parse as its message (bad wire format, invalid UTF-8 in a
 string) is INVALID_ARGUMENT too, not grpc's default INTERNAL: the servicer is registered with
 deserializers that hand it the parse error. With an API key configured, calls must carry metadata
-`authorization: Bearer <key>`. Prompts are tokenized on the tokenizer pool's threads.
+`authorization: Bearer <key>`. Prompts are tokenized on the tokenizer pool's threads. A request
+with one sample is generated pushed (`pushed`): its tokens are taken from the worker stream's turn,
+and those that pile up while a message is written go out together in the next.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import uuid
+from typing import AsyncIterator
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -24,7 +28,7 @@ from frontend.grpc_reflection_v1 import V1_SERVICE_NAME, add_v1_reflection
 from frontend.schemas import MAX_N, check_json_value, sampling_fields
 
 from runtime.types import GrammarKind, GrammarSpec
-from frontend.generate import GenerateInput, generate_samples
+from frontend.generate import Delta, GenerateInput, generate_samples
 from frontend.state import FrontendState
 from frontend.tokenizer import ChatTurn
 from proto.splitserve.v1 import generation_pb2, generation_pb2_grpc
@@ -130,15 +134,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         try:
             self._authorize(context)
             inputs, rid = await self._to_input(request)
+            if len(inputs) == 1:
+                async for d in pushed(self.state.generator, inputs[0]):
+                    yield _response(rid, 0, d)
+                return
             async for i, d in generate_samples(self.state.generator, inputs, len(inputs)):
-                msg = generation_pb2.GenerateResponse(request_id=rid, token_ids=d.token_ids, index=i,
-                                                      text=d.text, finish_reason=FINISH_TO_PB[d.finish_reason],
-                                                      logprobs=d.logprobs or (), prompt_logprobs=d.prompt_logprobs or ())
-                if d.finish_reason is not None:
-                    msg.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=d.prompt_tokens,
-                                                            completion_tokens=d.completion_tokens,
-                                                            cached_tokens=d.cached_tokens))
-                yield msg
+                yield _response(rid, i, d)
         except SplitserveError as e:
             self.state.metrics.errors.labels("grpc", e.grpc_code.name).inc()
             await context.abort(e.grpc_code, e.message)
@@ -154,9 +155,58 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             id=self.state.model_name, max_model_len=self.state.generator.context_limit(), owned_by="splitserve")])
 
 
-async def start_grpc_server(state: FrontendState, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+def _response(rid: str, index: int, d: Delta) -> generation_pb2.GenerateResponse:
+    msg = generation_pb2.GenerateResponse(request_id=rid, token_ids=d.token_ids, index=index, text=d.text,
+                                          finish_reason=FINISH_TO_PB[d.finish_reason], logprobs=d.logprobs or (),
+                                          prompt_logprobs=d.prompt_logprobs or ())
+    if d.finish_reason is not None:
+        msg.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens,
+                                                cached_tokens=d.cached_tokens))
+    return msg
+
+
+async def pushed(generator, inp: GenerateInput) -> AsyncIterator[Delta]:
+    """One generation's deltas, pushed on the worker stream's turn (frontend/generation.py) and
+    taken here once per wake: those that came while the previous message was being written go
+    out merged in one (a stream the client or the server's writes fall behind on catches up in
+    fewer, larger messages; otherwise, one message per token)."""
+    pending: list[Delta] = []
+    wake = asyncio.Event()
+
+    def on_delta(d: Delta) -> None:
+        pending.append(d)
+        wake.set()
+    task = asyncio.ensure_future(generator.stream(inp, on_delta))
+    task.add_done_callback(lambda _t: wake.set())
+    try:
+        while True:
+            await wake.wait()
+            wake.clear()
+            if pending:
+                ds = pending[:]
+                pending.clear()
+                yield ds[0] if len(ds) == 1 else merged(ds)
+            if task.done() and not pending:
+                task.result()
+                return
+    finally:
+        task.cancel()
+
+
+def merged(ds: list[Delta]) -> Delta:
+    """Consecutive deltas of one generation as one (the last one's finish and usage)."""
+    last = ds[-1]
+    logprobs = [lp for d in ds for lp in (d.logprobs or ())]
+    return Delta([t for d in ds for t in d.token_ids], "".join(d.text for d in ds), last.finish_reason,
+                 last.prompt_tokens, last.completion_tokens, last.cached_tokens, logprobs or None,
+                 ds[0].prompt_logprobs)
+
+
+async def start_grpc_server(state: FrontendState, host: str, port: int,
+                            reuse_port: bool = False) -> tuple[grpc.aio.Server, int]:
     # clients that ping every 5 s or more keep their connection (runtime/grpc_links.py)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20), *server_options()])
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20),
+                                      ("grpc.so_reuseport", int(reuse_port)), *server_options()])
     service = GenerationService(state)
     name = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, {

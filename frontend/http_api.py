@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from frontend.http_errors import BodyLimit, error_response, install_error_handlers
 from frontend.openai_api import openai_routes
 from frontend.responses_api import responses_routes
+from frontend.sse import RAW_SEND
 from frontend.state import FrontendState
 from runtime.errors import SplitserveError
 
@@ -38,6 +39,7 @@ class KeyGuard:
         self.app, self.state = app, state
 
     async def __call__(self, scope, receive, send):
+        scope[RAW_SEND] = send      # the server's own send: frontend/sse.py writes token events through it
         if scope["type"] == "http" and self.state.api_key.required and scope["path"] not in OPEN_PATHS:
             auth = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"authorization"),
                         None)

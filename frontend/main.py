@@ -1,5 +1,7 @@
-"""Runs the frontend process: HTTP (uvicorn) and gRPC servers on one event loop, worker discovery
-(which admits only workers of this frontend's model and block size: frontend/admission.py).
+"""Runs the frontend process: HTTP (uvicorn) and gRPC servers on one event loop (uvloop's by default:
+it took a third of the frontend's CPU per gRPC token, docs/frontend.md), worker discovery (which admits only workers of this frontend's model and block size:
+frontend/admission.py). With reuse_port both ports are bound with SO_REUSEPORT, so that several
+frontend processes of one host (`serve --frontends N`) serve one address.
 
 Stopping (SIGTERM or SIGINT): new requests get 503 and /health says so, requests in flight finish
 for up to --drain-timeout-s, and any still open then end with an error event (HTTP streams) or
@@ -13,6 +15,7 @@ import contextlib
 import ctypes
 import gc
 import logging
+import socket
 from pathlib import Path
 
 import redis.asyncio as aioredis
@@ -28,11 +31,11 @@ from frontend.http_api import create_app
 from frontend.latency_publisher import LatencyPublisher
 from frontend.metrics_merge import WorkerMetricsScraper
 from frontend.response_store import ResponseStore
-from frontend.routing import FrontendRouter
+from frontend.routing import FrontendRouter, RouterLoadCollector
 from frontend.state import FrontendState
 from frontend.tokenizer import ModelTokenizer, TokenizerPool
 from frontend.workers import WorkerPool
-from runtime.config import FrontendConfig
+from runtime.config import EventLoop, FrontendConfig
 from runtime.metrics import FrontendMetrics
 from runtime.process import install_signal_events
 
@@ -59,6 +62,27 @@ def return_big_buffers_to_the_os() -> None:
 # very moment the server closed it, and get a ReadError with no response and nothing logged here.
 # The common clients' pools let idle connections go sooner (httpx 5 s, aiohttp 15 s): they close first.
 HTTP_KEEP_ALIVE_S = 75
+
+
+def event_loop_factory(kind: EventLoop):
+    """The event loop `--event-loop` names (asyncio's own when uvloop is not installed)."""
+    if kind is EventLoop.ASYNCIO:
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        log.warning("uvloop is not installed: running on asyncio's event loop")
+        return None
+    return uvloop.new_event_loop
+
+
+def http_socket(host: str, port: int) -> socket.socket:
+    """The HTTP port bound with SO_REUSEPORT (and SO_REUSEADDR, as uvicorn binds)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
 
 
 class HttpServer(uvicorn.Server):
@@ -95,19 +119,22 @@ async def serve_frontend(cfg: FrontendConfig) -> None:
                           max_prefill_queue_tokens=cfg.max_prefill_queue_tokens,
                           itl_guard=make_itl_guard(cfg.itl_target_ms, cfg.decode_profile))
     latency = LatencyPublisher(redis, cfg.redis.namespace)
-    generator.on_first_token, generator.on_itl = latency.first_token, latency.inter_token
+    generator.on_first_token, generator.on_itls = latency.first_token, latency.inter_tokens
     generator.on_arrival, generator.on_done = latency.arrival, latency.done
     latency_task = asyncio.create_task(latency.run(), name="latency-publisher")
+    metrics.registry.register(RouterLoadCollector(router, latency.frontend_id))
     state = FrontendState(generator=generator, tokenizer=tokenizer, metrics=metrics, model_name=model_name,
                           api_key=ApiKey(cfg.api_key), max_body_bytes=cfg.max_body_bytes,
                           tokenize=TokenizerPool(tokenizer, cfg.tokenizer_threads, cfg.max_tokenize_queue),
                           extra_metrics=WorkerMetricsScraper(pool).scrape,
                           responses=ResponseStore(redis, cfg.redis.namespace, cfg.responses_ttl_s))
-    grpc_server, grpc_port = await start_grpc_server(state, cfg.host, cfg.grpc_port)
+    grpc_server, grpc_port = await start_grpc_server(state, cfg.host, cfg.grpc_port, cfg.reuse_port)
     http = HttpServer(uvicorn.Config(create_app(state), host=cfg.host, port=cfg.http_port,
                                      log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
                                      timeout_keep_alive=HTTP_KEEP_ALIVE_S))
-    http_task = asyncio.create_task(http.serve())
+    # with reuse_port, several frontends bind the same port and the kernel spreads connections over them
+    http_task = asyncio.create_task(http.serve(sockets=[http_socket(cfg.host, cfg.http_port)] if cfg.reuse_port
+                                               else None))
     # Start-up objects (tokenizer, protobufs, router) never die: move them out of the collector's
     # sight so a full collection cannot land inside a routing decision (~4 ms measured, router bench).
     gc.collect()

@@ -14,7 +14,6 @@ when a worker has compiled the grammar, so that a bad schema is a 400 there too.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -23,12 +22,13 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from frontend.choices import ChatChoices, CompletionChoices
+from frontend.choices import FINISH_TEXT, ChatChoices, CompletionChoices
 from frontend.generate import Delta, GenerateInput, generate_samples
 from frontend.http_errors import OffLoopJsonRoute
 from frontend.prepare import Prepare, chat_turns
 from frontend.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                               TokenizeCompletionRequest, _Common)
+from frontend.sse import ChunkEncoder, PushedStream, event as _event
 from frontend.state import FrontendState
 from frontend.tokenizer import TokenizerPool
 from frontend.tools import parse_tools
@@ -67,6 +67,8 @@ def openai_routes(state: FrontendState) -> APIRouter:
         """The answer to a request: `shape` (frontend/choices.py) makes its choices or chunks."""
         rid = shape.id_prefix + uuid.uuid4().hex
         created = int(time.time())
+        if req.stream and len(inputs) == 1 and shape.plain and inputs[0].sampling.grammar is None:
+            return pushed_stream(rid, created, req, inputs[0], isinstance(shape, ChatChoices))
         if req.stream:
             events = generate_samples(state.generator, inputs, req.n)
             # a grammar compiles when a worker admits the request: wait for that (the first token)
@@ -91,6 +93,35 @@ def openai_routes(state: FrontendState) -> APIRouter:
             body["service_tier"] = "default"
         return body
 
+    def pushed_stream(rid: str, created: int, req: _Common, inp: GenerateInput, chat: bool) -> PushedStream:
+        """The common stream (one choice, no tools, no logprobs, no grammar): each token's event is
+        written on the worker stream's turn (frontend/sse.py), the same bytes `_sse` sends."""
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = _event({"id": rid, "object": obj, "created": created, "model": state.model_name,
+                       "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                    "finish_reason": None, "logprobs": None}]}) if chat else b""
+        with_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def tail(last: Delta | None) -> bytes:
+            if not with_usage:
+                return b""
+            usage = _usage(0, 0, 0)
+            if last is not None:
+                _add_usage(usage, last, last.completion_tokens)
+            return _event({"id": rid, "object": obj, "created": created, "model": state.model_name,
+                           "choices": [], "usage": usage})
+        encoder = ChunkEncoder(rid, created, state.model_name, chat, bool(req.return_token_ids))
+        return PushedStream(lambda on_delta: state.generator.stream(inp, on_delta), encoder, head, tail,
+                            lambda e: _error_event(rid, e), FINISH_TEXT)
+
+    def _error_event(rid: str, e: Exception) -> bytes:
+        if not isinstance(e, SplitserveError):
+            log.error("stream %s failed", rid, exc_info=e)
+            e = SplitserveError(f"internal error: {type(e).__name__}")
+        state.metrics.errors.labels("http", str(e.http_status)).inc()
+        return _event({"error": {"message": e.message, "type": e.error_type, "param": e.param,
+                                 "code": e.http_status}})
+
     async def _collect_all(inputs: list[GenerateInput], n: int) -> list[list[Delta]]:
         out: list[list[Delta]] = [[] for _ in inputs]
         async for i, d in generate_samples(state.generator, inputs, n):
@@ -114,12 +145,7 @@ def openai_routes(state: FrontendState) -> APIRouter:
             if req.stream_options and req.stream_options.include_usage:
                 yield _event({**head, "choices": [], "usage": usage})
         except Exception as e:   # mid-stream failure: tell the client in-band, then end
-            if not isinstance(e, SplitserveError):
-                log.exception("stream %s failed", rid)
-                e = SplitserveError(f"internal error: {type(e).__name__}")
-            state.metrics.errors.labels("http", str(e.http_status)).inc()
-            yield _event({"error": {"message": e.message, "type": e.error_type, "param": e.param,
-                                    "code": e.http_status}})
+            yield _error_event(rid, e)
         yield b"data: [DONE]\n\n"
 
     def model_card() -> dict:
@@ -218,7 +244,3 @@ def _add_usage(usage: dict, d: Delta, completion_tokens: int) -> None:
     usage["completion_tokens"] += completion_tokens
     usage["total_tokens"] += d.prompt_tokens + completion_tokens
     usage["prompt_tokens_details"]["cached_tokens"] += d.cached_tokens
-
-
-def _event(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"

@@ -232,14 +232,20 @@ def _token_text(tok) -> str | None:
 
 
 class IncrementalDetokenizer:
-    """Text deltas for a stream of token ids, holding back what may still become a stop string."""
+    """Text deltas for a stream of token ids, holding back what may still become a stop string.
+
+    Without stop strings nothing needs looking back at: each token's piece (from the Rust decode
+    stream, which itself holds back an unfinished UTF-8 character) is released as it comes, and the
+    text so far is only joined when it is asked for (`flush`, `text`). With stop strings the text is
+    kept whole and searched from just before what was released."""
 
     def __init__(self, tokenizer: ModelTokenizer, stop: list[str]) -> None:
         self._tok = tokenizer.tok
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._step = DecodeStream(skip_special_tokens=True).step
         self._stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self._stop), default=1) - 1
-        self._text = ""          # all text decoded so far
+        self._pieces: list[str] = []     # without stop strings: the text so far, in pieces
+        self._text = ""          # with stop strings: all text decoded so far
         self._emitted = 0        # chars of _text already returned
         self._ids: list[int] = []
         self.stopped = False
@@ -248,11 +254,18 @@ class IncrementalDetokenizer:
         """Feed new tokens; return the text that can be released now. Sets `stopped` on a stop string."""
         if self.stopped:
             return ""
-        self._ids.extend(token_ids)
-        for t in token_ids:
-            piece = self._stream.step(self._tok, t)
+        self._ids += token_ids
+        tok, step = self._tok, self._step
+        if len(token_ids) == 1:
+            piece = step(tok, token_ids[0]) or ""
+        else:
+            piece = "".join(p for t in token_ids if (p := step(tok, t)))
+        if not self._stop:
             if piece:
-                self._text += piece
+                self._pieces.append(piece)
+            return piece
+        if piece:
+            self._text += piece
         if self._cut_at_stop():
             return self._release(len(self._text))
         return self._release(len(self._text) - self._hold)
@@ -264,6 +277,15 @@ class IncrementalDetokenizer:
         that ends inside one (max_tokens reached mid-character) releases them as the replacement
         character, exactly as a one-shot decode of the same tokens does.
         """
+        if not self._stop:
+            if self.stopped or not self._ids:
+                return ""
+            text = "".join(self._pieces)
+            full = self._tok.decode(self._ids, skip_special_tokens=True)
+            if len(full) > len(text) and full.startswith(text):
+                self._pieces = [full]
+                return full[len(text):]
+            return ""
         if not self.stopped and self._ids:
             full = self._tok.decode(self._ids, skip_special_tokens=True)
             if len(full) > len(self._text) and full.startswith(self._text):
@@ -291,4 +313,4 @@ class IncrementalDetokenizer:
 
     @property
     def text(self) -> str:
-        return self._text
+        return self._text if self._stop else "".join(self._pieces)

@@ -5,7 +5,8 @@ are refused (frontend/admission.py), with one log line each. For each accepted w
 frontend keeps one gRPC channel and
 one long-lived bidirectional Session stream that multiplexes all of this frontend's requests on
 that worker: Submit/Cancel go out, one StepOutput per engine step comes back and is fanned out to
-the per-request queues. If a stream breaks (the worker died) or its lease expires, every request
+the requests' sinks, synchronously, in one turn of the loop (a sink does its token's work there:
+frontend/generation.py). If a stream breaks (the worker died) or its lease expires, every request
 on it receives `WORKER_LOST` and the caller migrates it.
 
 Only `ready` workers join and are routed to (runtime/lifecycle.py). A worker that starts draining
@@ -55,6 +56,8 @@ class WorkerConnection:
         self.alive = True
         self.draining = info.state == WorkerState.DRAINING
         self.has_session = info.role != "prefill"
+        self.on_load = None      # (worker id, WorkerLoad) -> None: the worker's load, as its stream brings it
+        self._warn = Throttled(log)
         self._reader = asyncio.create_task(self._run() if self.has_session else self._watch(),
                                            name=f"session-{info.worker_id}")
 
@@ -82,10 +85,12 @@ class WorkerConnection:
         for q in self._streams.values():
             q.put_nowait(marker)
 
-    def submit(self, msg: worker_pb2.WorkerSubmit) -> asyncio.Queue:
+    def submit(self, msg: worker_pb2.WorkerSubmit, sink=None):
+        """Send the request; its deltas (and WORKER_LOST / SHUTTING_DOWN) go to `sink.put_nowait`,
+        called on the session reader's turn (frontend/generation.py); default: a new asyncio.Queue."""
         if not self.alive:
             raise Unavailable(f"worker {self.worker_id} is gone")
-        q: asyncio.Queue = asyncio.Queue()
+        q = asyncio.Queue() if sink is None else sink
         self._streams[msg.request_id] = q
         self._out.put_nowait(worker_pb2.SessionRequest(submit=msg))
         return q
@@ -112,6 +117,8 @@ class WorkerConnection:
                 if step.draining and not self.draining:
                     log.info("worker %s is draining", self.worker_id)
                     self.draining = True
+                if step.HasField("load") and self.on_load is not None:
+                    self._load(step.load)
                 for delta in step.deltas:
                     q = self._streams.get(delta.request_id)
                     if q is not None:
@@ -124,6 +131,12 @@ class WorkerConnection:
                         self.worker_id, e.code().name, e.details(), len(self._streams))
         finally:
             self._lost()
+
+    def _load(self, load: worker_pb2.WorkerLoad) -> None:
+        try:
+            self.on_load(self.worker_id, load)
+        except Exception as e:      # routing on without this report beats losing every stream on it
+            self._warn.warning("load", "worker %s: its load report was not taken: %s", self.worker_id, e)
 
     async def _watch(self) -> None:
         """Prefill workers carry no session: notice their death by the channel's state."""
@@ -231,6 +244,7 @@ class WorkerPool:
                 continue
             log.info("worker %s joined (%s at %s, %d-token blocks)", wid, info.role, info.address, info.block_size)
             conn = WorkerConnection(info)
+            conn.on_load = self.router.worker_load
             self.workers[wid] = conn
             self.router.add_worker(wid, info, conn.stub)
         self.changed.set()

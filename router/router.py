@@ -130,8 +130,7 @@ class Router:
             queues = self._queues
             i, cost = self._selector.select_ttft(
                 pool, num_prompt_tokens, self.block_size, holders, queues.busy_until, now,
-                self._prefill, pinned, weight,
-                queues.decoding if self.config.decode_delay and queues.decoding_total else None)
+                self._prefill, pinned, weight, queues.decodes() if self.config.decode_delay else None)
             worker, overlap = pool.names[i], holder_blocks(holders, i, pool.slots[i])
             cached = cached_tokens(overlap, num_prompt_tokens, self.block_size) if overlap else 0
             prefill_s = self._prefill.seconds(cached, num_prompt_tokens)
@@ -167,11 +166,16 @@ class Router:
         self._queues.finished(request_id, worker_id)
 
     def update_worker_load(self, worker_id: str, active_blocks: int,
-                           waiting_prefill_tokens: int) -> None:
+                           waiting_prefill_tokens: int, num_decoding: int | None = None) -> None:
+        """A worker's own report. ``num_decoding`` (its running requests past their prefill, whoever
+        routed them) lets the KV policy count the decodes other routers (frontends) sent there
+        (router/queues.py)."""
         if worker_id not in self._roles:
             raise UnknownWorker(worker_id)
         self._loads.report(worker_id, active_blocks, waiting_prefill_tokens)
         self._queues.report(worker_id, waiting_prefill_tokens, self._prefill.linear_seconds)
+        if num_decoding is not None:
+            self._queues.report_decoding(worker_id, num_decoding)
 
     def load(self, worker_id: str) -> float:
         """The load the KV cost uses for this worker (decode blocks, or queued prefill blocks)."""

@@ -31,6 +31,12 @@ class Device(StrEnum):
     CUDA = "cuda"
 
 
+class EventLoop(StrEnum):
+    """The frontend's event loop."""
+    UVLOOP = "uvloop"            # libuv's: cheaper wake-ups and socket writes (docs/frontend.md)
+    ASYNCIO = "asyncio"          # the standard library's
+
+
 class RoutingPolicy(StrEnum):
     """How the router picks a request's worker (router/selection.py)."""
     KV = "kv"                    # lowest predicted time to first token: queue wait + uncached prefill
@@ -155,6 +161,10 @@ class FrontendConfig:
     host: str = arg("127.0.0.1", "address the HTTP and gRPC servers bind")
     http_port: int = arg(8000, "OpenAI-compatible HTTP port")
     grpc_port: int = arg(50051, "gRPC port (splitserve.v1.Generation)")
+    event_loop: EventLoop = arg(EventLoop.UVLOOP, "the event loop the HTTP and gRPC servers run on")
+    reuse_port: bool = arg(False, "bind the HTTP and gRPC ports with SO_REUSEPORT, so that several frontend "
+                           "processes on this host share them and the kernel spreads connections over them "
+                           "(`serve --frontends N` sets it)")
     api_key: str | None = arg(None, "require this key (Bearer on HTTP, metadata on gRPC); none: open",
                               env="SPLITSERVE_API_KEY", secret=True)
     max_body_bytes: int = arg(4 << 20, "largest HTTP request body")
@@ -269,6 +279,8 @@ class ServeConfig:
     """serve: a whole cluster on this machine"""
     engine: EngineConfig              # every worker's engine
     frontend: FrontendConfig          # its Redis and host are every child's; its model is the engine's
+    frontends: int = arg(1, "frontend processes, sharing the HTTP and gRPC ports (SO_REUSEPORT); each routes "
+                         "with the whole fleet's load (docs/frontend.md)")
     decode_workers: int = arg(1, "decode workers (aggregated ones with --prefill-workers 0)")
     prefill_workers: int = arg(1, "prefill workers; 0: aggregated serving (each worker prefills its own "
                                "prompts)")

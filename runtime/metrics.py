@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -176,3 +178,19 @@ class PlannerMetrics:
         self.estimate = Gauge("splitserve_planner_estimate", "What the last decision planned on and predicted "
                               "(rate_rps, plan_rate_rps, prefix_hit_rate, POOL_desired, POOL_required, "
                               "POOL_correction, POOL_predicted, ...)", ["name"], registry=r)
+
+
+def observe_many(hist, values_s: list[float]) -> None:
+    """`hist.observe(v)` for every v, in one pass: one increment per bucket that got samples
+    instead of several per sample (the frontend's ITL samples, one per token, come in batches).
+    Reaches into prometheus_client's Histogram (non-cumulative per-bucket counters, a sum)."""
+    if not values_s:
+        return
+    bounds = hist._upper_bounds
+    counts = [0] * len(bounds)
+    for v in values_s:
+        counts[bisect_left(bounds, v)] += 1
+    for bucket, n in zip(hist._buckets, counts):
+        if n:
+            bucket.inc(n)
+    hist._sum.inc(sum(values_s))

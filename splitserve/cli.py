@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_component(run_controller(cfg))
     if cmd == "frontend":
         setup_logging("frontend")
-        from frontend.main import serve_frontend
-        run_component(serve_frontend(cfg))
+        from frontend.main import event_loop_factory, serve_frontend
+        run_component(serve_frontend(cfg), event_loop_factory(cfg.event_loop))
         return 0
     problem = device_problem(cfg.engine.device)
     if problem:                      # before the engine loads: no traceback 15 s later

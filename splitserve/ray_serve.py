@@ -172,7 +172,7 @@ class RayLauncher(Launcher):
         wcfg = worker_config(self.cfg, self.actor_model, role, name.rsplit("-", 1)[1], self.ports_of(name))
         return start_component(actor_name, command, wcfg, self.actor_env, self.cfg.ray.worker_cpus, self.gpus[pool])
 
-    def _start_frontend(self) -> None:
+    def _start_frontend(self, index: int = 0) -> None:
         fcfg = dataclasses.replace(frontend_config(self.cfg, self.model_dir), model=self.actor_model)
         env = dict(self.actor_env)
         if self.cfg.frontend.api_key:
@@ -182,8 +182,8 @@ class RayLauncher(Launcher):
         # pinned to this node: clients connect to --host:--http-port here, as without Ray
         actor = start_component(name, "frontend", fcfg, env, self.cfg.ray.frontend_cpus,
                                 resources={f"node:{self.node}": 0.001})
-        self.frontend = ActorProcess(actor)
-        self.frontend_started = time.monotonic()
+        self.fronts[index].proc = ActorProcess(actor)
+        self.fronts[index].started = time.monotonic()
 
     def _start_planner(self) -> None:
         """The SLA planner as an actor pinned to this node: the admin API may bind loopback only, and
@@ -237,8 +237,9 @@ class RayLauncher(Launcher):
             self.connector.restart_crashed = False
         if self.controller is not None:
             await bounded("closing the pool controller", self.controller.close(), CLOSE_TIMEOUT_S)
-        if self.frontend is not None and self.frontend.poll() is None:
-            self.frontend.send_signal(signal.SIGTERM)
+        for f in self.fronts:
+            if f.proc is not None and f.proc.poll() is None:
+                f.proc.send_signal(signal.SIGTERM)
         c = self.connector
         if c is not None:
             for h in c.list():
@@ -253,11 +254,11 @@ class RayLauncher(Launcher):
             if c.running() and not self.kill_now.is_set():
                 log.warning("%d worker actor(s) did not stop in time; killing them", c.running())
             c.kill_all()
-        if self.frontend is not None:
-            deadline = time.monotonic() + 10
-            while self.frontend.poll() is None and time.monotonic() < deadline and not self.kill_now.is_set():
+        deadline = time.monotonic() + 10
+        for f in (f.proc for f in self.fronts if f.proc is not None):
+            while f.poll() is None and time.monotonic() < deadline and not self.kill_now.is_set():
                 await asyncio.sleep(0.1)
-            self.frontend.kill()
+            f.kill()
         if self.admin is not None:
             await self.admin.stop(grace=0.5)
         if self.redis is not None:

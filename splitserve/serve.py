@@ -57,7 +57,7 @@ from runtime.process import bounded, run_component, with_parent_death
 from runtime.quantization import quantization_name, resolve_quantization
 from runtime.redis_embedded import EmbeddedRedis
 from splitserve.models import resolve_model
-from splitserve.serve_plan import (WorkerPorts, connect_host, frontend_config, machine_problem,  # noqa: F401
+from splitserve.serve_plan import (FrontendSlot, WorkerPorts, connect_host, frontend_config, machine_problem,  # noqa: F401
                                    pool_book, serving_mode, worker_config)
 from splitserve.placement import check_pools_tp, plan_placement, pool_tp
 from runtime.gpus import worker_env
@@ -160,6 +160,9 @@ def serve(cfg: ServeConfig, launcher: type[Launcher] | None = None, connect=None
         except (InvalidRequest, ValueError, OSError) as e:
             print(f"splitserve serve: --planner: {getattr(e, 'message', e)}", file=sys.stderr)
             return 2
+    if cfg.frontends < 1:
+        print("splitserve serve: --frontends must be at least 1", file=sys.stderr)
+        return 2
     try:
         book = pool_book(cfg, aggregated_why)
         ports = WorkerPorts.parse(cfg.worker_ports, cfg.decode_workers + cfg.prefill_workers)
@@ -187,10 +190,11 @@ class Launcher:
         self.stop = asyncio.Event()
         self.kill_now = asyncio.Event()
         self.redis: EmbeddedRedis | None = None
-        self.frontend: subprocess.Popen | None = None
-        self.frontend_started = 0.0
-        self.frontend_history = CrashHistory(RestartPolicy(backoff_s=cfg.controller.restart_backoff_s,
-                                                           crash_loop_restarts=cfg.controller.crash_loop_restarts))
+        policy = RestartPolicy(backoff_s=cfg.controller.restart_backoff_s,
+                               crash_loop_restarts=cfg.controller.crash_loop_restarts)
+        # --frontends N: N processes on the same ports, each restarted on its own when it dies
+        self.fronts = [FrontendSlot(i, history=CrashHistory(policy)) for i in range(cfg.frontends)]
+        self.frontend_history = self.fronts[0].history
         self.connector: LocalProcessConnector | None = None
         self.controller: PoolController | None = None
         self.planner = None                           # with --planner: a planner.live.PlannerLoop (an actor on Ray)
@@ -242,7 +246,8 @@ class Launcher:
             self.frontend_env["SPLITSERVE_API_KEY"] = cfg.frontend.api_key
         if not await self._start_controller():
             return 2
-        self._start_frontend()
+        for slot in self.fronts:
+            self._start_frontend(slot.index)
         self.controller.start()
         if not await self._wait_ready():
             return 0 if self.stop.is_set() else 1     # stopped on request while starting: not a failure
@@ -308,10 +313,17 @@ class Launcher:
         except ValueError as e:
             raise ConnectorError(str(e)) from None
 
-    def _start_frontend(self) -> None:
-        self.frontend = self.cluster.spawn_component("frontend", "frontend", frontend_config(self.cfg, self.model_dir),
-                                                     self.frontend_env)
-        self.frontend_started = time.monotonic()
+    @property
+    def frontend(self):
+        """The first frontend process (the only one without --frontends)."""
+        return self.fronts[0].proc
+
+    def _start_frontend(self, index: int = 0) -> None:
+        name = "frontend" if len(self.fronts) == 1 else f"frontend-{index}"
+        slot = self.fronts[index]
+        slot.proc = self.cluster.spawn_component("frontend", name, frontend_config(self.cfg, self.model_dir),
+                                                 self.frontend_env)
+        slot.started = time.monotonic()
 
     async def _wait_ready(self) -> bool:
         """Until the frontend's /health counts every worker (False: a child died, time ran out or a stop)."""
@@ -324,8 +336,9 @@ class Launcher:
                 if failed:
                     log.error("%s exited during start-up (%s)", failed[0].name, failed[0].detail)
                     return False
-                if self.frontend.poll() is not None:
-                    log.error("the frontend exited during start-up (%s)", describe_exit(self.frontend.returncode))
+                dead = next((f.proc for f in self.fronts if f.proc.poll() is not None), None)
+                if dead is not None:
+                    log.error("a frontend exited during start-up (%s)", describe_exit(dead.returncode))
                     return False
                 try:
                     r = await client.get(url)
@@ -352,13 +365,14 @@ class Launcher:
                          self.redis.port)
             except RuntimeError as e:
                 log.warning("restarting Redis failed (%s); trying again", e)
-        f = self.frontend
-        if f is not None and f.poll() is not None:
-            self.frontend = None
-            if not self._restart_later("frontend", f.returncode, self.frontend_started, self.frontend_history,
-                                       self._start_frontend, "the workers keep running"):
-                log.error("the frontend keeps crashing (%s); stopping", describe_exit(f.returncode))
-                return False
+        for slot in self.fronts:
+            f = slot.proc
+            if f is not None and f.poll() is not None:
+                slot.proc = None
+                if not self._restart_later("frontend", f.returncode, slot.started, slot.history,
+                                           lambda i=slot.index: self._start_frontend(i), "the workers keep running"):
+                    log.error("the frontend keeps crashing (%s); stopping", describe_exit(f.returncode))
+                    return False
         return True
 
     def _restart_later(self, component: str, returncode: int, started: float, history: CrashHistory,
@@ -399,8 +413,9 @@ class Launcher:
             await bounded("closing the planner", self.planner.close(), CLOSE_TIMEOUT_S)
         if self.controller is not None:
             await bounded("closing the pool controller", self.controller.close(), CLOSE_TIMEOUT_S)
-        if self.frontend is not None and self.frontend.poll() is None:
-            self.frontend.send_signal(signal.SIGTERM)
+        for f in self.fronts:
+            if f.proc is not None and f.proc.poll() is None:
+                f.proc.send_signal(signal.SIGTERM)
         if self.connector is not None:
             for h in self.connector.list():
                 try:

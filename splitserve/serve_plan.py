@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pools.book import PoolBook, PoolName, PoolSpec
+from pools.restarts import CrashHistory
 from runtime.config import FrontendConfig, ServeConfig, WorkerConfig
 from runtime.errors import InvalidRequest
 from runtime.host_checks import device_problem, disk_dir_problem
@@ -91,7 +92,8 @@ def worker_config(cfg: ServeConfig, model_dir: str, role: str, index: int | str,
 
 def frontend_config(cfg: ServeConfig, model_dir: str) -> FrontendConfig:
     """The frontend's: the workers' model, named for clients; no key (it comes by environment).
-    With the planner, the decode workers' ITL target and profile are the planner's unless given."""
+    Several frontends share the ports (SO_REUSEPORT). With the planner, the decode workers' ITL
+    target and profile are the planner's unless given."""
     spec = cfg.engine.model
     model_name = cfg.frontend.model_name or (spec.split(":")[0] if spec.startswith("tiny") else Path(model_dir).name)
     max_model_len = cfg.engine.max_model_len
@@ -99,7 +101,8 @@ def frontend_config(cfg: ServeConfig, model_dir: str) -> FrontendConfig:
         from perf.profile import DEFAULT_MAX_MODEL_LEN
         max_model_len = DEFAULT_MAX_MODEL_LEN
     return dataclasses.replace(cfg.frontend, model=model_dir, model_name=model_name, api_key=None,
-                               max_model_len=max_model_len, **itl_guard_settings(cfg))
+                               max_model_len=max_model_len, reuse_port=cfg.frontend.reuse_port or cfg.frontends > 1,
+                               **itl_guard_settings(cfg))
 
 
 def itl_guard_settings(cfg: ServeConfig) -> dict:
@@ -152,3 +155,12 @@ class WorkerPorts:
                 raise ValueError(f"--worker-ports {self.low}-{self.high} has no two free ports for {name}: widen it")
             self.held[name] = (free[0], free[1])
         return self.held[name]
+
+
+@dataclass(slots=True)
+class FrontendSlot:
+    """One of serve's frontend processes (on Ray, the actor that stands for one)."""
+    index: int
+    history: CrashHistory
+    proc: object = None            # a Popen, or what answers poll / send_signal / kill like one
+    started: float = 0.0

@@ -8,8 +8,14 @@ exactly as the frontend feeds it, and each worker's engine (worker.py: the real 
 and `BlockPool`, with the mock runner's timing model on the simulator's clock), so a simulated worker
 schedules, caches, evicts and emits events exactly as a `serve --mock` worker does.
 The network is instant: a decision, a step's KV events and a request's end reach the router when
-they happen (``--event-delay-s`` delays the events); load reports come every 0.5 s as the
-frontend's poll does.
+they happen (``--event-delay-s`` delays the events); load reports (blocks, queued prompt tokens,
+decoding requests) come every ``--report-interval-s`` (the workers push theirs every 50 ms while they
+run; the frontend's poll comes every 0.5 s). With ``--frontends N`` there are N routers, as N
+frontend processes each have one: requests arrive at them in turn, each router learns only its own
+requests' first tokens and ends, and every router gets every KV event and every load report, so
+the cost of routing from N partial views (and of stale reports) shows; ``--own-load-only`` drops
+the decoding counts from the reports (each router then sees the others' decodes only through
+blocks and queued prompts).
 
 Beside each policy's figures it prints the pooled-cache oracle (oracle.py) for the same requests
 and capacity, and where the reuse the oracle found went missing (`miss_*`, in prompt tokens, each
@@ -57,6 +63,8 @@ class SimConfig:
     max_model_len: int = 131_072
     report_interval_s: float = 0.5
     event_delay_s: float = 0.0
+    frontends: int = 1              # routers, each taking every N-th request (frontend processes)
+    report_running: bool = True     # reports carry the worker's decoding count (the others' decodes)
     attribute: bool = True          # miss attribution (one extra index lookup per decision)
     vocab_size: int = 4096          # the mock's output tokens are drawn below this
 
@@ -116,12 +124,16 @@ class Simulation:
         self.cfg = cfg
         self.timing = timing
         self.now = 0.0
-        self.router = Router(router_config, cfg.block_size, seed=seed, clock=lambda: self.now)
+        self.routers = [Router(router_config, cfg.block_size, seed=seed + i, clock=lambda: self.now)
+                        for i in range(cfg.frontends)]
+        self.router = self.routers[0]
+        self._router_of: dict[str, Router] = {}     # request id -> the router (frontend) that took it
         engine_cfg, model_cfg = cfg.engine_config(), sim_model_config(cfg.vocab_size)
         self.workers = {f"w{i}": SimWorker(f"w{i}", engine_cfg, timing, model_cfg, lambda: self.now)
                         for i in range(cfg.workers)}
         for wid in self.workers:
-            self.router.add_worker(wid, WorkerRole.DECODE)
+            for r in self.routers:
+                r.add_worker(wid, WorkerRole.DECODE)
         self.requests = list(requests)
         self.oracle = PooledCacheOracle.for_fleet(cfg.block_size, cfg.workers, cfg.num_blocks)
         self.ledger = MissLedger()
@@ -168,9 +180,10 @@ class Simulation:
         oracle_tokens = sum(self.oracle.observe(req.block_hashes, req.prompt_len))
         self._oracle_tokens[req.index] = oracle_tokens
         held = self.router.index.overlaps(req.block_hashes) if self.cfg.attribute else {}
+        router = self._router_of[req.request_id] = self.routers[req.index % len(self.routers)]
         t0 = time.perf_counter()
-        d = self.router.route(req.request_id, req.block_hashes, req.prompt_len, WorkerRole.DECODE,
-                              hint=req.cache_key)
+        d = router.route(req.request_id, req.block_hashes, req.prompt_len, WorkerRole.DECODE,
+                         hint=req.cache_key)
         self.clock.route_s += time.perf_counter() - t0
         self.clock.decisions += 1
         if self.cfg.attribute:
@@ -197,11 +210,11 @@ class Simulation:
             else:
                 self._deliver(batch)
         for seq in first:
-            self.router.first_token(seq.req.request_id)
+            self._router_of[seq.req.request_id].first_token(seq.req.request_id)
             self._account(seq)
         for seq in done:
             t0 = time.perf_counter()
-            self.router.finished(seq.req.request_id)
+            self._router_of.pop(seq.req.request_id).finished(seq.req.request_id)
             self.clock.finish_s += time.perf_counter() - t0
         if worker.ready_at_s is not None:
             self._push(worker.ready_at_s, _STEP_END, worker)
@@ -212,7 +225,8 @@ class Simulation:
                 if hasattr(ev, "parent_hash"):
                     self._ever_stored.update(ev.block_hashes)
         t0 = time.perf_counter()
-        self.router.apply_events(batch)
+        for r in self.routers:
+            r.apply_events(batch)
         self.clock.ingest_s += time.perf_counter() - t0
         self.clock.ingest_batches += 1
         self.clock.ingest_blocks += sum(len(getattr(ev, "block_hashes", ())) for ev in batch.events)
@@ -220,7 +234,10 @@ class Simulation:
     def _report(self) -> None:
         t0 = time.perf_counter()
         for wid, w in self.workers.items():
-            self.router.update_worker_load(wid, w.active_blocks(), w.waiting_prefill_tokens())
+            blocks, queued = w.active_blocks(), w.waiting_prefill_tokens()
+            decoding = w.num_decoding() if self.cfg.report_running else None
+            for r in self.routers:
+                r.update_worker_load(wid, blocks, queued, decoding)
         self.clock.report_s += time.perf_counter() - t0
         self._push(self.now + self.cfg.report_interval_s, _REPORT, None)
 

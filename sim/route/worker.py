@@ -106,6 +106,10 @@ class SimWorker:
     def active_blocks(self) -> int:
         return self.pool.num_blocks - self.pool.num_free
 
+    def num_decoding(self) -> int:
+        """What the worker reports as num_decoding (engine.Engine.stats)."""
+        return sum(1 for r in self.engine.scheduler.running if r.num_computed_tokens >= r.num_tokens - 1)
+
     @property
     def stats(self) -> WorkerStats:
         s = self.engine.scheduler

@@ -52,7 +52,7 @@ from runtime.config import LOWER_TIER_WEIGHT, RoutingPolicy
 from sim.oracle import PooledCacheOracle
 from splitserve.bench.sessions import SessionsConfig, load_azure, session_specs
 from splitserve.bench.clients import RequestSpec
-from splitserve.bench.serve import event_loop_factory, emit, git_sha, run_level
+from splitserve.bench.serve import emit, event_loop_factory, git_sha, run_level_in_process
 from splitserve.bench.stats import summarize_level
 from splitserve.bench.workloads import BenchInputError, load_trace, random_prompt, trace_specs
 
@@ -71,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offered-util", type=float, default=None,
                    help="set --speedup so that the offered prefill utilisation is this")
     p.add_argument("--workers", type=int, default=8, help="mock workers")
+    p.add_argument("--frontends", default="1", help="frontend processes behind the one address (serve "
+                   "--frontends), or a comma list to compare (e.g. 1,4): each routes on its own, with the "
+                   "fleet's load and the same KV events")
     p.add_argument("--policy", default="kv", help=f"router policy, or a comma list of {', '.join(POLICIES)}")
     p.add_argument("--limit", type=int, default=None, help="replay only the first K requests")
     p.add_argument("--skip", type=int, default=0,
@@ -241,14 +244,14 @@ def disk_dir_for(args: argparse.Namespace, policy: str) -> contextlib.AbstractCo
 
 
 def serve_argv(args: argparse.Namespace, policy: str, redis_url: str, namespace: str,
-               http_port: int, grpc_port: int, disk_dir: str | None = None) -> list[str]:
+               http_port: int, grpc_port: int, disk_dir: str | None = None, frontends: int = 1) -> list[str]:
     argv = ["serve", "--mock", "--model", args.model, "--model-name", MODEL_NAME, "--decode-workers", str(args.workers),
             "--prefill-workers", "0",
             "--redis-url", redis_url, "--namespace", namespace, "--router-policy", policy,
             "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--admin-port", "0",
             "--block-size", str(args.block_size), "--max-model-len", str(args.max_model_len),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--startup-timeout-s", str(args.startup_timeout_s)]
+            "--startup-timeout-s", str(args.startup_timeout_s), "--frontends", str(frontends)]
     if args.mock_profile:
         argv += ["--mock-profile", args.mock_profile]
     if args.num_blocks:
@@ -295,11 +298,12 @@ async def replay(args: argparse.Namespace, specs: list[RequestSpec], url: str, d
                  redis_url: str, namespace: str):
     client_args = SimpleNamespace(url=url, timeout_s=args.timeout_s, api_key=None,
                                   no_progress=args.no_progress)
-    run = await run_level(client_args, MODEL_NAME, specs, None, desc)
+    run = await run_level_in_process(client_args, MODEL_NAME, specs, None, desc)
     return run, await worker_statuses(redis_url, namespace)
 
 
-def run_policy(args: argparse.Namespace, policy: str, specs: list[RequestSpec]) -> tuple[dict, list[float]]:
+def run_policy(args: argparse.Namespace, policy: str, specs: list[RequestSpec],
+               frontends: int = 1) -> tuple[dict, list[float]]:
     from runtime.redis_embedded import EmbeddedRedis, free_port
     from splitserve.serve import Cluster, wait_ready
 
@@ -311,8 +315,8 @@ def run_policy(args: argparse.Namespace, policy: str, specs: list[RequestSpec]) 
         ensure_cluster_token()          # the cluster's, so that worker_statuses may ask its workers
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         # the banner goes to stderr: this command's stdout carries only JSON
-        cluster.spawn("serve", serve_argv(args, policy, redis.url, namespace, http_port, grpc_port, disk_dir),
-                      env, stdout=sys.stderr)
+        cluster.spawn("serve", serve_argv(args, policy, redis.url, namespace, http_port, grpc_port, disk_dir,
+                                          frontends), env, stdout=sys.stderr)
         try:
             if not wait_ready(cluster, f"http://127.0.0.1:{http_port}/health", args.workers, 0,
                               args.startup_timeout_s, {"sig": None}):
@@ -325,7 +329,7 @@ def run_policy(args: argparse.Namespace, policy: str, specs: list[RequestSpec]) 
     ok = [r for r in run.results if r.error is None]
     prompt = sum(r.prompt_len for r in ok)
     cached = sum(r.cached_tokens or 0 for r in ok)
-    record = {"policy": policy, **summarize_level(run.results, run.duration_s),
+    record = {"policy": policy, "frontends": frontends, **summarize_level(run.results, run.duration_s),
               "host_load_avg_1m": round(os.getloadavg()[0], 2),
               "prefix_hit_rate": round(cached / prompt, 4) if prompt else None,
               "cached_tokens": cached, "max_in_flight": run.max_in_flight,
@@ -361,8 +365,19 @@ SUMMARY_KEYS = ("requests", "errors", "prefix_hit_rate", "oracle_share", "ttft_p
                 "itl_p50_s", "output_tok_s", "max_over_mean_load")
 
 
+def frontend_counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise BenchInputError(f"--frontends wants counts >= 1 (e.g. 1 or 1,4), got {text!r}")
+    return counts
+
+
 def main(args: argparse.Namespace) -> int:
     try:
+        frontend_counts(args.frontends)
         policies = [p.strip() for p in args.policy.split(",") if p.strip()]
         if not policies or any(p not in POLICIES for p in policies):
             raise BenchInputError(f"--policy wants a comma list of {', '.join(POLICIES)}")
@@ -381,8 +396,8 @@ def main(args: argparse.Namespace) -> int:
               "max_num_batched_tokens": args.max_num_batched_tokens, **workload,
               "offered_prefill_util": offered_prefill_util(specs, args), **oracle_fields(specs, args)}
     records, ttfts = [], {}
-    for policy in policies:
-        record, ttfts[policy] = run_policy(args, policy, specs)
+    for policy, frontends in [(p, f) for p in policies for f in frontend_counts(args.frontends)]:
+        record, ttfts[policy] = run_policy(args, policy, specs, frontends)
         record["oracle_share"] = share_of_oracle(record["prefix_hit_rate"], header["oracle_hit_rate"])
         records.append(header | record)
         emit(records[-1], args.output)
@@ -392,6 +407,7 @@ def main(args: argparse.Namespace) -> int:
                       f"{workload.get('speedup', '-')} ({header['git_sha']})")
     if len(records) > 1:
         summary = header | {"bench": "replay_summary", "policy": policies, "plot": args.plot}
-        summary |= {k: {r["policy"]: r[k] for r in records} for k in SUMMARY_KEYS}
+        summary |= {k: {f'{r["policy"]}/{r["frontends"]}': r[k] for r in records} for k in SUMMARY_KEYS} \
+            if len(frontend_counts(args.frontends)) > 1 else {k: {r["policy"]: r[k] for r in records} for k in SUMMARY_KEYS}
         emit(summary, args.output)
     return 0

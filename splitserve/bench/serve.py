@@ -195,6 +195,9 @@ def add_report_arguments(p: argparse.ArgumentParser, plot: str) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--extra-body", type=_json_object, default=None,
                    help='HTTP only: a JSON object merged into every request body, e.g. \'{"echo": true, "logprobs": 1}\'')
+    p.add_argument("--processes", type=int, default=1,
+                   help="split each level's clients over this many processes (procs.py) and merge their "
+                        "records, so that the load generator never sets the pace")
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +233,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise BenchInputError("--speedup and --timeout-s must be > 0")
     if args.num_requests is not None and args.num_requests < 1:
         raise BenchInputError("--num-requests must be >= 1")
+    if getattr(args, "processes", 1) < 1:
+        raise BenchInputError("--processes must be >= 1")
     ratio = args.random_range_ratio
     if ratio is not None and not 0 < ratio <= 1:  # NaN fails too
         raise BenchInputError(f"--random-range-ratio must be in (0, 1], got {ratio}")
@@ -299,8 +304,8 @@ async def discover_model(args: argparse.Namespace) -> tuple[str, int | None]:
     return chosen["id"], chosen["max_model_len"]
 
 
-async def run_level(args: argparse.Namespace, model: str, specs: list[RequestSpec],
-                    concurrency: int | None, desc: str) -> LevelRun:
+async def run_level_in_process(args: argparse.Namespace, model: str, specs: list[RequestSpec],
+                               concurrency: int | None, desc: str) -> LevelRun:
     from tqdm import tqdm
 
     pool = concurrency if concurrency is not None else min(len(specs), 4096)
@@ -326,6 +331,56 @@ async def run_level(args: argparse.Namespace, model: str, specs: list[RequestSpe
         await client.aclose()
 
 
+async def run_level(args: argparse.Namespace, plan: Plan, model: str, concurrency: int | None,
+                    salt: int) -> LevelRun:
+    """One level, in this process or split over --processes (procs.py)."""
+    n = getattr(args, "processes", 1)
+    if n <= 1:
+        specs = level_specs(plan, args, concurrency, salt)
+        return await run_level_in_process(args, model, specs, concurrency,
+                                          f"c={concurrency}" if concurrency else "replay")
+    from splitserve.bench.procs import run_level_processes
+    results, duration_s, max_in_flight, lag = await asyncio.to_thread(
+        run_level_processes, level_share, args, model, concurrency, salt, n)
+    return LevelRun(results, duration_s, max_in_flight, lag)
+
+
+def level_share(conn, args: argparse.Namespace, model: str, concurrency: int | None, salt: int, k: int,
+                n: int) -> None:
+    """In client process k of n (procs.py): build the level's requests, take every n-th from the
+    k-th and a share of the concurrency, say ready, wait for go, run, send the results back."""
+    from splitserve.bench.procs import shares
+
+    plan = make_plan(args)
+    specs = level_specs(plan, args, concurrency, salt)[k::n]
+    mine = None if concurrency is None else shares(concurrency, n)[k]
+    conn.send("ready")
+    conn.recv()                                     # go
+    with asyncio.Runner(loop_factory=event_loop_factory(args.url)) as runner:
+        start = time.perf_counter()
+        run = runner.run(run_level_in_process(args, model, specs, mine, f"p{k}")) if specs and mine != 0 \
+            else None
+        end = time.perf_counter()
+    conn.send((start, end, run.results if run else [], run.loop_lag_s if run else [],
+               run.max_in_flight if run else 0))
+    conn.close()
+
+
+# The client's loop lag (p99) beyond this share of the ITL p50 stamps chunks late enough to distort ITL.
+LAG_WARN_SHARE_OF_ITL = 0.2
+
+
+def warn_client_lag(record: dict) -> None:
+    """Mark (and say on stderr) a level whose client lagged enough to distort its ITL figures."""
+    lag, itl = record.get("client_lag_p99_s"), record.get("itl_p50_s")
+    record["client_lag_distorts_itl"] = bool(lag and itl and lag > LAG_WARN_SHARE_OF_ITL * itl)
+    if record["client_lag_distorts_itl"]:
+        print(f"bench serve: warning: at concurrency {record.get('concurrency')} the client's event loop lagged "
+              f"{lag * 1e3:.1f} ms at p99 against an ITL p50 of {itl * 1e3:.1f} ms: the load generator, not "
+              f"the server, shapes ITL; use more --processes (now {record.get('processes', 1)})",
+              file=sys.stderr)
+
+
 WARMUP_SALT = 1 << 31
 
 
@@ -337,7 +392,7 @@ async def warm_up(args: argparse.Namespace, plan: Plan, model: str) -> None:
         specs = trace_specs(plan.trace_rows[:args.warmup], plan.block_size, args.vocab_size, seed)
     else:
         specs = synthetic_specs(plan.isl, plan.osl, args.warmup, args.vocab_size, seed, plan.range_ratio)
-    await run_level(args, model, specs, concurrency, "warmup")
+    await run_level_in_process(args, model, specs, concurrency, "warmup")
 
 
 async def run_sweep(args: argparse.Namespace, plan: Plan) -> int:
@@ -355,14 +410,14 @@ async def run_sweep(args: argparse.Namespace, plan: Plan) -> int:
         await warm_up(args, plan, model)
     levels = []
     for i, concurrency in enumerate(plan.levels):
-        specs = level_specs(plan, args, concurrency, salt=i)
-        run = await run_level(args, model, specs, concurrency,
-                              f"c={concurrency}" if concurrency else "replay")
+        run = await run_level(args, plan, model, concurrency, i)
         mode = {"concurrency": concurrency} if concurrency else \
             {"concurrency": None, "mode": "replay", "speedup": args.speedup,
              "max_in_flight": run.max_in_flight}
         record = header | mode | summarize_level(run.results, run.duration_s, args.gpus)
         record["client_lag_p99_s"] = percentile(np.array(run.loop_lag_s), 99)
+        record["processes"] = getattr(args, "processes", 1)
+        warn_client_lag(record)
         emit(record, args.output)
         levels.append(record)
     return finish_sweep(args, header, levels)

@@ -112,10 +112,15 @@ class FailingGenerator:
         yield Delta([5], "hi")
         raise RuntimeError("the worker connection broke")
 
+    async def stream(self, inp, on_delta):      # the pushed path (frontend/sse.py)
+        on_delta(Delta([5], "hi"))
+        raise RuntimeError("the worker connection broke")
+
 
 @pytest.mark.parametrize("path,body", [
     ("/v1/completions", {"prompt": [1, 2, 3]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ("/v1/completions", {"prompt": [1, 2, 3], "n": 2}),          # the general path (several choices)
 ])
 async def test_a_stream_failing_after_its_headers_ends_with_an_error_event(tok, path, body):
     state = FrontendState(generator=FailingGenerator(), tokenizer=tok, metrics=FrontendMetrics(),

@@ -567,3 +567,16 @@ def test_grpc_sweep(capsys):
         assert (line["requests"], line["errors"], line["token_mismatches"]) == (10, 0, 0)
         assert line["output_tokens"] == 10 * 33 and line["input_tokens"] == 10 * 100
     assert lines[-1]["bench"] == "serve_summary"
+
+
+def test_processes_split_the_concurrency_and_a_lagging_client_is_flagged(capsys):
+    from splitserve.bench.procs import shares
+    from splitserve.bench.serve import warn_client_lag
+
+    assert shares(10, 4) == [3, 3, 2, 2] and sum(shares(512, 8)) == 512 and shares(1, 2) == [1, 0]
+    calm = {"client_lag_p99_s": 0.0004, "itl_p50_s": 0.010, "concurrency": 8}
+    warn_client_lag(calm)
+    assert calm["client_lag_distorts_itl"] is False and capsys.readouterr().err == ""
+    late = {"client_lag_p99_s": 0.030, "itl_p50_s": 0.010, "concurrency": 512, "processes": 1}
+    warn_client_lag(late)
+    assert late["client_lag_distorts_itl"] is True and "--processes" in capsys.readouterr().err
