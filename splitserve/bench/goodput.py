@@ -175,7 +175,7 @@ class Session:
 
 async def measure(s: Session, specs: list[RequestSpec], concurrency: int | None, desc: str) -> dict:
     """Send `specs` (open loop at their arrival times, or closed loop) and reduce them to a record."""
-    run = await bench_serve.run_level(s.args, s.model, specs, concurrency, desc)
+    run = await bench_serve.run_level_in_process(s.args, s.model, specs, concurrency, desc)
     record = summarize_level(run.results, run.duration_s, s.args.gpus)
     record |= attainment_fields(run.results, s.targets)
     record["client_lag_p99_s"] = percentile(np.array(run.loop_lag_s), 99)
