@@ -10,7 +10,8 @@
 #              weights): one worker per GPU? nvidia-smi's view saved beside the record
 #   tp         8B: batch-1 decode at TP=1, TP=2 and TP=2 with FlashInfer's all-reduce (engine_bench b1),
 #              the TP=2 / TP=1 speed-up; TP=2 parity against TP=1 (greedy tokens, logits relative error)
-#   tp70       70B architecture, TP=2, FP8 weights quantized at load: batch-1 decode against its
+#   tp70       70B architecture, TP=$TP70_TP (2), weights $TP70_QUANT (fp8: quantized at load; auto: bf16;
+#              TP70_TP=4 TP70_QUANT=auto on a 4-GPU host): batch-1 decode against its
 #              roofline (per-GPU weight bytes / measured HBM copy bandwidth), load-to-ready
 #   nvlink     prefill engine on GPU 0, decode engine on GPU 1 (each seeing only its own, as serve
 #              places workers; then both seeing both), 8k-token prompt: the KV handoff's share of TTFT
@@ -81,7 +82,8 @@ for stage in "$@"; do
           --prompts 16,200 --new-tokens 16 --out "$(rec tp70)" 2>&1 | grep -v Warning | tail -1 >> "$OUT/tp70.log"
       else
         timeout "$(left 0 "${T_TP70:-300}")" $PY bench/device/engine_bench.py --models llama-3.1-70b --only b1 \
-          --skip-hf --tensor-parallel-size 2 --quantizations fp8 --num-blocks 4000 --out "$(rec tp70)" 2>&1 \
+          --skip-hf --tensor-parallel-size "${TP70_TP:-2}" --quantizations "${TP70_QUANT:-fp8}" --num-blocks 4000 \
+          --out "$(rec tp70)" 2>&1 \
           | grep -v Warning | tee "$OUT/tp70.log" | tail -4
       fi
       $PY bench/device/multi_gpu_summary.py tp70 "$(rec tp70)" | tee -a "$(rec tp70)" ;;
@@ -111,8 +113,9 @@ for stage in "$@"; do
              [ -f "$OUT/compare.jsonl" ] && cp "$OUT/compare.jsonl" "$(rec compare)" ;;
     tp70_serve)
       timeout "$(left 0 "${T_TP70_SERVE:-500}")" $PY bench/device/serve_e2e.py --arch llama-3.1-70b --scenario 1k1k \
-        --concurrency 1,32,128 --modes agg --out "$OUT" --label "${TAG}" --tag tp2fp8 \
-        --serve-args="--tensor-parallel-size 2 --quantization fp8" 2>&1 | tail -20 | tee "$OUT/tp70_serve.log" ;;
+        --concurrency 1,32,128 --modes agg --out "$OUT" --label "${TAG}" --tag "tp${TP70_TP:-2}${TP70_QUANT:-fp8}" \
+        --serve-args="--tensor-parallel-size ${TP70_TP:-2} --quantization ${TP70_QUANT:-fp8}" 2>&1 | tail -20 \
+        | tee "$OUT/tp70_serve.log" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -297,7 +297,7 @@ def load_fields(statuses: list) -> dict:
 async def replay(args: argparse.Namespace, specs: list[RequestSpec], url: str, desc: str,
                  redis_url: str, namespace: str):
     client_args = SimpleNamespace(url=url, timeout_s=args.timeout_s, api_key=None,
-                                  no_progress=args.no_progress)
+                                  no_progress=args.no_progress, extra_body=None)
     run = await run_level_in_process(client_args, MODEL_NAME, specs, None, desc)
     return run, await worker_statuses(redis_url, namespace)
 
