@@ -383,7 +383,8 @@ class EngineLoop:
                 break
             try:
                 result = eng.step()
-            except Exception:
+            except Exception as e:
+                eng.runner.step_failed(e)
                 log.exception("engine step failed; failing the running requests")
                 result = StepResult(self._fail_all(), eng.pool.take_events(), eng.scheduler.remote.take_reservations())
             if result.outputs:

@@ -70,3 +70,8 @@ class Runner(Protocol):
         """Where `supports_grammar`: compile a request's grammar now, so that a bad one is the
         request's error at admission and never a failed step: "" if it compiles, else why not."""
         return "structured output (grammar) is not supported by this runner"
+
+    def step_failed(self, error: BaseException) -> None:
+        """A step raised `error`; the engine fails its running requests once this returns. A
+        runner whose failure ends the process instead (a tensor-parallel worker that lost a rank:
+        its requests continue on other workers) does that here."""

@@ -30,10 +30,12 @@ def _has_prctl() -> bool:
 
 _HAS_PRCTL = _has_prctl()
 
-# Runs as `python -I -S -c _TRAMPOLINE PARENT_PID ARGV...`: asks for SIGTERM when the parent dies,
-# checks the parent did not die first (then it was re-parented: end as that signal would have),
-# and becomes ARGV (exec keeps the request).
+# Runs as `python -I -S -c _TRAMPOLINE PARENT_PID ARGV...`: takes SIGTERM's default action back (a
+# launcher may have left it ignored, and an ignored signal stays ignored across exec: nohup, some CI
+# runners), asks for SIGTERM when the parent dies, checks the parent did not die first (then it was
+# re-parented: end as that signal would have), and becomes ARGV (exec keeps the request).
 _TRAMPOLINE = f"""import ctypes, os, signal, sys
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
 ctypes.CDLL(None, use_errno=True).prctl({PR_SET_PDEATHSIG}, signal.SIGTERM)
 if os.getppid() != int(sys.argv[1]):
     os.kill(os.getpid(), signal.SIGTERM)

@@ -97,6 +97,8 @@ class RankSet:
         self._ready: dict[int, RankReady] = {}
         self._all_ready = threading.Event()
         self._stopping = threading.Event()
+        self._lost_lock = threading.Lock()
+        self._lost_seen = threading.Event()
         try:
             for r in range(1, size):
                 self._ranks.append(self._spawn(r))
@@ -172,15 +174,40 @@ class RankSet:
             rk.conn.close()
             rk.kv_conn.close()
 
+    def confirm_lost(self, timeout_s: float) -> bool:
+        """Whether a rank exits within `timeout_s` (a step failed: is a lost rank the cause?); if
+        one does, `on_lost` is called now, as the watchdog would (by default this process ends)."""
+        deadline = time.monotonic() + timeout_s
+        if self._lost_seen.is_set():            # the watchdog is ending the worker already
+            time.sleep(timeout_s)
+            return True
+        while True:
+            for rk in self._ranks:
+                code = rk.proc.poll()
+                if code is not None:
+                    self._lost(rk.rank, _describe(code))
+                    return True
+            if time.monotonic() >= deadline or self._stopping.is_set():
+                return False
+            time.sleep(0.02)
+
     # ---- the watchdog -------------------------------------------------------------------------
     def _watch(self) -> None:
         while not self._stopping.wait(WATCH_INTERVAL_S):
             for rk in self._ranks:
                 why = self._check(rk)
-                if why is not None and not self._stopping.is_set():
-                    self._stopping.set()
-                    self._on_lost(rk.rank, why)
+                if why is not None:
+                    self._lost(rk.rank, why)
                     return
+
+    def _lost(self, rank: int, why: str) -> None:
+        """`on_lost` once, whichever of the watchdog and a failed step sees the loss first."""
+        with self._lost_lock:
+            if self._stopping.is_set():
+                return
+            self._stopping.set()
+            self._lost_seen.set()
+        self._on_lost(rank, why)
 
     def _check(self, rk: _Rank) -> str | None:
         """Why rank `rk` is lost (None: it is fine); collects its RankReady while starting."""

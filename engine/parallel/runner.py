@@ -33,6 +33,8 @@ from runtime.tensor_parallel import check_tensor_parallel, check_tp_engine
 
 log = logging.getLogger(__name__)
 
+STEP_FAILURE_GRACE_S = 5.0      # how long a failed step waits for a rank's exit to explain it
+
 
 class TpRunner(Runner):
     supports_grammar = True
@@ -84,6 +86,12 @@ class TpRunner(Runner):
 
     def check_grammar(self, spec) -> str:
         return self.inner.check_grammar(spec)
+
+    def step_failed(self, error: BaseException) -> None:
+        """A collective or a plan's send fails when a rank has died, often before the watchdog's
+        next look: a rank that exits within a few seconds is the cause, and the worker ends as the
+        watchdog would have ended it (its requests migrate, none is failed)."""
+        self.ranks.confirm_lost(STEP_FAILURE_GRACE_S)
 
     def __getattr__(self, name: str):
         """Anything else is rank 0's runner's (its model, backend, graphs: what benchmarks read)."""

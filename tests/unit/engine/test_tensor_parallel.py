@@ -108,6 +108,39 @@ def test_a_rank_that_dies_is_reported_with_why(tiny_dirs):
         assert lost == [(1, "was killed by SIGKILL")]
     finally:
         runner.ranks.kill()
+        runner.tp.close()
+
+
+def test_a_step_that_fails_on_a_dead_rank_reports_the_loss_before_the_watchdog_looks(tiny_dirs, monkeypatch):
+    """A killed rank breaks the next step (its plan's send or a collective) often before the
+    watchdog's next look; the engine loop then asks the runner, which finds the exited rank and
+    reports it (a worker ends: its requests migrate instead of failing). A failure with every rank
+    alive is not a loss."""
+    import engine.parallel.ranks as ranks_mod
+    import engine.parallel.runner as runner_mod
+    lost = []
+    runner = TpRunner(engine_cfg(tiny_dirs["llama"], 2), on_lost=lambda rank, why: lost.append((rank, why)))
+    try:
+        engine = Engine(engine_cfg(tiny_dirs["llama"], 2), runner=runner)
+        monkeypatch.setattr(runner_mod, "STEP_FAILURE_GRACE_S", 0.3)
+        runner.step_failed(RuntimeError("not a lost rank"))
+        assert lost == []
+        monkeypatch.setattr(ranks_mod, "WATCH_INTERVAL_S", 3600.0)     # the watchdog looks no more
+        time.sleep(3 * 0.1)
+        [pid] = runner.ranks.pids
+        os.kill(pid, signal.SIGKILL)
+        engine.add_request(EngineRequest("0", prompts()[2], SamplingParams(temperature=0.0, max_tokens=4)))
+        with pytest.raises(Exception) as failed:
+            while engine.has_work:
+                engine.step()
+        assert lost == []
+        runner.step_failed(failed.value)
+        assert lost == [(1, "was killed by SIGKILL")]
+        runner.step_failed(failed.value)
+        assert len(lost) == 1
+    finally:
+        runner.ranks.kill()
+        runner.tp.close()
 
 
 # ---- the split itself, without processes -------------------------------------------------------
