@@ -387,17 +387,19 @@ class EngineLoop:
                 eng.runner.step_failed(e)
                 log.exception("engine step failed; failing the running requests")
                 result = StepResult(self._fail_all(), eng.pool.take_events(), eng.scheduler.remote.take_reservations())
+            # stats walk every queued request; readers poll them at most every 0.5 s, so refresh at
+            # most every STATS_INTERVAL_S while busy (always once the engine goes idle). Before the
+            # outputs: a worker pushes its load to the frontends as it delivers them, and the push
+            # after a last step must say idle (else the frontends route around a stale load)
+            now = time.monotonic()
+            if not eng.has_work or now - self._stats_at >= STATS_INTERVAL_S:
+                self.stats, self._stats_at = eng.stats(), now
             if result.outputs:
                 self._on_outputs(result.outputs)
             if result.reservations and self._on_reservations:
                 self._on_reservations(result.reservations)
             if result.events and self._on_events:
                 self._on_events(result.events)
-            # stats walk every queued request; readers poll them at most every 0.5 s, so refresh at
-            # most every STATS_INTERVAL_S while busy (always once the engine goes idle)
-            now = time.monotonic()
-            if not eng.has_work or now - self._stats_at >= STATS_INTERVAL_S:
-                self.stats, self._stats_at = eng.stats(), now
 
     def _fail_all(self) -> list[RequestOutput]:
         sched = self.engine.scheduler

@@ -94,14 +94,21 @@ def scale(cluster, **sizes: int) -> None:
     stub.ScalePool(admin_pb2.ScalePoolRequest(**sizes), metadata=md, timeout=10)
 
 
-async def when_all_busy(cluster, role: str, n: int, then) -> None:
-    """Once each of the `n` workers of `role` has requests, call `then()` (fast: the admin API itself)."""
+async def when_all_busy(cluster, role: str, n: int, then, busy_now: int | None = None) -> None:
+    """Once `busy_now` (default: all) of the `n` workers of `role` have requests at one look, call
+    `then()` (fast: the admin API itself). The decode pool's scale-down asks for two of three: its
+    prompts reach the workers one prefill at a time, and on a loaded 2-core machine the router may
+    leave one worker idle for a whole stream (seen once). A scale-down drains the least loaded
+    first, so a busy one is drained either way."""
     deadline = time.monotonic() + 60
+    want = n if busy_now is None else busy_now
+    looks: list = []
     while True:
         b = await asyncio.to_thread(busy, cluster, role)
-        if len(b) == n and all(b.values()):
+        looks.append((round(time.monotonic() - deadline + 60, 2), sorted(b.values())))
+        if len(b) == n and sum(1 for k in b.values() if k) >= want:
             break
-        assert time.monotonic() < deadline, f"not every {role} worker got work: {b}"
+        assert time.monotonic() < deadline, f"fewer than {want} {role} workers had work at once: {b} {looks[:60]}"
         await asyncio.sleep(0.02)
     await asyncio.to_thread(then)
 
@@ -177,7 +184,7 @@ def test_decode_scale_up_takes_traffic_and_scale_down_drains_under_load(cluster,
             probes.extend(probe(w.address) for w in decode)
 
     streams = asyncio.run(stream_all(cluster.url, PROMPTS, MAX_TOKENS,
-                                     during=lambda: when_all_busy(cluster, "decode", 3, scale_down_and_probe)))
+                                     during=lambda: when_all_busy(cluster, "decode", 3, scale_down_and_probe, busy_now=2)))
     assert failures(streams, MAX_TOKENS) == []                             # none failed, none truncated
     assert [s.tokens for s in streams] == reference                        # the same greedy tokens
     until(lambda: settled(cluster, "decode", 1), 30, 0.2, "one decode worker left")

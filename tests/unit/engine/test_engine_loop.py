@@ -80,3 +80,27 @@ def test_a_duplicate_request_id_is_refused_and_a_failing_command_never_ends_the_
         assert sum(len(o.new_token_ids) for o in outputs if o.request_id == "a") == 32, [o for o in outputs if o.request_id == "a"]
     finally:
         loop.stop()
+
+
+def test_the_stats_read_with_a_last_output_say_idle():
+    """A worker pushes its load to the frontends as it delivers outputs, reading the loop's stats:
+    with a request's last tokens they say the engine is idle (read before the refresh, they still
+    counted the request running, and the frontends routed around that stale load)."""
+    engine = Engine(EngineConfig(model=resolve_model("tiny"), num_blocks=64))
+    seen, done = [], threading.Event()
+    loop = None
+
+    def on_outputs(outs):
+        seen.append((loop.stats.num_running, loop.stats.num_decoding))
+        if any(o.finish_reason is not None for o in outs):
+            done.set()
+
+    loop = EngineLoop(engine, on_outputs)
+    loop.start()
+    try:
+        loop.submit(EngineRequest("a", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)))
+        assert done.wait(30)
+        assert seen[-1] == (0, 0), seen[-3:]
+        assert any(running for running, _ in seen)       # while it ran, the stats said so
+    finally:
+        loop.stop()
