@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         from splitserve import admin_cli
         return admin_cli.main(admin_cli.parse(argv))
     from runtime.config_fields import ConfigError
+    from kvstore.movers.disk_index import DiskTierError
     from runtime.errors import InvalidRequest, StartupError
     from runtime.host_checks import device_problem
     from runtime.logging import setup_logging
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from decode_worker.main import serve_worker
             run_component(serve_worker(cfg))
-    except StartupError as e:        # e.g. an unusable --kv-disk-dir: one line, not a traceback
+    except (StartupError, DiskTierError) as e:   # e.g. an unusable --kv-disk-dir: one line, not a traceback
         print(f"splitserve {cmd}: {e}", file=sys.stderr)
         return 2
     return 0

@@ -36,7 +36,6 @@ from pathlib import Path
 import xxhash
 
 from kvstore.block_format import BlockFormat
-from runtime.errors import StartupError
 
 FORMAT_VERSION = 1
 _I64 = 1 << 63
@@ -48,8 +47,9 @@ def _meta_sum(meta: dict[str, str]) -> str:
     return str(xxhash.xxh64_intdigest("\n".join(f"{k}={v}" for k, v in sorted(meta.items())).encode()))
 
 
-class DiskTierError(StartupError):
-    """The disk tier cannot start: a bad directory, too little space, or a foreign format."""
+class DiskTierError(RuntimeError):
+    """The disk tier cannot start: a bad directory, too little space, or a foreign format. A
+    worker's command says it in one line and exits with code 2, as for runtime's StartupError."""
 
 
 class DiskIndexDamaged(DiskTierError):
