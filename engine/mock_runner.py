@@ -16,6 +16,7 @@ It knows nothing of gRPC, Redis or the router.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -29,9 +30,11 @@ from perf.profile import DEFAULT_KV_TOKENS, DEFAULT_MAX_MODEL_LEN, StepTiming, l
 
 log = logging.getLogger(__name__)
 
+MOCK_KV_BYTES = 8      # per block: enough for NIXL to move, nothing a test could mistake for a model's KV
+
 
 class MockModelRunner:
-    """ModelRunner's interface (model_config, max_model_len, num_blocks, device, execute)."""
+    """ModelRunner's interface (model_config, max_model_len, num_blocks, device, kv_cache, execute)."""
 
     def __init__(self, cfg: EngineConfig, timing: StepTiming | None = None,
                  sleep=time.sleep, clock=time.perf_counter) -> None:
@@ -49,6 +52,17 @@ class MockModelRunner:
         log.info("mock model runner (%s): %d KV blocks of %d tokens, max_model_len %d, vocab %d",
                  type(self.timing).__name__, self.num_blocks, cfg.block_size, self.max_model_len,
                  self.model_config.vocab_size)
+
+    @functools.cached_property
+    def kv_cache(self):
+        """A real KV cache in the model runner's layout, [layers, blocks + 1 (the scratch block), K/V,
+        block_size, kv_heads, head_dim], of MOCK_KV_BYTES bytes per block (one layer, one token row,
+        one head): the workers register it with NIXL and the prefill worker pushes a prompt's blocks of
+        it to the decode worker, so disaggregated serving moves real bytes through the real path.
+        Allocated on first use; torch is imported here, not at module import."""
+        import torch
+
+        return torch.zeros(1, self.num_blocks + 1, 2, 1, 1, MOCK_KV_BYTES // 2, dtype=torch.uint8)
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
         """Wait as long as the step would run on the device; return the sampled tokens."""

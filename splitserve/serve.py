@@ -124,9 +124,6 @@ def serve(cfg: ServeConfig, launcher: type[Launcher] | None = None, connect=None
         print(f"splitserve serve: {e.message}", file=sys.stderr)
         return 2
     from kvstore.movers.transfer import nixl_available
-    if cfg.prefill_workers and cfg.engine.mock:
-        print("splitserve serve: mock workers hold no KV to move; serving aggregated", file=sys.stderr)
-        cfg = dataclasses.replace(cfg, prefill_workers=0)
     if cfg.prefill_workers and not nixl_available():
         print("splitserve serve: NIXL is not installed (pip install 'splitserve[nixl]'); serving aggregated",
               file=sys.stderr)
