@@ -217,3 +217,17 @@ def test_decode_kv_and_the_prefill_lease(tmp_path):
                         prefill_workers=1, decode_workers=1).run()
     assert leased.local_prefill.all()                   # 0.5 s of prefill > the 0.3 s lease
     assert leased.ttft_s[0] == pytest.approx(0.5)
+
+
+def test_generated_workload_shapes_and_rate_scale():
+    ph = synthetic_workload("prefill_heavy", seed=0, duration_s=1800)
+    assert 1300 < np.median(ph.prompt) < 1700 and 3000 < np.percentile(ph.prompt, 90) < 4500
+    assert 10 <= np.median(ph.output) <= 40                     # tens of tokens
+    per_20s = np.bincount((ph.arrival_s // 20).astype(int))
+    assert per_20s.max() > 3 * np.median(per_20s)              # its bursts
+    dh = synthetic_workload("decode_heavy", seed=0, duration_s=1800)
+    assert np.median(dh.output) > 2 * np.median(dh.prompt)
+    double = synthetic_workload("prefill_heavy", seed=0, duration_s=1800, rate_scale=2.0)
+    assert 1.8 < len(double) / len(ph) < 2.2 and np.diff(double.arrival_s).min() >= 0
+    with pytest.raises(ValueError):
+        synthetic_workload("prefill_heavy", rate_scale=0)
