@@ -54,8 +54,9 @@ class Outcomes:
     """The requests whose latency became known in the interval, against the targets: the closed
     loop's evidence (planner/core.py "Misses lift a pool"). TTFT is counted when the first token is
     out, among the requests whose own prefill fits the target (no pool saves the others); of its
-    misses, `ttft_missed_decode` waited longer for a decode worker's KV than at a prefill worker
-    (the decode pool's to fix, not the prefill pool's). ITL is counted when the last token is out,
+    misses, `ttft_missed_decode` are the decode pool's to fix, not the prefill pool's: prompts a
+    decode worker computed itself, and those that waited longer for a decode worker's KV than at
+    a prefill worker. ITL is counted when the last token is out,
     among those with more than one output token."""
     ttft_count: int = 0
     ttft_missed: int = 0

@@ -65,6 +65,18 @@ def test_backtest_on_a_known_series():
     assert step.mae_1 == pytest.approx(100.0 / 16 / 150.0)   # one miss of 100 in 16, over the mean
 
 
+def test_one_burst_does_not_hold_the_spread_open():
+    """A lone burst's error is one of the window's: the spread is back to the noise's at the next
+    forecast (a mean of squared errors held it at several times that for ten intervals)."""
+    rng = np.random.default_rng(2)
+    series = list(1000 + rng.normal(0, 30, 60)) + [3000.0] + list(1000 + rng.normal(0, 30, 10))
+    p = make_predictor("ewma(0.5)")
+    p.warm_start(series)
+    quiet = make_predictor("ewma(0.5)")
+    quiet.warm_start(series[:60])
+    assert p.forecast(1).sd < 2 * quiet.forecast(1).sd
+
+
 def test_the_error_model_starts_as_a_running_mean():
     """Until there are 1 / ERROR_WEIGHT errors each counts alike: one large error at the start (a
     trace that ramps up in its first interval) must not dominate the spread for ten intervals."""
@@ -85,7 +97,7 @@ def test_the_spread_ahead_is_measured_not_extrapolated(name):
     flat.warm_start(noise)
     moving.warm_start(walk)
     assert flat.forecast(3).sd == pytest.approx(flat.forecast(1).sd)   # floored at one step ahead
-    assert moving.forecast(3).sd > 1.6 * moving.forecast(1).sd
+    assert moving.forecast(3).sd > 1.4 * moving.forecast(1).sd   # sqrt(3) for the walk, less its sampling
     ratio = make_predictor(name)._spread(12) / make_predictor(name)._spread(MEASURED_STEPS)
     assert flat.forecast(12).sd == pytest.approx(flat.forecast(MEASURED_STEPS).sd * math.sqrt(ratio))
     early = make_predictor(name)
