@@ -18,8 +18,7 @@ It knows nothing of what it corrects.
 from __future__ import annotations
 
 import math
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 CORRECTION_WEIGHT = 0.2
@@ -52,8 +51,7 @@ class Correction:
 
 LIFT_STEP = 0.25        # each interval of significant misses raises a pool's lift by a quarter ...
 LIFT_MAX = 4.0          # ... up to 4x its planned load
-LIFT_DECAY = 0.1        # an agreeing interval within the budget takes a tenth of the lift above 1 back
-LIFT_WINDOW = 90        # the miss budget is kept over the last 90 intervals (30 minutes at 20 s)
+LIFT_DECAY = 0.2        # an agreeing interval takes a fifth of the lift above 1 back (half in about 3)
 MISS_Z = 2.0            # misses count when above the allowance by two binomial standard deviations
 
 
@@ -73,35 +71,26 @@ class MissLift:
     target are significantly above its allowance, the pool is lifted whatever the model says: its
     planned load is multiplied by `value` (raised by LIFT_STEP), and it may not go below one more
     worker than served that interval (`floor`). The lift is undone only when the model's own
-    prediction agrees again and the pool is back within its miss budget: in an interval where the
-    pool met its target, the model without the lift predicted that it would at the load and the
-    workers it had, and the misses over the last LIFT_WINDOW intervals are within the allowance,
-    `value` loses LIFT_DECAY of its excess over 1 and the floor goes. So a burst that recurs
-    within the window keeps the pool lifted until it stops costing the budget, and a lone one
-    lets go once the window has absorbed it. An interval where the model predicts misses the pool
+    prediction agrees again: in an interval where the pool met its target and the model, without
+    the lift, predicted that it would at the load and the workers it had, `value` loses LIFT_DECAY
+    of its excess over 1 and the floor goes. An interval where the model predicts misses the pool
     did not have leaves the lift as it is (the model asks for more workers anyway)."""
     value: float = 1.0
     floor: int = 0
     lifts: int = 0
-    window: deque = field(default_factory=lambda: deque(maxlen=LIFT_WINDOW))
 
     def observe(self, num: int, missed: int, allowance: float, served: int, model_meets: Callable[[], bool],
                 min_records: int) -> None:
         """One interval: `num` requests judged, `missed` of them missed, `served` ready workers;
         `model_meets()` asks the model (asked only when the pool met its target)."""
-        self.window.append((num, missed))
         if num < min_records:
             return
         if significant_misses(num, missed, allowance):
             self.value = min(self.value * (1 + LIFT_STEP), LIFT_MAX)
             self.floor = max(self.floor, served + 1)
             self.lifts += 1
-        elif self.within_budget(allowance) and model_meets():
+        elif model_meets():
             self.value = 1 + (self.value - 1) * (1 - LIFT_DECAY)
             if self.value < 1.01:
                 self.value = 1.0
             self.floor = 0
-
-    def within_budget(self, allowance: float) -> bool:
-        num = sum(n for n, _ in self.window)
-        return num == 0 or sum(m for _, m in self.window) <= allowance * num

@@ -2,14 +2,13 @@
 
 Each predictor eats one number per planner interval (requests that arrived in it) and forecasts
 `steps` intervals ahead as a `Forecast(mean, sd)`; the planner sizes on a quantile of it. All share
-one error model: the spread at h steps ahead is read off the errors of the forecasts it made h
-steps ahead over the last ERROR_WINDOW intervals, at their 90th percentile (as the normal spread
-with that p90: q90 / z(0.9)), never below the one-step spread nor the Poisson spread of the
-forecast count (variance = mean). A quantile over a window, not a mean of squares: one burst's
-error, squared, would hold the spread at two or three times the rate for minutes after it (the
-prefill pool's swings, docs/planner.md "When the planner misses"); a burst that recurs in more
-than a tenth of the window widens it, as it should. Until a horizon has MIN_WINDOW_ERRORS errors
-its spread is their exponentially weighted mean of squares. Measured, not extrapolated: each model's own
+one error model: the spread at h steps ahead is an exponentially weighted mean of the squared
+errors of the forecasts it made h steps ahead, each error counted at most ERROR_CAP spreads (a
+lone burst's error, squared, would otherwise hold the spread, and the planned rate, at several
+times the level for ten intervals: the prefill pool's swings, docs/planner.md "When the planner
+misses"), never below the one-step spread nor the Poisson spread of the forecast count (variance
+= mean). A burst that recurs keeps widening it, three spreads at a time. Measured, not
+extrapolated: each model's own
 formula for how the spread grows (Hyndman et al., "Forecasting with Exponential Smoothing",
 ch. 6) assumes the series moves the way the model does, so on a series whose one-step errors are
 mostly sampling noise (which does not add up over the horizon) it widens the far forecasts for
@@ -39,9 +38,7 @@ from typing import Callable, Protocol, Sequence
 
 ERROR_WEIGHT = 0.1   # the squared-error EWMA: the spread follows about the last 10 intervals
 MEASURED_STEPS = 8   # horizons whose spread is measured (the planner's is 2 to 3 intervals)
-ERROR_WINDOW = 90    # the spread is read off the errors of the last 90 forecasts (30 minutes at 20 s) ...
-ERROR_QUANTILE = 0.9 # ... at their 90th percentile, as a normal spread: q90 / z(0.9)
-MIN_WINDOW_ERRORS = 20   # fewer errors than this: the squared-error EWMA
+ERROR_CAP = 3.0      # an error counts at most this many spreads (Poisson's at least) in the EWMA
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +48,6 @@ class Forecast:
 
     def quantile(self, q: float) -> float:
         return max(self.mean + NormalDist().inv_cdf(q) * self.sd, 0.0)
-
-
-_Z90 = NormalDist().inv_cdf(ERROR_QUANTILE)
 
 
 class Predictor(Protocol):
@@ -80,7 +74,6 @@ class _Base:
         self._made: deque[tuple[float, ...]] = deque(maxlen=MEASURED_STEPS)
         self._sq_err = [0.0] * (MEASURED_STEPS + 1)   # [h]: mean squared error h steps ahead
         self._errors = [0] * (MEASURED_STEPS + 1)     # [h]: how many errors it has seen
-        self._recent: list[deque[float]] = [deque(maxlen=ERROR_WINDOW) for _ in range(MEASURED_STEPS + 1)]
 
     def observe(self, count: float) -> None:
         x = max(float(count), 0.0)
@@ -88,11 +81,15 @@ class _Base:
         for h, made in enumerate(reversed(self._made), start=1):
             err = x - made[h - 1]
             self._errors[h] += 1
-            self._recent[h].append(err)
             # the running mean of the squared errors until there are 1 / ERROR_WEIGHT of them, then
             # the EWMA: seeding the EWMA with its first error would give that one error (made by a
             # smoother with no trend yet) ten times the weight of any later one for ten intervals
             weight = max(ERROR_WEIGHT, 1 / self._errors[h])
+            if self._errors[h] * ERROR_WEIGHT > 1:
+                # one error counts at most ERROR_CAP spreads: a lone burst would otherwise hold the
+                # spread (and the planned rate) at several times its level for ten intervals
+                cap = ERROR_CAP * ERROR_CAP * max(self._sq_err[h], made[h - 1], 1.0)
+                err = math.copysign(math.sqrt(min(err * err, cap)), err)
             self._sq_err[h] = (1 - weight) * self._sq_err[h] + weight * err * err
         self._update(x)
         self._n += 1
@@ -107,23 +104,13 @@ class _Base:
         if not self._n:
             return Forecast(0.0, 0.0)
         mean = max(self._point(steps), 0.0)
-        var1 = max(self._var(1), mean)             # never tighter than Poisson
+        var1 = max(self._sq_err[1], mean)          # never tighter than Poisson
         # the farthest horizon up to `steps` with errors enough of its own, grown from there by
         # the model's formula (from one step while no other has enough)
         m = next((h for h in range(min(steps, MEASURED_STEPS), 1, -1)
                   if self._errors[h] * ERROR_WEIGHT >= 1), 1)
-        var_m = max(self._var(m), var1)            # nor tighter than one step ahead
+        var_m = max(self._sq_err[m], var1)         # nor tighter than one step ahead
         return Forecast(mean, math.sqrt(var_m * self._spread(steps) / self._spread(m)))
-
-    def _var(self, h: int) -> float:
-        """The squared spread h steps ahead: from the 90th percentile of the recent errors (a
-        burst that recurs in more than a tenth of the window widens it, a lone one does not), or
-        the squared-error EWMA while there are few of them."""
-        recent = self._recent[h]
-        if len(recent) >= MIN_WINDOW_ERRORS:
-            q = sorted(recent)[min(int(ERROR_QUANTILE * len(recent)), len(recent) - 1)]
-            return (max(q, 0.0) / _Z90) ** 2
-        return self._sq_err[h]
 
     def _point(self, steps: int) -> float:
         raise NotImplementedError

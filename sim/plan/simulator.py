@@ -115,6 +115,7 @@ class Simulation(PlannerTicks):
         self.first_token = np.full(n, np.nan) if decode_entry_s is None else decode_entry_s.astype(float)
         self.cached = np.zeros(n, dtype=np.int64)
         self.local = np.zeros(n, dtype=bool)
+        self.decode_owned = np.zeros(n, dtype=bool)      # LOCAL for a reason no prefill worker changes
         self.decode_wait = np.zeros(n)
         self._prefill_of: dict[int, str] = {}            # REMOTE, until its prefill starts
         self._decode_of: dict[int, str] = {}             # until it is done
@@ -213,6 +214,7 @@ class Simulation(PlannerTicks):
         `direct` (the prefill-only stage): no decode worker, so it is queued there at once."""
         cfg = self.cfg
         if not direct and self.prompt[rid] < cfg.remote_prefill_min_tokens:
+            self.decode_owned[rid] = True           # too short to send: the decode pool's own
             return False
         try:
             p = self.router.route(rid, self.hashes[rid] if self.hashes is not None else (),
@@ -223,6 +225,8 @@ class Simulation(PlannerTicks):
             return False
         if not direct and self.router.load(p.worker_id) * TRACE_BLOCK_TOKENS > cfg.max_prefill_queue_tokens:
             self.router.finished(rid, p.worker_id)
+            # a prompt longer than the limit itself never goes remote: the decode pool's own
+            self.decode_owned[rid] = p.prefill_blocks * TRACE_BLOCK_TOKENS > cfg.max_prefill_queue_tokens
             return False
         self.cached[rid] = min(p.overlap_blocks * TRACE_BLOCK_TOKENS, self.prompt[rid] - 1)
         if direct:

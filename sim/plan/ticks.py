@@ -61,10 +61,11 @@ class PlannerTicks:
         o[0] += 1
         if ttft > target:
             o[1] += 1
-            # the decode pool's: a prompt its decode worker computed, or one that waited longer
+            # the decode pool's: a prompt its decode worker computed for a reason of its own (too
+            # short to send, or longer than any prefill queue may hold), or one that waited longer
             # for a decode worker's KV than for its prefill
             wait = float(self.decode_wait[rid])
-            o[2] += bool(self.local[rid]) or wait > ttft - wait
+            o[2] += bool(self.decode_owned[rid]) or (not self.local[rid] and wait > ttft - wait)
 
     def _note_itl(self, itl: float) -> None:
         self._tick_itl.append(itl)

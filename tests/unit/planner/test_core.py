@@ -235,16 +235,15 @@ def test_deadline_queues_need_fewer_prefill_workers_than_fifo_ones():
 def test_observed_misses_lift_a_pool_whatever_the_model_says(pool):
     """A steady load the model sizes comfortably, but the pool is observed missing its target (a
     wait the model does not know): each interval of misses grows the pool and moves its
-    correction (the lift), though the model's own requirement stays put; the lift holds while the
-    misses of the last half hour exceed the pool's allowance, and once they no longer do and the
-    model agrees, it is undone and the pool returns to the model's size."""
+    correction (the lift), though the model's own requirement stays put; once the misses stop and
+    the model agrees, the lift is undone and the pool returns to the model's size."""
     from planner import Outcomes
 
     planner = Planner(config(), PROFILE)
     rng = np.random.default_rng(7)
     p, d = 0, 0
     sizes, lifts = [], []
-    for k in range(160):
+    for k in range(40):
         now = (k + 1) * INTERVAL
         reqs = arrivals(rng, now, 30.0)
         n = len(reqs)
@@ -261,5 +260,4 @@ def test_observed_misses_lift_a_pool_whatever_the_model_says(pool):
     assert lifts[15] > lifts[10] > 1.0                                       # and keeps moving while misses last
     assert all(b > a for a, b in zip(sizes[9:16], sizes[10:16]))             # the pool grows every interval
     assert sizes[15] >= before + 6
-    assert lifts[40] >= lifts[15]                  # held while the misses still weigh on the pool's budget
-    assert lifts[-1] < 1.02 and sizes[-1] <= before  # undone once the model agrees and the budget is kept
+    assert lifts[-1] < 1.02 and sizes[-1] <= before  # undone once the model agrees
