@@ -1,11 +1,12 @@
 """`splitserve bench plan`: replay an arrival trace through the planner core on a virtual clock,
 and compare its GPU-hours with the cheapest static split that reaches the same attainment.
 
-The trace (an Azure CSV, a Mooncake JSONL, or `synthetic:diurnal|bursty|flash`) is scaled by
---load-scale (plansim/workload.py), its first --warm-start-s seconds become the history the
+The trace (an Azure CSV, a Mooncake JSONL, or `synthetic:<kind>`, sim/workload.py) is scaled by
+--load-scale (sim/workload.py), its first --warm-start-s seconds become the history the
 planner is warm-started with, and the rest is replayed through simulated pools that run the
-profile's timing and the real router (plansim/simulator.py says what is modelled and what not).
-Then plansim/static.py searches the cheapest static prefill/decode split with the same simulator.
+profile's timing and the real router along the live request path (sim/plan/simulator.py says what
+is modelled and what not). Then sim/plan/static.py searches the cheapest static prefill/decode
+split with the same simulator.
 
 Definitions (docs/planner.md):
 
@@ -43,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--trace", required=True,
                    help="Azure CSV (TIMESTAMP,ContextTokens,GeneratedTokens), Mooncake JSONL, or "
-                        "synthetic:diurnal / synthetic:bursty")
+                        "synthetic:diurnal / bursty / flash / prefill_heavy / decode_heavy")
     p.add_argument("--ttft-ms", type=float, required=True, help="TTFT target")
     p.add_argument("--itl-ms", type=float, required=True, help="target for each request's mean ITL")
     p.add_argument("--load-scale", type=float, default=1.0,
@@ -70,6 +71,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-order", choices=PREFILL_ORDERS, default=PREFILL_ORDERS[0],
                    help="prefill workers' queue: deadline (the oldest prompt that can still meet the TTFT "
                         "target first, as `serve --ttft-ms` runs them) or fifo (arrival order)")
+    p.add_argument("--remote-prefill-min-tokens", type=int, default=None,
+                   help="a prompt goes to a prefill worker only with this many tokens to compute "
+                        "(default: the frontend's)")
+    p.add_argument("--max-prefill-queue-tokens", type=int, default=None,
+                   help="a prefill worker with more queued prompt tokens counts as saturated: the prompt is "
+                        "computed on its decode worker (default: the frontend's)")
+    p.add_argument("--handoff-ms", type=float, default=None,
+                   help="a remote first token reaches the client this long after its prefill (KV push and the "
+                        "decode worker's first step; default: the H100 measurement)")
     p.add_argument("--no-static", action="store_true", help="skip the static baseline search")
     p.add_argument("--backtest", action="store_true",
                    help="print the predictors' backtest on the trace's per-interval arrivals and exit")
@@ -105,8 +115,16 @@ def _configs(args: argparse.Namespace, startup_s: float):
     except ValueError as e:
         raise PlanInputError(str(e)) from None
     deadline = planner.ttft_target_s if planner.prefill_deadline else None
-    return planner, SimConfig(planner.ttft_target_s, planner.itl_target_s, args.interval_s, startup_s, args.seed,
-                              deadline)
+    live = {k: v for k, v in (("remote_prefill_min_tokens", args.remote_prefill_min_tokens),
+                              ("max_prefill_queue_tokens", args.max_prefill_queue_tokens),
+                              ("handoff_s", None if args.handoff_ms is None else args.handoff_ms / 1e3))
+            if v is not None}
+    try:
+        sim = SimConfig(planner.ttft_target_s, planner.itl_target_s, args.interval_s, startup_s, args.seed,
+                        deadline, **live)
+    except ValueError as e:
+        raise PlanInputError(str(e)) from None
+    return planner, sim
 
 
 def _summary(r, ttft_s: float, itl_s: float, prompt: np.ndarray) -> dict:
@@ -188,7 +206,9 @@ def main(args: argparse.Namespace) -> int:
         "attainment_goal": args.attainment_goal, "arrival_quantile": args.arrival_quantile,
         "hysteresis": args.hysteresis, "prefill_down_delay_s": planner_cfg.down_delay(decode=False),
         "decode_down_delay_s": planner_cfg.down_delay(decode=True), "gpu_budget": args.gpu_budget,
-        "prefill_order": args.prefill_order,
+        "prefill_order": args.prefill_order, "handoff_s": sim_cfg.handoff_s,
+        "max_prefill_queue_tokens": sim_cfg.max_prefill_queue_tokens,
+        "local_prefill_share": round(float(result.local_prefill.mean()), 4),
         **summary,
         "gpu_hours": round(gpu_hours, 4),
         "static_gpu_hours": round(static_gpu_hours, 4) if static_gpu_hours else None,

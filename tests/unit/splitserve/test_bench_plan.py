@@ -40,6 +40,7 @@ def test_the_json_last_line(tmp_path, capsys):
     assert 0.9 <= out["sla_attainment"] <= 1 and out["static_sla_attainment"] >= out["sla_attainment"]
     assert set(out["static_config"]) == {"prefill", "decode"} and out["static_gpu_hours"] > 0
     assert out["gpu_hours"] > 0 and out["startup_s"] == 30 and out["requests"] > 1000
+    assert 0 <= out["local_prefill_share"] <= 1 and out["max_prefill_queue_tokens"] == 32768
     assert png.stat().st_size > 10_000
     decisions = [json.loads(x) for x in (tmp_path / "d.jsonl").read_text().splitlines()]
     assert decisions[0]["prefill"]["bound"] in ("model", "min") and "plan_rate_rps" in decisions[0]["load"]
@@ -55,5 +56,6 @@ def test_backtest_mode_and_bad_input(tmp_path, capsys):
     assert {r["predictor"] for r in rows} >= {"constant", "holt(0.5,0.2,0.9)"} and rows[0]["horizon"] == horizon
     assert main(["bench", "plan", "--trace", str(tmp_path / "missing.csv"), "--ttft-ms", "1", "--itl-ms", "1"]) == 2
     assert main(["bench", "plan", "--trace", str(trace), "--ttft-ms", "0", "--itl-ms", "1"]) == 2
+    assert main(["bench", "plan", "--trace", str(trace), "--ttft-ms", "1", "--itl-ms", "1", "--handoff-ms", "-1"]) == 2
     args = build_parser().parse_args(["bench", "plan", "--trace", "x", "--ttft-ms", "1", "--itl-ms", "1"])
     assert args.startup_s is None and args.interval_s == 20.0
