@@ -197,7 +197,7 @@ def main() -> int:
     if min(args.gpus) < 1 or args.processes < 1 or args.trace_s <= 0 or args.synthetic_s <= 0:
         print("plan_suite: --gpus, --processes, --trace-s and --synthetic-s must be positive", file=sys.stderr)
         return 2
-    cells = [Cell(w, g, s, args.trace_s, args.synthetic_s) for g in sorted(args.gpus, reverse=True)
+    cells = [Cell(w, g, s, args.trace_s, args.synthetic_s) for g in sorted(args.gpus)
              for w in args.workloads for s in args.seeds]
     records = []
     with Pool(args.processes) as pool:
