@@ -230,21 +230,10 @@ class Planner:
 
     # ---- sizing -------------------------------------------------------------------------------
 
-    def _max_wait_s(self, service: np.ndarray) -> float:
-        """The longest a prompt waits for a prefill worker before the frontend's gate sends it to its
-        decode worker: the gate's tokens at a prefill worker's pace (the window's uncached tokens
-        over their corrected prefill seconds)."""
-        gate = self.config.max_prefill_queue_tokens
-        if gate is None or not self._samples or service.sum() <= 0:
-            return math.inf
-        a = np.array(self._samples, dtype=np.float64)
-        return gate / (float((a[:, 0] - a[:, 1]).sum()) / float(service.sum()))
-
     def _prefill_workers(self, rate: float, service: np.ndarray) -> int:
         return size_prefill(rate, service, self.config.ttft_target_s, self.config.pool_goal,
                             self._burst[Pool.PREFILL], self.wait_correction.value,
-                            self.config.prefill.max_workers + 1, self.config.prefill_deadline,
-                            self._max_wait_s(service)).workers
+                            self.config.prefill.max_workers + 1, self.config.prefill_deadline).workers
 
     def _decode_step(self, batch: float, context: float) -> float:
         return self.decode_correction.value * self.profile.decode_step_s(batch, context)
@@ -283,7 +272,7 @@ class Planner:
     def _prefill_meets(self, workers: int, rate: float, service: np.ndarray) -> bool:
         cfg = self.config
         s = prefill_attainment(workers, rate, service, cfg.ttft_target_s, self._burst[Pool.PREFILL],
-                               self.wait_correction.value, cfg.prefill_deadline, self._max_wait_s(service))
+                               self.wait_correction.value, cfg.prefill_deadline)
         return workers > 0 and s.attainment >= cfg.pool_goal * float((service < cfg.ttft_target_s).mean())
 
     def _decode_meets(self, workers: int, rate: float, wl: DecodeWorkload) -> bool:
@@ -357,7 +346,7 @@ class Planner:
 
     def _predict(self, d: PoolDecision, rate: float, service: np.ndarray) -> PoolDecision:
         s = prefill_attainment(d.desired, rate, service, self.config.ttft_target_s, self._burst[Pool.PREFILL],
-                               self.wait_correction.value, self.config.prefill_deadline, self._max_wait_s(service))
+                               self.wait_correction.value, self.config.prefill_deadline)
         return replace(d, predicted=s.attainment, per_worker=s.utilization)
 
     def _predict_decode(self, d: PoolDecision, rate: float, wl: DecodeWorkload) -> PoolDecision:

@@ -90,16 +90,12 @@ def prefill_wait(c: int, rate: float, service_s: np.ndarray, burst: float = 1.0,
 
 
 def prefill_attainment(c: int, rate: float, service_s: np.ndarray, target_s: float,
-                       burst: float = 1.0, wait_correction: float = 1.0, deadline: bool = False,
-                       max_wait_s: float = math.inf) -> PrefillSizing:
+                       burst: float = 1.0, wait_correction: float = 1.0, deadline: bool = False) -> PrefillSizing:
     """The attainment of c workers whose queues run in arrival order (M/G/c, above), or with
-    `deadline` in deadline order (prefill_attainment_deadline). `max_wait_s`: the longest a prompt
-    waits in a prefill queue before the frontend's gate sends it to its decode worker instead; a
-    prompt that would wait longer counts as missed (a decode worker busy with its own batch seldom
-    computes it in time)."""
+    `deadline` in deadline order (prefill_attainment_deadline)."""
     if deadline:
-        return prefill_attainment_deadline(c, rate, service_s, target_s, burst, wait_correction, max_wait_s)
-    slack = np.minimum(target_s - service_s, max_wait_s)
+        return prefill_attainment_deadline(c, rate, service_s, target_s, burst, wait_correction)
+    slack = target_s - service_s
     feasible = slack > 0
     p_wait, wait = prefill_wait(c, rate, service_s, burst, wait_correction)
     util = rate * float(service_s.mean()) / c if c > 0 and len(service_s) else 0.0
@@ -154,16 +150,14 @@ def deadline_miss(c: int, rate: float, mean_s: float, patience_s: np.ndarray) ->
 
 
 def prefill_attainment_deadline(c: int, rate: float, service_s: np.ndarray, target_s: float,
-                                burst: float = 1.0, wait_correction: float = 1.0,
-                                max_wait_s: float = math.inf) -> PrefillSizing:
+                                burst: float = 1.0, wait_correction: float = 1.0) -> PrefillSizing:
     """The attainment of c workers whose queues run in deadline order (engine/scheduler.py
     `_order_by_deadline`): a prompt meets the target iff it starts within its slack T - S_i, and one
     that cannot is set aside, so it delays no one: M/G/c with patience, deadline_miss. General
     arrivals and service times enter as in Allen-Cunneen: the waits scale by (ca2 + cs2) / 2 and the
-    wait correction, so the patience is divided by that factor and the rest taken as M/M/c. No
-    patience is longer than `max_wait_s` (prefill_attainment)."""
-    slack = np.minimum(target_s - service_s, max_wait_s)
-    feasible = service_s < target_s
+    wait correction, so the patience is divided by that factor and the rest taken as M/M/c."""
+    slack = target_s - service_s
+    feasible = slack > 0
     mean_s = float(service_s.mean()) if len(service_s) else 0.0
     util = rate * mean_s / c if c > 0 else 0.0
     if rate <= 0 or mean_s <= 0:
@@ -179,16 +173,15 @@ def prefill_attainment_deadline(c: int, rate: float, service_s: np.ndarray, targ
 
 def size_prefill(rate: float, service_s: np.ndarray, target_s: float, goal: float,
                  burst: float = 1.0, wait_correction: float = 1.0,
-                 max_workers: int = 4096, deadline: bool = False, max_wait_s: float = math.inf) -> PrefillSizing:
+                 max_workers: int = 4096, deadline: bool = False) -> PrefillSizing:
     """The least c whose attainment reaches `goal` of the attainable share (at most max_workers);
-    `deadline`: the workers' queues run in deadline order, else in arrival order; `max_wait_s`:
-    the frontend's gate (prefill_attainment)."""
+    `deadline`: the workers' queues run in deadline order, else in arrival order."""
     if rate <= 0 or not len(service_s):
         return PrefillSizing(0, 1.0, 0.0, 0.0)
     need = goal * float((service_s < target_s).mean())
     c = max(1, math.floor(rate * float(service_s.mean())) + 1)
     while True:
-        s = prefill_attainment(c, rate, service_s, target_s, burst, wait_correction, deadline, max_wait_s)
+        s = prefill_attainment(c, rate, service_s, target_s, burst, wait_correction, deadline)
         if s.attainment >= need or c >= max_workers:
             return s
         c += 1

@@ -71,8 +71,9 @@ def test_no_oscillation_exactly_at_a_step_boundary():
     probe = Planner(config(), PROFILE)
     probe.warm_start([], arrivals(rng, 0.0, 60.0))
     service = np.array([s[3] for s in probe._samples])
+    from planner.sizing import size_prefill
     rates = np.linspace(20, 80, 241)
-    need = [probe._prefill_workers(r, service) for r in rates]      # the planner's own model
+    need = [size_prefill(r, service, 2.0, probe.config.pool_goal).workers for r in rates]
     edge = rates[next(i for i in range(1, len(need)) if need[i] > need[i - 1])]
     decisions = closed_loop(Planner(config(arrival_quantile=0.5), PROFILE), [edge] * 40, seed=3)
     sizes = [d.prefill.desired for d in decisions[1:]]

@@ -148,14 +148,3 @@ def test_the_kv_held_through_the_prefill_bounds_the_decode_pool():
     assert b.limit == "kv" and b.workers > a.workers
     # 40 req/s x 2.3 s held x 8,020 tokens = 738k tokens in flight: more than one worker's 450k
     assert b.workers >= 2
-
-
-def test_the_frontend_gate_bounds_the_wait_a_prefill_pool_may_count_on():
-    """A prompt that would queue longer than the frontend's gate is sent to its decode worker, where
-    it seldom meets the target: with the gate at 0.3 s of queue, waits of up to the 2 s target no
-    longer count, so the pool needs more workers for the same goal."""
-    service = np.random.default_rng(3).uniform(0.02, 0.3, 2000)
-    free = size_prefill(40.0, service, 2.0, 0.995, deadline=True)
-    gated = size_prefill(40.0, service, 2.0, 0.995, deadline=True, max_wait_s=0.3)
-    assert gated.workers > free.workers
-    assert prefill_attainment(free.workers, 40.0, service, 2.0, deadline=True, max_wait_s=0.3).attainment < 0.995
