@@ -9,9 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planner.predictors import DEFAULT_PREDICTOR
-from dataclasses import fields
-
-from runtime.config import PLANNER_INTERVAL_S, FrontendConfig
+from runtime.config import PLANNER_INTERVAL_S
 from perf.profile import DEFAULT_STARTUP_S
 
 
@@ -41,10 +39,6 @@ class PlannerConfig:
     min_records: int = 20                 # fewer observations than this leave a correction alone
     prefill_deadline: bool = True         # prefill workers queue in deadline order (as the planner's
     #                                       clusters run them: WorkerConfig.prefill_deadline_ms), else FIFO
-    # the frontend's gate: a prompt that would queue behind more than this many tokens on its prefill
-    # worker is computed on its decode worker instead (None: no gate)
-    max_prefill_queue_tokens: int | None = next(f.default for f in fields(FrontendConfig)
-                                                if f.name == "max_prefill_queue_tokens")
 
     def __post_init__(self) -> None:
         if self.ttft_target_s <= 0 or self.itl_target_s <= 0 or self.interval_s <= 0:
@@ -57,8 +51,6 @@ class PlannerConfig:
         for limits in (self.prefill, self.decode):
             if not 0 <= limits.min_workers <= limits.max_workers:
                 raise ValueError(f"bad pool limits {limits}")
-        if self.max_prefill_queue_tokens is not None and self.max_prefill_queue_tokens <= 0:
-            raise ValueError("max_prefill_queue_tokens must be > 0")
         if self.gpu_budget is not None and self.gpu_budget < self.prefill.min_workers + self.decode.min_workers:
             raise ValueError("the GPU budget is below the pools' minimums")
 

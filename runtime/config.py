@@ -191,10 +191,6 @@ class SlaConfig:
                                             "this window; none: the start-up time")
     gpu_budget: int | None = arg(None, "workers of both pools at most (draining ones included); none: only "
                                  "the pools' limits")
-    max_prefill_queue_tokens: int = arg(32768, "the frontends' --max-prefill-queue-tokens (keep the two equal): the "
-                                        "planner sizes the prefill pool knowing that a prompt that would queue "
-                                        "behind more is computed on its decode worker",
-                                        flag="--planner-max-prefill-queue-tokens")
     prefill_order: str = arg(PREFILL_ORDERS[0], "the prefill workers' queue order the planner sizes for: deadline (the "
                              "oldest prompt that can still meet the TTFT target first; serve, Ray and the Helm "
                              "chart start them so with the planner) or fifo (arrival order; serve then starts "

@@ -76,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: the frontend's)")
     p.add_argument("--max-prefill-queue-tokens", type=int, default=None,
                    help="a prefill worker with more queued prompt tokens counts as saturated: the prompt is "
-                        "computed on its decode worker; the planner sizes for it (default: the frontend's)")
+                        "computed on its decode worker (default: the frontend's)")
     p.add_argument("--handoff-ms", type=float, default=None,
                    help="a remote first token reaches the client this long after its prefill (KV push and the "
                         "decode worker's first step; default: the H100 measurement)")
@@ -111,9 +111,7 @@ def _configs(args: argparse.Namespace, startup_s: float):
             gpu_budget=args.gpu_budget, predictor=args.predictor, arrival_quantile=args.arrival_quantile,
             hysteresis=args.hysteresis, prefill_down_delay_s=args.prefill_down_delay_s,
             decode_down_delay_s=args.decode_down_delay_s,
-            prefill_deadline=args.prefill_order == "deadline",
-            **({} if args.max_prefill_queue_tokens is None else
-               {"max_prefill_queue_tokens": args.max_prefill_queue_tokens}))
+            prefill_deadline=args.prefill_order == "deadline")
     except ValueError as e:
         raise PlanInputError(str(e)) from None
     deadline = planner.ttft_target_s if planner.prefill_deadline else None
