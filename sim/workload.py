@@ -121,7 +121,7 @@ def scale_load(w: Workload, k: float, seed: int) -> Workload:
     hashes = None
     if w.hashes is not None:
         space = 1 + max((max(h) for h in w.hashes if h), default=0)
-        hashes = [tuple(x + c * space for x in w.hashes[i]) if c else w.hashes[i] for i, c in zip(src, copy)]
+        hashes = [tuple(int(x) + int(c) * space for x in w.hashes[i]) if c else w.hashes[i] for i, c in zip(src, copy)]
     order = np.argsort(t, kind="stable")
     scaled = Workload(f"{w.name}x{k:g}", t, w.prompt[src], w.output[src], hashes)
     return scaled.take(order)

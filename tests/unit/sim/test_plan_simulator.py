@@ -231,3 +231,11 @@ def test_generated_workload_shapes_and_rate_scale():
     assert 1.8 < len(double) / len(ph) < 2.2 and np.diff(double.arrival_s).min() >= 0
     with pytest.raises(ValueError):
         synthetic_workload("prefill_heavy", rate_scale=0)
+
+
+def test_copies_keep_plain_int_block_hashes():
+    """The router's index tells one child from several by `type(...) is int`: a copy's block ids
+    must be Python ints, not numpy's."""
+    w = Workload("m", np.array([0.0, 1.0]), np.array([1024, 1024]), np.array([2, 2]), [(1, 2), (1, 3)])
+    s = scale_load(w, 3, seed=0)
+    assert all(type(h) is int for hs in s.hashes for h in hs)
