@@ -104,7 +104,7 @@ def bench_mock(emit, steps: int, rounds: int) -> None:
         return times, moved
 
     def attach(on: bool) -> None:
-        eng.tier_io, eng.scheduler.tiers = (io, io.tiers) if on else (None, None)
+        eng.tier_io, eng.scheduler.onboarding = (io, io.onboarding) if on else (None, None)
 
     try:
         steady(1, 16)                                              # warm-up, tiers on
@@ -120,7 +120,7 @@ def bench_mock(emit, steps: int, rounds: int) -> None:
         phases["on_room"] = steady(99, steps)
         for name, (times, moved) in phases.items():
             emit(section="mock", phase=name, steps=len(times), offloaded_blocks=moved,
-                 offload_window_blocks=eng.scheduler.offload_window, **quantiles_ms(times))
+                 offload_window_blocks=io.onboarding.offload_window, **quantiles_ms(times))
     finally:
         attach(True)
         eng.close()

@@ -8,6 +8,11 @@ source stamp. The last repetition of each size is byte-checked on the target.
 
     python bench/kv_transfer_bench.py --seed 0 --device cpu --shape tiny
     python bench/kv_transfer_bench.py --seed 0 --device cuda --shape 8b
+    python bench/kv_transfer_bench.py --seed 0 --device cpu --shape 8b --target-heads 0:4   # a TP=2 rank
+
+`--target-heads A:B`: the target holds only KV heads A..B-1 (a tensor-parallel rank's share) and
+the source pushes those heads of its blocks: the head-split push between workers of different TP
+sizes, one descriptor per (layer, block, K or V, token) (kvstore/movers/transfer.py).
 
 Prints one JSON line per block count (stdout) and a table (stderr).
 """
@@ -47,9 +52,10 @@ SHAPES = {"tiny": Shape(4, 16, 2, 32, torch.float32),
           "8b": Shape(32, 16, 8, 128, torch.bfloat16)}  # Llama-3.1-8B
 
 
-def make_cache(shape: Shape, num_blocks: int, device: str, gpu: int, fill: float | None) -> torch.Tensor:
+def make_cache(shape: Shape, num_blocks: int, device: str, gpu: int, fill: float | None,
+               heads: int | None = None) -> torch.Tensor:
     dev = torch.device("cuda", gpu) if device == "cuda" else torch.device("cpu")
-    dims = (shape.num_layers, num_blocks, 2, shape.block_size, shape.num_kv_heads, shape.head_dim)
+    dims = (shape.num_layers, num_blocks, 2, shape.block_size, heads or shape.num_kv_heads, shape.head_dim)
     kv = torch.empty(dims, dtype=shape.dtype(device), device=dev)
     if fill is not None:
         kv.fill_(fill)
@@ -59,9 +65,11 @@ def make_cache(shape: Shape, num_blocks: int, device: str, gpu: int, fill: float
     return kv
 
 
-def target_main(conn, shape: Shape, num_blocks: int, device: str, gpu: int, pthread: bool) -> None:
-    kv = make_cache(shape, num_blocks, device, gpu, fill=-1.0)
-    agent = KvTransferAgent(f"bench-target-{os.getpid()}", kv, progress_thread=pthread)
+def target_main(conn, shape: Shape, num_blocks: int, device: str, gpu: int, pthread: bool,
+                heads: tuple[int, int] | None = None) -> None:
+    kv = make_cache(shape, num_blocks, device, gpu, fill=-1.0, heads=heads and heads[1] - heads[0])
+    agent = KvTransferAgent(f"bench-target-{os.getpid()}", kv, progress_thread=pthread,
+                            head_start=heads[0] if heads else 0)
     conn.send(agent.metadata())
     while (msg := conn.recv()) is not None:
         tag, check = msg  # check: None, or (src blocks, dst blocks) to verify after this push
@@ -128,7 +136,9 @@ def main() -> None:
     ap.add_argument("--strategy", choices=[s.name.lower() for s in Strategy], default="auto")
     ap.add_argument("--target-gpu", type=int, default=0, help="cuda: the target's GPU (source: 0)")
     ap.add_argument("--progress-thread", action="store_true", help="NIXL progress thread (spins a core)")
+    ap.add_argument("--target-heads", default=None, help="A:B: the target holds KV heads A..B-1 only (a TP rank)")
     args = ap.parse_args()
+    heads = tuple(int(x) for x in args.target_heads.split(":")) if args.target_heads else None
 
     shape, blocks = SHAPES[args.shape], [int(b) for b in args.blocks.split(",")]
     if args.device == "cpu":  # one copy thread: the fair ceiling for UCX's single-threaded CMA copy
@@ -140,13 +150,15 @@ def main() -> None:
     conn, child = ctx.Pipe()
     target = ctx.Process(target=target_main, daemon=True,
                          args=(child, shape, dst_num_blocks, args.device, args.target_gpu,
-                               args.progress_thread))
+                               args.progress_thread, heads))
     target.start()
     kv = make_cache(shape, src_num_blocks, args.device, 0, fill=None)
     agent = KvTransferAgent(f"bench-source-{os.getpid()}", kv, strategy=Strategy[args.strategy.upper()],
                             progress_thread=args.progress_thread)
     peer = agent.add_peer(conn.recv())
     block_bytes = kv[0, 0].numel() * kv.element_size()
+    if heads:                       # the bytes a push moves: the target's heads of each block
+        block_bytes = block_bytes * (heads[1] - heads[0]) // shape.num_kv_heads
     flat = torch.empty(2, max(blocks) * shape.num_layers * block_bytes, dtype=torch.uint8, device=kv.device)
 
     def one_push(n: int, check: bool) -> tuple[float, float]:
@@ -180,6 +192,7 @@ def main() -> None:
                "gbps": round(gbps, 3), "memcpy_gbps": round(memcpy_gbps, 3),
                "ratio": round(gbps / memcpy_gbps, 4), "call_median_s": float(np.median([r[1] for r in runs])),
                "strategy": args.strategy, "pattern": args.pattern, "reps": args.reps, "seed": args.seed,
+               "target_heads": args.target_heads,
                "progress_thread": args.progress_thread}
         print(json.dumps(row), flush=True)
         print(f"{n:>6} {nbytes / 2**20:>9.2f} {med * 1e3:>10.3f} {p90 * 1e3:>9.3f} "

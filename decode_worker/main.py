@@ -15,7 +15,8 @@ import logging
 from decode_worker.remote_prefill import RemotePrefillClient
 from decode_worker.service import WorkerService
 from engine.engine import Engine, EngineLoop
-from kvstore.movers.transfer import KvTransferAgent, nixl_available
+from engine.parallel.kv import open_endpoint
+from kvstore.movers.transfer import nixl_available
 from proto.splitserve.v1 import worker_pb2_grpc
 from runtime.config import WorkerConfig
 from runtime.process import process_age_s
@@ -42,7 +43,7 @@ async def serve_worker(cfg: WorkerConfig) -> None:
     agent = None
     if cfg.role == "decode" and nixl_available():
         t0 = time.perf_counter()
-        agent = KvTransferAgent(worker_id, engine.runner.kv_cache)
+        agent = open_endpoint(worker_id, engine.runner)     # every rank's KV agent
         startup_s["nixl_agent"] = round(time.perf_counter() - t0, 3)
     remote: RemotePrefillClient | None = None
     # reservations only arise for Submits naming a prefill worker, which needs `remote` to exist

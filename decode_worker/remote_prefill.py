@@ -28,9 +28,10 @@ import grpc
 
 from engine.engine import EngineLoop
 from runtime.types import KvReservation, SamplingParams
-from kvstore.movers.transfer import KvTransferAgent
+from kvstore.movers.endpoint import KvEndpoint
 from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from runtime.convert import logprob_from_pb, sampling_to_pb
+from runtime.grpc_links import cluster_metadata, worker_channel
 from runtime.logging import Throttled
 from runtime.metrics import WorkerMetrics
 
@@ -57,7 +58,7 @@ class _Pending:
 
 
 class RemotePrefillClient:
-    def __init__(self, worker_id: str, agent: KvTransferAgent, engine_loop: EngineLoop, block_size: int,
+    def __init__(self, worker_id: str, agent: KvEndpoint, engine_loop: EngineLoop, block_size: int,
                  metrics: WorkerMetrics, lease_s: float = 15.0) -> None:
         self.worker_id, self.agent, self.engine_loop = worker_id, agent, engine_loop
         self.block_size, self.metrics, self.lease_s = block_size, metrics, lease_s
@@ -119,7 +120,7 @@ class RemotePrefillClient:
                 request_id=rid, prompt_token_ids=r.prompt_token_ids, sampling=sampling_to_pb(p.sampling),
                 decode_agent_name=self.agent.name, first_block=first_block,
                 decode_block_ids=r.block_ids[first_block:num_blocks], lease_s=self.lease_s),
-                timeout=self.lease_s + RPC_MARGIN_S)
+                timeout=self.lease_s + RPC_MARGIN_S, metadata=cluster_metadata())
             await asyncio.wait_for(fut, timeout=5.0)   # NIXL's notification: the bytes have landed
             ok = True
         except asyncio.CancelledError:
@@ -142,7 +143,8 @@ class RemotePrefillClient:
             self.metrics.kv_handoffs.labels(self.worker_id).inc()
             self.metrics.handoff_s.labels(self.worker_id).observe(time.perf_counter() - start)
             self.engine_loop.kv_arrived(rid, resp.first_token,
-                                        logprob_from_pb(resp.first_logprob) if resp.HasField("first_logprob") else None)
+                                        logprob_from_pb(resp.first_logprob) if resp.HasField("first_logprob") else None,
+                                        [logprob_from_pb(m) for m in resp.prompt_logprobs])
         else:
             self.metrics.prefill_fallback.labels(self.worker_id, reason).inc()
             self.engine_loop.kv_failed(rid)
@@ -182,10 +184,11 @@ class RemotePrefillClient:
         return stub
 
     async def _do_connect(self, addr: str) -> worker_pb2_grpc.PrefillStub:
-        channel = grpc.aio.insecure_channel(addr, options=[("grpc.max_send_message_length", 64 << 20)])
+        channel = worker_channel(addr, max_message_bytes=64 << 20)      # runtime/grpc_links.py
         stub = worker_pb2_grpc.PrefillStub(channel)
         await stub.Connect(worker_pb2.ConnectRequest(decode_worker_id=self.worker_id,
-                                                     agent_metadata=self.agent.metadata()), timeout=10.0)
+                                                     agent_metadata=self.agent.metadata()), timeout=10.0,
+                           metadata=cluster_metadata())
         return stub
 
     def _ensure_poller(self) -> None:

@@ -2,7 +2,8 @@
 
 A frontend opens one Session and sends Submit/Cancel messages on it; the worker answers with one
 StepOutput per engine step carrying the new tokens of every request of that frontend (several
-queued steps are merged into one message when the frontend reads slower than the engine runs).
+queued steps are merged into one message when the frontend reads slower than the engine runs), and
+the worker's load (`WorkerLoad`) to every frontend whenever the engine refreshes its stats.
 When a Session ends for any reason, its unfinished requests are aborted and their blocks freed.
 A Submit naming a prefill worker goes through `RemotePrefillClient`.
 
@@ -26,7 +27,7 @@ from decode_worker.remote_prefill import RemotePrefillClient
 from engine.engine import EngineLoop
 from runtime.types import EngineRequest, RequestId, RequestOutput, SessionId
 from proto.splitserve.v1 import worker_pb2
-from runtime.convert import FINISH_TO_PB, logprob_to_pb, sampling_from_pb
+from runtime.convert import FINISH_TO_PB, logprob_to_pb, prompt_logprobs_to_pb, sampling_from_pb
 from runtime.worker_host import StatusService
 
 log = logging.getLogger(__name__)
@@ -35,11 +36,21 @@ log = logging.getLogger(__name__)
 _DRAINING = worker_pb2.StepOutput(draining=True)
 
 
+def _merge(out: worker_pb2.StepOutput, item) -> None:
+    """Add one queued item (a step's deltas, the draining notice, a load) to the message to send."""
+    if item is _DRAINING:
+        out.draining = True
+    elif isinstance(item, worker_pb2.WorkerLoad):
+        out.load.CopyFrom(item)           # the latest load wins
+    else:
+        out.deltas.extend(item)
+
+
 class _Session:
     def __init__(self, session_id: SessionId) -> None:
         self.id = session_id
-        # deltas to send; _DRAINING: tell the frontend; None: end the stream
-        self.queue: asyncio.Queue[list[worker_pb2.RequestDelta] | worker_pb2.StepOutput | None] = asyncio.Queue()
+        # deltas to send; a WorkerLoad; _DRAINING: tell the frontend; None: end the stream
+        self.queue: asyncio.Queue = asyncio.Queue()
         self.active: set[str] = set()
 
 
@@ -50,6 +61,7 @@ class WorkerService(StatusService):
         self.remote: RemotePrefillClient | None = None
         self._loop = asyncio.get_running_loop()
         self._sessions: dict[SessionId, _Session] = {}
+        self._load_sent = None          # the engine stats last sent as every session's load
         self._session_ids = itertools.count(1)
         self.draining = False
 
@@ -70,11 +82,28 @@ class WorkerService(StatusService):
                 request_id=o.request_id, token_ids=o.new_token_ids, finish_reason=FINISH_TO_PB[o.finish_reason],
                 num_cached_tokens=max(o.num_cached_tokens, 0), error=o.error,
                 internal_error=o.internal_error, index=o.index,
-                logprobs=[logprob_to_pb(t, lp) for t, lp in zip(o.new_token_ids, o.logprobs)] if o.logprobs else ()))
+                logprobs=[logprob_to_pb(t, lp) for t, lp in zip(o.new_token_ids, o.logprobs)] if o.logprobs else (),
+                prompt_logprobs=prompt_logprobs_to_pb(o.prompt_logprobs)))
             if o.finish_reason is not None:
                 session.active.discard(o.request_id)
         for session, deltas in by_session.items():
             session.queue.put_nowait(deltas)
+        self._push_load()
+
+    def _push_load(self) -> None:
+        """Every frontend gets the worker's load each time the engine refreshed its stats (at most
+        every engine.STATS_INTERVAL_S while it runs): with several frontends, each routes with the
+        requests the others sent here too."""
+        stats = self.engine_loop.stats
+        if stats is self._load_sent:
+            return
+        self._load_sent = stats
+        load = worker_pb2.WorkerLoad(num_running=stats.num_running, num_waiting=stats.num_waiting,
+                                     num_waiting_prefill_tokens=stats.num_waiting_prefill_tokens,
+                                     num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks,
+                                     num_decoding=stats.num_decoding)
+        for session in self._sessions.values():
+            session.queue.put_nowait(load)
 
     # ---- lifecycle (runtime.worker_host.Drainable) -------------------------------------------
     def begin_drain(self) -> None:
@@ -113,18 +142,15 @@ class WorkerService(StatusService):
                 item = await session.queue.get()
                 if item is None:
                     return
-                out = worker_pb2.StepOutput(draining=item.draining) if item is _DRAINING \
-                    else worker_pb2.StepOutput(deltas=item)
+                out = worker_pb2.StepOutput()
+                _merge(out, item)
                 end = False
                 while not session.queue.empty():      # coalesce steps the reader has not taken yet
                     more = session.queue.get_nowait()
                     if more is None:
                         end = True
                         break
-                    if more is _DRAINING:
-                        out.draining = True
-                    else:
-                        out.deltas.extend(more)
+                    _merge(out, more)
                 yield out
                 if end:
                     return
@@ -162,7 +188,10 @@ class WorkerService(StatusService):
                     if rid in session.active:
                         session.active.discard(rid)
                         self._abort(rid)
-        except (asyncio.CancelledError, grpc.aio.AioRpcError):
+        except asyncio.CancelledError:
             pass
+        except grpc.aio.AioRpcError as e:     # the frontend's side of the link ended without closing it
+            log.warning("a frontend's session ended without closing (%s: %s); its %d unfinished request(s) "
+                        "are aborted here", e.code().name, e.details(), len(session.active))
         finally:
             session.queue.put_nowait(None)

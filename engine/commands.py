@@ -30,6 +30,7 @@ class KvArrived:
     request_id: RequestId
     first_token: int
     first_logprob: TokenLogprobs | None = None    # when the request asked for logprobs
+    prompt_lps: list[TokenLogprobs] | None = None   # when it asked for prompt logprobs
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ from kvstore.events import KvEvent
 from engine.commands import (Abort, AddRequest, Command, KvArrived, KvFailed, ReleaseHeld, RunOnEngine, Wake)
 from engine.plan import StepPlan
 from engine.request import Request
+from engine.runner import Launched, Runner
 from engine.scheduler import Scheduler
 from runtime.config import EngineConfig
 from runtime.types import EngineRequest, FinishReason, KvReservation, RequestOutput, TokenLogprobs
@@ -54,6 +55,7 @@ class EngineStats:
     tier_copy_errors: int = 0           # G1 <-> G2 copies that failed
     num_onboarding: int = 0             # requests waiting for their blocks from host or disk
     num_deadline_deferred: int = 0      # prefill deadline order: prompts put behind savable ones, so far
+    num_decoding: int = 0               # running requests past their prefill (what routers count as decodes)
 
 
 @dataclass(slots=True)
@@ -64,19 +66,36 @@ class StepResult:
     reservations: list[KvReservation] = field(default_factory=list)  # remote prefills to start
 
 
+def context_limit(cfg: EngineConfig, runner) -> int:
+    """The longest sequence this engine runs: the runner's context (the model's, or a lower
+    configured one) and what the KV cache holds. A configured --max-model-len that ends up lower
+    is said once, with why."""
+    kv_tokens = runner.num_blocks * cfg.block_size
+    limit = min(runner.max_model_len, kv_tokens)
+    if cfg.max_model_len and limit < cfg.max_model_len:
+        why = []
+        if runner.max_model_len < cfg.max_model_len:
+            why.append(f"the model supports {runner.model_config.max_position_embeddings} positions "
+                       "(max_position_embeddings)")
+        if kv_tokens < cfg.max_model_len:
+            why.append(f"the KV cache holds {kv_tokens} tokens ({runner.num_blocks} blocks of {cfg.block_size})")
+        log.warning("--max-model-len %d lowered to %d: %s", cfg.max_model_len, limit, " and ".join(why))
+    return limit
+
+
 class Engine:
-    def __init__(self, cfg: EngineConfig, runner=None) -> None:
+    def __init__(self, cfg: EngineConfig, runner: Runner | None = None) -> None:
         self.cfg = cfg
         self.runner = runner or (_mock_runner(cfg) if cfg.mock else _model_runner(cfg))
-        self.max_model_len = min(self.runner.max_model_len, self.runner.num_blocks * cfg.block_size)
+        self.max_model_len = context_limit(cfg, self.runner)
         self.pool = BlockPool(self.runner.num_blocks, enable_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, cfg.block_size, self.max_model_len, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens, self.runner.model_config.eos_token_ids)
         overlap = cfg.async_scheduling
         if overlap is None:          # on where a device runs steps beside the host (or the mock models one)
-            overlap = self.runner.device.type == "cuda" or cfg.mock
-        self.async_scheduling = bool(overlap) and hasattr(self.runner, "launch")
-        self._in_flight: tuple[StepPlan, object, float] | None = None   # launched (at), not yet updated
+            overlap = self.runner.steps_beside_host
+        self.async_scheduling = bool(overlap)
+        self._in_flight: tuple[StepPlan, Launched, float] | None = None   # launched (at), not yet updated
         self._step_done_at = 0.0                # when the last launched step's result came in
         self.tier_io = None          # KV tiers below G1 (engine/kv_tiers.py); None: off
         self._prefill_meter = None   # measured prefill speed, for the tiers and the deadline order
@@ -93,11 +112,14 @@ class Engine:
             # the one already here keeps running; the second copy is refused (its caller sees why)
             return RequestOutput(request.request_id, [], FinishReason.ERROR, 0, request.session,
                                  error=f"request {request.request_id} is already running on this worker")
-        if spec.sampling.n > 1 or (spec.sampling.grammar is not None and not hasattr(self.runner, "check_grammar")):
+        if spec.sampling.n > 1 or (spec.sampling.grammar is not None and not self.runner.supports_grammar):
             # in the interface (runtime/types.py), not yet in this engine: refused, never ignored
             what = "n > 1" if spec.sampling.n > 1 else "structured output (grammar)"
             return RequestOutput(request.request_id, [], FinishReason.ERROR, 0, request.session,
                                  error=f"{what} is not supported by this engine yet")
+        if spec.sampling.prompt_logprobs is not None and not self.runner.supports_prompt_logprobs:
+            return RequestOutput(request.request_id, [], FinishReason.ERROR, 0, request.session,
+                                 error="prompt logprobs are not supported by this engine's runner")
         if spec.sampling.grammar is not None:
             why = ("ignore_eos cannot be combined with a grammar (the grammar ends the output)"
                    if spec.sampling.ignore_eos else self.runner.check_grammar(spec.sampling.grammar))
@@ -113,10 +135,11 @@ class Engine:
     def abort_request(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id) is not None
 
-    def kv_arrived(self, request_id: str, first_token: int,
-                   first_logprob: TokenLogprobs | None = None) -> RequestOutput | None:
-        """Decode side: the prompt's KV landed in the reserved blocks; continue from `first_token`."""
-        out = self.scheduler.kv_arrived(request_id, first_token)
+    def kv_arrived(self, request_id: str, first_token: int, first_logprob: TokenLogprobs | None = None,
+                   prompt_lps: list[TokenLogprobs] | None = None) -> RequestOutput | None:
+        """Decode side: the prompt's KV landed in the reserved blocks; continue from `first_token`
+        (with the prefill worker's logprobs of it and of the prompt, where the request asked)."""
+        out = self.scheduler.kv_arrived(request_id, first_token, prompt_lps)
         if out is not None and first_logprob is not None:
             out.logprobs = [first_logprob]
         return out
@@ -127,7 +150,7 @@ class Engine:
 
     def release_held(self, request_id: str) -> None:
         """Prefill side: unpin a finished hold_blocks request's blocks."""
-        self.scheduler.release_held(request_id)
+        self.scheduler.remote.release_held(request_id)
 
     def step(self) -> StepResult:
         """Run one step if there is work (schedule → launch → commit → update), and collect what the
@@ -135,7 +158,7 @@ class Engine:
         if self.tier_io is not None:
             return self._tier_step()
         return StepResult(self._run_step() if self.has_work else [], self.pool.take_events(),
-                          self.scheduler.take_reservations())
+                          self.scheduler.remote.take_reservations())
 
     def _tier_step(self) -> StepResult:
         io, sched = self.tier_io, self.scheduler
@@ -147,7 +170,8 @@ class Engine:
             outputs = self._run_step()
         else:
             self.tiers.poll()                   # idle: finish disk write-backs
-        return StepResult(outputs, self.pool.take_events() + self.tiers.take_events(), sched.take_reservations())
+        return StepResult(outputs, self.pool.take_events() + self.tiers.take_events(),
+                          sched.remote.take_reservations())
 
     def _measure_prefill(self, plan: StepPlan, seconds: float, end: float) -> None:
         """The prefill-speed meter (for the KV tiers' load-or-recompute choice and a prefill
@@ -155,7 +179,7 @@ class Engine:
         worker's scheduler charges that time to the prompts in the step."""
         if self.scheduler.track_prefill_time:
             self.scheduler.charge_prefill(plan, seconds, end)
-        if (self.tier_io is not None or self.scheduler.prefill_deadline_s is not None) and plan.rows:
+        if (self.tier_io is not None or self.scheduler.order.deadline_s is not None) and plan.rows:
             if self._prefill_meter is None:      # the deadline order's pace, without KV tiers
                 from engine.kv_tiers import PrefillMeter
                 self._prefill_meter = PrefillMeter(self.scheduler.prefill_speed.tokens_per_s)
@@ -178,14 +202,14 @@ class Engine:
             t0 = time.perf_counter()
             try:
                 sampled = self.runner.execute(plan)
-                logprobs = getattr(self.runner, "last_logprobs", None)
+                logprobs, prompt_lps = self.runner.last_logprobs, self.runner.last_prompt_logprobs
             except BaseException:
                 sched.abandon(plan)
                 raise
             end = time.perf_counter()
             self._measure_prefill(plan, end - t0, end)
             sched.commit(plan)
-            return sched.update(plan, sampled, logprobs)
+            return sched.update(plan, sampled, logprobs, prompt_lps)
         prev, self._in_flight = self._in_flight, None
         launched_plan = None
         try:
@@ -203,7 +227,7 @@ class Engine:
             done = time.perf_counter()
             self._measure_prefill(prev[0], done - max(prev[2], self._step_done_at), done)
             self._step_done_at = done
-            return sched.update(prev[0], sampled, _logprobs(prev[1]))
+            return sched.update(prev[0], sampled, prev[1].logprobs(), prev[1].prompt_logprobs())
         except BaseException:
             self._abandon(prev, launched_plan)
             raise
@@ -219,40 +243,43 @@ class Engine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
+        prefilling = [r for r in s.running if r.num_computed_tokens < r.num_tokens - 1]
         to_prefill = sum(r.num_tokens for r in s.waiting) + sum(
-            r.num_tokens - r.num_computed_tokens - 1 for r in s.running if r.num_computed_tokens < r.num_tokens - 1)
+            r.num_tokens - r.num_computed_tokens - 1 for r in prefilling)
         io = self.tier_io
         return EngineStats(self.pool.num_blocks, self.pool.num_free, len(s.running), len(s.waiting),
                            s.num_preemptions, s.num_prompt_tokens, s.num_prefix_hit_tokens, to_prefill,
-                           len(s.awaiting_kv), len(s.held), s.num_gpu_hit_blocks,
+                           len(s.remote.awaiting_kv), len(s.remote.held), s.num_gpu_hit_blocks,
                            io.tiers.stats() if io is not None else None, io.copy_errors if io is not None else 0,
-                           len(s.onboarding), s.num_deadline_deferred)
+                           len(s.onboarding.waiting) if s.onboarding is not None else 0, s.order.num_deferred,
+                           len(s.running) - len(prefilling))
 
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work or self._in_flight is not None
 
     def close(self) -> None:
-        """Stop the KV tiers' disk thread and close their files (the index stays for a restart)."""
+        """Stop the KV tiers' disk thread and close their files (the index stays for a restart),
+        and a tensor-parallel runner's other ranks."""
         if self.tier_io is not None:
             self.tiers.close()
-            self.tier_io = self.scheduler.tiers = None
+            self.tier_io = self.scheduler.onboarding = None
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
 
-def _logprobs(launched) -> dict | None:
-    """A launched step's logprobs (after its result), where the runner computes them."""
-    get = getattr(launched, "logprobs", None)
-    return get() if get is not None else None
-
-
-def _mock_runner(cfg: EngineConfig):
+def _mock_runner(cfg: EngineConfig) -> Runner:
     from engine.mock_runner import MockModelRunner
     return MockModelRunner(cfg)
 
 
-def _model_runner(cfg: EngineConfig):
+def _model_runner(cfg: EngineConfig) -> Runner:
     t0 = time.perf_counter()
-    from engine.model_runner import ModelRunner
+    if cfg.tensor_parallel_size > 1:           # rank 0 of a worker that spans GPUs (engine/parallel/)
+        from engine.parallel.runner import TpRunner as ModelRunner
+    else:
+        from engine.model_runner import ModelRunner
     imported_s = time.perf_counter() - t0
     runner = ModelRunner(cfg)
     runner.startup_s = {"runner_imports": round(imported_s, 3), **runner.startup_s}
@@ -284,8 +311,9 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._inbox.put(Abort(request_id))
 
-    def kv_arrived(self, request_id: str, first_token: int, first_logprob: TokenLogprobs | None = None) -> None:
-        self._inbox.put(KvArrived(request_id, first_token, first_logprob))
+    def kv_arrived(self, request_id: str, first_token: int, first_logprob: TokenLogprobs | None = None,
+                   prompt_lps: list[TokenLogprobs] | None = None) -> None:
+        self._inbox.put(KvArrived(request_id, first_token, first_logprob, prompt_lps))
 
     def kv_failed(self, request_id: str) -> None:
         self._inbox.put(KvFailed(request_id))
@@ -329,8 +357,8 @@ class EngineLoop:
                 out = eng.add_request(request)
             case Abort(request_id):
                 eng.abort_request(request_id)
-            case KvArrived(request_id, first_token, first_logprob):
-                out = eng.kv_arrived(request_id, first_token, first_logprob)
+            case KvArrived(request_id, first_token, first_logprob, prompt_lps):
+                out = eng.kv_arrived(request_id, first_token, first_logprob, prompt_lps)
             case KvFailed(request_id):
                 eng.kv_failed(request_id)
             case ReleaseHeld(request_id):
@@ -355,9 +383,10 @@ class EngineLoop:
                 break
             try:
                 result = eng.step()
-            except Exception:
+            except Exception as e:
+                eng.runner.step_failed(e)
                 log.exception("engine step failed; failing the running requests")
-                result = StepResult(self._fail_all(), eng.pool.take_events(), eng.scheduler.take_reservations())
+                result = StepResult(self._fail_all(), eng.pool.take_events(), eng.scheduler.remote.take_reservations())
             if result.outputs:
                 self._on_outputs(result.outputs)
             if result.reservations and self._on_reservations:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -34,6 +35,22 @@ from runtime.types import GrammarKind, GrammarSpec
 
 class GrammarError(ValueError):
     """The spec does not compile (a bad schema or structural tag): the request's fault, a 4xx."""
+
+
+_KIND_TEXT = {GrammarKind.JSON_OBJECT: "JSON object grammar", GrammarKind.JSON_SCHEMA: "JSON schema",
+              GrammarKind.STRUCTURAL_TAG: "structural tag"}
+# xgrammar prefixes its messages with the time and its C++ source file and line:
+# "[01:54:54] /project/cpp/json_schema_converter.cc:4944: Unsupported type "nope""
+_SOURCE_PREFIX = re.compile(r"^\s*(?:\[[0-9:.]+\]\s*)?(?:\S+\.(?:cc|cpp|h|hpp|py):\d+:\s*)?")
+MAX_MESSAGE_CHARS = 300
+
+
+def client_message(e: Exception) -> str:
+    """What a client is told of a compile error: the library's own words for each line, without its
+    timestamps and source paths (which say nothing about the schema), at most MAX_MESSAGE_CHARS."""
+    lines = [_SOURCE_PREFIX.sub("", line).strip() for line in str(e).splitlines()]
+    text = "; ".join(line for line in lines if line) or type(e).__name__
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS - 3] + "..."
 
 
 class Grammars:
@@ -73,7 +90,8 @@ class Grammars:
         except GrammarError:
             raise
         except Exception as e:              # xgrammar raises several types for a bad spec
-            raise GrammarError(f"the {GrammarKind(spec.kind).name.lower()} grammar does not compile: {e}") from e
+            raise GrammarError(f"the {_KIND_TEXT.get(spec.kind, 'grammar')} does not compile: "
+                               f"{client_message(e)}") from e
         self.compiles += 1
         self._cache[spec] = compiled
         if len(self._cache) > self._cache_size:

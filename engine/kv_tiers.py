@@ -1,8 +1,9 @@
 """The engine's side of the KV tiers: building the tier manager from the config, running a plan's
 block copies with the mover the start-up probe picked, and telling the scheduler when they land.
 
-The scheduler (engine/scheduler.py) decides what moves (offload of cached blocks ahead of their
-eviction from G1, onboarding of prefix hits below G1) and puts it in `StepPlan.copies`; this module executes
+The scheduler's onboarding manager (engine/sched/onboarding.py) decides what moves (offload of
+cached blocks ahead of their eviction from G1, onboarding of prefix hits below G1) and puts it in
+`StepPlan.copies`; this module executes
 those copies before the step's forward pass and polls them without blocking. Everything tier-side
 that needs no device is in kvstore/tiers.py. Off (`--kv-host-gib 0`) none of this is built and the
 step loop pays one `is None` test per step.
@@ -27,6 +28,8 @@ from kvstore.movers.host_copy import CopyDirection, CopyHandle, HostCopyError, c
 from kvstore.pools.tier_policy import OnboardMode, PathRate, PrefillSpeed, TierPath
 from kvstore.tiers import DEFAULT_RATES, TierConfig, TierManager
 from engine.plan import StepPlan
+from engine.scheduler import Scheduler
+from engine.sched.onboarding import OnboardingManager
 from runtime.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -76,10 +79,11 @@ class _Flight:
 
 
 class TierIO:
-    """Runs a plan's copies with a G1 <-> G2 mover and reports landed ones to the scheduler."""
+    """Runs a plan's copies with a G1 <-> G2 mover and reports landed ones to the scheduler's
+    onboarding manager."""
 
-    def __init__(self, tiers: TierManager, mover, scheduler) -> None:
-        self.tiers, self.mover, self.scheduler = tiers, mover, scheduler
+    def __init__(self, tiers: TierManager, mover, onboarding: OnboardingManager) -> None:
+        self.tiers, self.mover, self.onboarding = tiers, mover, onboarding
         self._flight: list[_Flight] = []
         self.copy_errors = 0
         self.probe_figures: dict[str, dict[str, float]] = {}    # G1 <-> G2 per mover, GB/s
@@ -107,11 +111,11 @@ class TierIO:
             except Exception as e:
                 log.exception("KV tier copy (%s, %d blocks) failed", "offload" if offload else "onboard", len(blocks))
                 self.copy_errors += 1
-                self.scheduler.copies_landed(plan.step_id, offload, ok=False)
+                self.onboarding.copies_landed(plan.step_id, offload, ok=False)
                 if not offload and plan.wait_onboard:
                     # its requests were admitted on the copy and their prefix registered in G1: the
                     # cache forgets everything it holds (the blocks hold no KV) and the step fails
-                    self.scheduler.pool.reset_cache()
+                    self.onboarding.pool.reset_cache()
                     raise HostCopyError(f"onboarding {len(blocks)} blocks failed: {e}") from e
                 continue
             self._flight.append(_Flight(plan.step_id, offload, h))
@@ -129,7 +133,7 @@ class TierIO:
                 self.copy_errors += 1
                 done, ok = True, False
             if done:
-                self.scheduler.copies_landed(f.step_id, f.offload, ok, f.handle.seconds)
+                self.onboarding.copies_landed(f.step_id, f.offload, ok, f.handle.seconds)
             else:
                 still.append(f)
         self._flight = still
@@ -184,8 +188,9 @@ class PrefillMeter:
         return 1.0 / b if b > 0 else None
 
 
-def build(cfg: EngineConfig, runner, scheduler) -> TierIO:
-    """The tier manager and its mover for a model runner (probes G1 <-> G2 and the disk: start-up)."""
+def build(cfg: EngineConfig, runner, scheduler: Scheduler) -> TierIO:
+    """The tier manager and its mover for a model runner (probes G1 <-> G2 and the disk: start-up;
+    `runner`: a ModelRunner, whose KV cache it copies, or with `cfg.mock` the mock's)."""
     if cfg.mock:
         return _build_mock(cfg, scheduler)
     tcfg = tier_config(cfg, pin_memory=runner.device.type == "cuda")
@@ -202,9 +207,7 @@ def build(cfg: EngineConfig, runner, scheduler) -> TierIO:
     except BaseException:
         tiers.close()
         raise
-    scheduler.tiers = tiers
-    scheduler.ordered_onboard = mover.ordered
-    io = TierIO(tiers, mover, scheduler)
+    io = TierIO(tiers, mover, scheduler.use_tiers(tiers, mover.ordered))
     io.probe_figures = figures
     return io
 
@@ -245,7 +248,7 @@ class ModelledHostCopy:
 MOCK_SLOT_BYTES = 8          # the mock's tiers hold no KV: one word per slot, for the bookkeeping
 
 
-def _build_mock(cfg: EngineConfig, scheduler) -> TierIO:
+def _build_mock(cfg: EngineConfig, scheduler: Scheduler) -> TierIO:
     """The mock engine's tiers: the real tier manager (slots, LRU, events, decisions) over a host
     tier of --kv-host-gib worth of modelled blocks and, with --kv-disk-gib, the real disk tier (slab
     files, checksums, index, restart survival, admission) of --kv-disk-gib worth of them, each slot
@@ -276,8 +279,8 @@ def _build_mock(cfg: EngineConfig, scheduler) -> TierIO:
         tiers.set_rate(path, PathRate(gbps * 1e9 * MOCK_SLOT_BYTES / block_bytes, DEFAULT_RATES[path].latency_s))
     for meter in tiers.meters.values():
         meter.min_bytes = 1 << 62            # modelled copies: keep the profile's rate
-    scheduler.tiers = tiers
-    io = TierIO(tiers, ModelledHostCopy(block_bytes, tt.host_gbps * 1e9), scheduler)
+    mover = ModelledHostCopy(block_bytes, tt.host_gbps * 1e9)
+    io = TierIO(tiers, mover, scheduler.use_tiers(tiers, mover.ordered))
     log.info("mock KV tiers: %d host and %d disk modelled blocks of %d bytes, at %.0f and %.1f GB/s", slots,
              tiers.disk.num_slots if tiers.disk is not None else 0, block_bytes, tt.host_gbps, tt.disk_gbps)
     return io
@@ -289,7 +292,7 @@ def _choose_mover(cfg: EngineConfig, runner, tiers: TierManager):
     blocks = list(range(len(slots)))      # no request holds a block yet
     kinds = ("torch", "nixl") if cfg.kv_host_copy == "auto" else (cfg.kv_host_copy,)
     try:
-        mover, seen = choose(runner.kv_cache, tiers.host, blocks, slots, kinds, getattr(runner, "layer_events", None))
+        mover, seen = choose(runner.kv_cache, tiers.host, blocks, slots, kinds, runner.layer_events)
     finally:
         tiers.host.slots.abort(slots)
     nbytes = len(slots) * tiers.fmt.block_bytes

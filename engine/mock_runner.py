@@ -11,7 +11,9 @@ router and the frontend, like a cluster of GPUs serving an 8B model, on a machin
 Tokens are a pure function of (request id, position): deterministic, below the vocabulary, never an
 EOS or one of the request's stop tokens, so every request generates exactly `max_tokens`.
 
-It knows nothing of gRPC, Redis or the router.
+It knows nothing of gRPC, Redis or the router, and imports no torch at module import (its small
+KV cache, which disaggregated mock workers push over NIXL, is allocated with torch on first use), so
+the simulators can drive the real scheduler with it.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ import functools
 import logging
 import time
 
-import torch
 import xxhash
 
 from runtime.model_config import ModelConfig
 from engine.plan import StepPlan
+from engine.runner import Launched, Runner
 from runtime.config import EngineConfig
 from perf.profile import DEFAULT_KV_TOKENS, DEFAULT_MAX_MODEL_LEN, StepTiming, load_timing
 
@@ -33,14 +35,17 @@ log = logging.getLogger(__name__)
 MOCK_KV_BYTES = 8      # per block: enough for NIXL to move, nothing a test could mistake for a model's KV
 
 
-class MockModelRunner:
-    """ModelRunner's interface (model_config, max_model_len, num_blocks, device, kv_cache, execute)."""
+class MockModelRunner(Runner):
+    """A `Runner` (engine/runner.py) with a modelled device: steps run beside the host (so async
+    scheduling is on by default, as on a GPU); no grammar, no logprobs, no model's KV (its `kv_cache`
+    is a few bytes a block, for NIXL to push between mock workers)."""
+
+    steps_beside_host = True
 
     def __init__(self, cfg: EngineConfig, timing: StepTiming | None = None,
-                 sleep=time.sleep, clock=time.perf_counter) -> None:
+                 sleep=time.sleep, clock=time.perf_counter, model_config: ModelConfig | None = None) -> None:
         self.cfg = cfg
-        self.model_config = ModelConfig.from_dir(cfg.model)
-        self.device = torch.device("cpu")
+        self.model_config = model_config or ModelConfig.from_dir(cfg.model)
         self.max_model_len = cfg.max_model_len or DEFAULT_MAX_MODEL_LEN
         self.num_blocks = cfg.num_blocks or max(DEFAULT_KV_TOKENS // cfg.block_size, 1)
         self.timing = timing or load_timing(cfg.mock_profile)
@@ -63,6 +68,11 @@ class MockModelRunner:
         import torch
 
         return torch.zeros(1, self.num_blocks + 1, 2, 1, 1, MOCK_KV_BYTES // 2, dtype=torch.uint8)
+
+    @property
+    def device_free_at_s(self) -> float:
+        """When the last launched step ends on the modelled device (clock time)."""
+        return self._device_free_at
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
         """Wait as long as the step would run on the device; return the sampled tokens."""
@@ -93,7 +103,7 @@ class MockModelRunner:
         return t
 
 
-class MockLaunch:
+class MockLaunch(Launched):
     """A queued mock step: its tokens become readable when the modelled device finishes it."""
 
     __slots__ = ("_out", "_ready_at", "_sleep", "_clock")

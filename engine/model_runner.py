@@ -7,13 +7,18 @@ preemption.
 
 A step's inputs are built on the host with numpy from per-sequence values (no per-token Python
 loop except copying the chunk's token ids) and reach the device in one copy from a pinned buffer.
-Decode-only steps that fit a captured batch size replay a CUDA graph; other steps run eagerly.
+Decode-only steps that fit a captured batch size replay a CUDA graph; other steps run eagerly, and
+so does a step with rows that score prompt tokens (prompt logprobs: the logits of every scored prompt
+position, engine/sampler.py `score_tokens`, read back beside the sampled ids by engine/launched_step.py).
 
 `launch(plan, prev)` queues a step (an engine/plan.py `StepPlan`: plain data, the only thing a runner
 reads) and its sampling on the device and returns a `LaunchedStep` whose `result()` waits for the
 sampled ids; nothing in between waits for the device. Tokens still pending on the host
 (PENDING_TOKEN, sampled by `prev`) are gathered from `prev`'s device tensor of sampled ids.
-`execute(plan)` is launch + result. Per-request state that outlives a step (the generator of a
+`execute(plan)` is launch + result. Under tensor parallelism (`tp`) each rank's runner holds its
+share of the weights and of the KV cache (its KV heads); rank 0's runs `launch` and samples, the
+other ranks' run `follow(plan)` on the same plans: the same forward pass (whose collectives pair
+with rank 0's) and nothing after it. Per-request state that outlives a step (the generator of a
 seeded request, the penalty counts, the grammar matcher) lives here, keyed by the row's `key` (one per
 admission), and is dropped when a plan lists the request as finished.
 
@@ -33,12 +38,16 @@ import torch
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention.torch_backend import TorchAttention
 from engine.loader import load_model
+from engine.parallel.group import SINGLE, TpGroup
 from runtime.model_config import ModelConfig
 from engine.plan import StepPlan
-from engine.sampler import Sampled, sample_on_device, sample_step
+from engine.launched_step import LaunchedStep, PromptScores
+from engine.runner import Runner
+from engine.sampler import sample_on_device, sample_step, score_tokens
 from engine.sampling_state import PenaltySlots, build_processing
-from engine.step_inputs import HostStep, PendingInputs, build_host_step
+from engine.step_inputs import HostStep, PendingInputs, build_host_step, prompt_score_rows
 from runtime.config import EngineConfig
+from runtime.quantization import resolve_quantization
 from runtime.types import TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -85,7 +94,9 @@ def resolve_decode_kernel(name: str, device: torch.device, kv_dtype: torch.dtype
 
 def make_backend(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device,
                  dtype: torch.dtype = torch.bfloat16, kv_dtype: torch.dtype | None = None,
-                 max_model_len: int | None = None) -> AttentionBackend:
+                 max_model_len: int | None = None, tp_size: int = 1) -> AttentionBackend:
+    """The attention backend for one rank's heads (all of them at `tp_size` 1)."""
+    num_heads, num_kv_heads = mcfg.num_heads // tp_size, mcfg.num_kv_heads // tp_size
     choice = cfg.attention_backend
     if choice == "auto":
         choice = "flashinfer" if device.type == "cuda" and _flashinfer_available() else "torch"
@@ -97,11 +108,11 @@ def make_backend(cfg: EngineConfig, mcfg: ModelConfig, device: torch.device,
         if tc is None:
             tc = mcfg.num_heads // mcfg.num_kv_heads >= 4
         max_len = max_model_len or mcfg.max_position_embeddings
-        return FlashInferAttention(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, device, dtype,
+        return FlashInferAttention(num_heads, num_kv_heads, mcfg.head_dim, device, dtype,
                                    decode_tensor_cores=tc, kv_dtype=kv_dtype,
                                    decode_kernel=resolve_decode_kernel(cfg.decode_kernel, device, kv_dtype or dtype),
                                    max_batch=cfg.max_num_seqs, max_pages_per_seq=-(-max_len // cfg.block_size))
-    return TorchAttention(mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim)
+    return TorchAttention(num_heads, num_kv_heads, mcfg.head_dim)
 
 
 def _flashinfer_available() -> bool:
@@ -113,18 +124,26 @@ def _flashinfer_available() -> bool:
         return False
 
 
-class ModelRunner:
-    def __init__(self, cfg: EngineConfig) -> None:
-        self.cfg = cfg
+class ModelRunner(Runner):
+    """A `Runner` (engine/runner.py) over the model on a device: with grammars, logprobs and
+    prompt logprobs; its steps run beside the host on CUDA."""
+
+    supports_grammar = True
+    supports_prompt_logprobs = True
+
+    def __init__(self, cfg: EngineConfig, tp: TpGroup = SINGLE) -> None:
+        self.cfg, self.tp = cfg, tp
         self.startup_s: dict[str, float] = {}          # where start-up time went, by phase
         phase = _Phases(self.startup_s, cfg.device != "cpu" and torch.cuda.is_available())
         self.model_config = ModelConfig.from_dir(cfg.model)
-        self.device = resolve_device(cfg.device)
+        self.device = tp.device if tp.split else resolve_device(cfg.device)
+        self.steps_beside_host = self.device.type == "cuda"
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype)
+        self.quantization = resolve_quantization(self.model_config.quantization, cfg.quantization)
         torch.manual_seed(cfg.seed)
         self.model = load_model(cfg.model, self.model_config, self.dtype, self.device,
-                                cfg.load_format, cfg.seed)
+                                cfg.load_format, cfg.seed, self.quantization, tp)
         phase("weights")
         self.max_model_len = min(cfg.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
@@ -132,13 +151,16 @@ class ModelRunner:
         if self.device.type == "cuda" and cfg.input_major_weights:
             self.model.use_input_major_weights()
         phase("rope_and_layout")
-        self.num_blocks = cfg.num_blocks or self._blocks_that_fit()
+        if self.device.type == "cuda":     # FP8 layers measure their kernels here, before graphs capture them
+            self.model.prepare_kernels(max(cfg.max_num_batched_tokens, min(cfg.cuda_graph_max_batch, cfg.max_num_seqs)))
+            phase("kernel_choice")
+        self.num_blocks = cfg.num_blocks or tp.min_int(self._blocks_that_fit())   # every rank holds as many
         self.scratch_block = self.num_blocks
         mc = self.model_config
-        self.kv_cache = torch.zeros(mc.num_layers, self.num_blocks + 1, 2, cfg.block_size, mc.num_kv_heads,
+        self.kv_cache = torch.zeros(mc.num_layers, self.num_blocks + 1, 2, cfg.block_size, self.num_kv_heads,
                                     mc.head_dim, dtype=self.kv_dtype, device=self.device)
         phase("kv_cache")
-        self.backend = make_backend(cfg, mc, self.device, self.dtype, self.kv_dtype, self.max_model_len)
+        self.backend = make_backend(cfg, mc, self.device, self.dtype, self.kv_dtype, self.max_model_len, tp.size)
         self._fi = None
         if self.backend.name == "flashinfer":
             import flashinfer
@@ -146,6 +168,10 @@ class ModelRunner:
             if cfg.fused_kernels:                    # off: the model's torch ops
                 self.model.use_flashinfer_kernels(flashinfer, fused_rope_kv=cfg.fused_rope_kv)
         phase("attention_backend")
+        if tp.split and cfg.tp_all_reduce == "flashinfer":      # before the graphs capture the collectives
+            from engine.parallel.fi_allreduce import sum_in_norms
+            sum_in_norms(self.model, tp, cfg.max_num_batched_tokens, self.dtype)
+            phase("custom_all_reduce")
         self._pinned = self.device.type == "cuda"
         self._staging = torch.zeros(0, dtype=torch.int64)
         self._staging_free = torch.cuda.Event() if self._pinned else None   # the last H2D copy is done
@@ -178,21 +204,31 @@ class ModelRunner:
         self.last_logits: torch.Tensor | None = None   # the last step's sampled rows (graph output: copy it)
         self.last_prepare_s = 0.0                      # host time of the last step before the launch
         self.last_logprobs: dict[str, TokenLogprobs] | None = None   # of the last `execute`
+        self.last_prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None   # ... and its prompt logprobs
         self._generators: dict[int, torch.Generator] = {}   # seeded requests' generators, by PlanRow.key
         self._eos = frozenset(self.model_config.eos_token_ids)
         self._grammars = None                               # engine/grammar.py, built at the first grammar request
         self._masks = None                                  # engine/grammar.py GrammarMasks, with _grammars
         self._penalties: PenaltySlots | None = None         # per-request penalty state, at the first penalized row
-        log.info("model %s on %s (%s, KV %s), %d KV blocks of %d tokens, attention=%s (decode %s), cuda graphs=%s",
-                 mc.model_type, self.device, self.dtype, self.kv_dtype, self.num_blocks, cfg.block_size,
+        log.info("model %s on %s%s (%s, weights %s, KV %s), %d KV blocks of %d tokens, attention=%s (decode %s), "
+                 "cuda graphs=%s", mc.model_type, self.device,
+                 f" (tensor-parallel rank {tp.rank} of {tp.size})" if tp.split else "", self.dtype,
+                 self.quantization.describe() if self.quantization else "unquantized", self.kv_dtype,
+                 self.num_blocks, cfg.block_size,
                  self.backend.name, getattr(self.backend, "decode_kernel", "-"),
                  self.graphs.sizes if self.graphs else None)
 
     @property
+    def num_kv_heads(self) -> int:
+        """The KV heads this rank holds (all of them without tensor parallelism)."""
+        return self.model_config.num_kv_heads // self.tp.size
+
+    @property
     def block_bytes(self) -> int:
-        """Bytes of one block's keys and values over all layers (known before the cache exists)."""
+        """Bytes of one block's keys and values over all layers, on this rank (known before the
+        cache exists)."""
         mc = self.model_config
-        return 2 * self.cfg.block_size * mc.num_kv_heads * mc.head_dim * self.kv_dtype.itemsize * mc.num_layers
+        return 2 * self.cfg.block_size * self.num_kv_heads * mc.head_dim * self.kv_dtype.itemsize * mc.num_layers
 
     def _blocks_that_fit(self) -> int:
         per_block = self.block_bytes
@@ -208,8 +244,23 @@ class ModelRunner:
         logprobs, where asked for, in `last_logprobs`)."""
         launched = self.launch(plan)
         sampled = launched.result()
-        self.last_logprobs = launched.logprobs()
+        self.last_logprobs, self.last_prompt_logprobs = launched.logprobs(), launched.prompt_logprobs()
         return sampled
+
+    @torch.inference_mode()
+    def follow(self, plan: StepPlan) -> None:
+        """A tensor-parallel rank other than 0: run `plan`'s forward pass as rank 0 runs it (the
+        same graphs or eager path, the same collectives, in order), sampling nothing. Pending
+        input ids stay placeholders here: the forward pass takes rank 0's ids first."""
+        assert self.tp.rank > 0, "rank 0 launches steps; the other ranks follow"
+        t0 = time.perf_counter()
+        if not plan.rows:
+            return
+        step = build_host_step(plan.rows, self.cfg.block_size)
+        if self.use_cuda_graphs and step.is_decode_only and self.graphs.fits(len(plan.rows)):
+            self.graphs.run(step, None)
+        else:
+            self._run_eager(step, t0, None)
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, prev: "LaunchedStep | None" = None) -> "LaunchedStep":
@@ -230,8 +281,10 @@ class ModelRunner:
         if not rows:
             return LaunchedStep({}, None)
         pending = self._pending_sources(step, plan, prev)
-        # a decode graph waits for layer-by-layer onboards itself: captured with `layer_events`
-        if self.use_cuda_graphs and step.is_decode_only and self.graphs.fits(len(rows)):
+        # a decode graph waits for layer-by-layer onboards itself: captured with `layer_events`;
+        # a step that scores prompt tokens (prompt logprobs, a prefill matter) runs eagerly
+        prompt = None
+        if self.use_cuda_graphs and step.is_decode_only and self.graphs.fits(len(rows)) and not plan.prompt_logprobs:
             logits = self.graphs.run(step, pending)
             self.last_prepare_s = time.perf_counter() - t0
             if len(step.sample_rows) < len(rows):
@@ -239,18 +292,19 @@ class ModelRunner:
         else:
             self.model.layer_waits = plan.layer_waits        # KV onboarded layer by layer under this step
             try:
-                logits = self._run_eager(step, t0, pending)
+                logits, prompt = self._run_eager(step, t0, pending, rows if plan.prompt_logprobs else None)
             finally:
                 self.model.layer_waits = None
         sampling_rows = [r for r in rows if r.samples]
         if not sampling_rows:
-            return LaunchedStep({}, None)
+            return LaunchedStep({}, None, prompt=prompt)
         self.last_logits = logits
         order = {r.request_id: i for i, r in enumerate(sampling_rows)}
         masks = self._grammar_job(sampling_rows, prev)
         if masks is None:
-            return LaunchedStep(order, *self._sample(sampling_rows, logits, prev))
-        return LaunchedStep(order, None, deferred=lambda: self._sample(sampling_rows, logits, prev, masks.result()))
+            return LaunchedStep(order, *self._sample(sampling_rows, logits, prev), prompt=prompt)
+        return LaunchedStep(order, None, deferred=lambda: self._sample(sampling_rows, logits, prev, masks.result()),
+                            prompt=prompt)
 
     @torch.inference_mode()
     def _sample(self, rows, logits: torch.Tensor, prev: "LaunchedStep | None", masks=None):
@@ -307,7 +361,10 @@ class ModelRunner:
         src = np.array([prev.rows[plan.rows[i].request_id] for i in step.pending_seqs.tolist()], np.int64)
         return PendingInputs(step.pending_rows, src, prev.tokens)
 
-    def _run_eager(self, step: HostStep, t0: float, pending: PendingInputs | None) -> torch.Tensor | None:
+    def _run_eager(self, step: HostStep, t0: float, pending: PendingInputs | None,
+                   scored_rows=None) -> tuple[torch.Tensor | None, PromptScores | None]:
+        """The step's forward pass → (the sampling rows' logits, the prompt logprobs where
+        `scored_rows`, the plan's rows, has rows that score prompt tokens)."""
         t, r = len(step.input_ids), len(step.sample_rows)
         p = len(pending.rows) if pending else 0
         dev = self._to_device(step, (pending.rows, pending.index) if pending else ())
@@ -327,10 +384,18 @@ class ModelRunner:
             self._staging_free.record()           # after plan: its pinned uploads are queued too
         self.last_prepare_s = time.perf_counter() - t0
         hidden = self.model(ids, positions, self.backend, self.kv_cache)
+        prompt = self._score_prompt(hidden, scored_rows, step) if scored_rows is not None else None
         if r == 0:
-            return None
+            return None, prompt
         rows = hidden if r == t and r == len(step.query_lens) else hidden[sample_rows]
-        return self.model.compute_logits(rows)
+        return self.model.compute_logits(rows), prompt
+
+    def _score_prompt(self, hidden: torch.Tensor, rows, step: HostStep) -> PromptScores:
+        """Queue the prompt logprobs of the rows' `prompt_targets` (engine/sampler.py score_tokens)."""
+        idx, targets, spans = prompt_score_rows(rows, step.qo_indptr)
+        idx_t, targets_t = (self._host(a).to(self.device, non_blocking=True) for a in (idx, targets))
+        k = max(span[3] for span in spans)
+        return PromptScores(spans, score_tokens(hidden.index_select(0, idx_t), self.model.compute_logits, targets_t, k))
 
     def _host(self, a: np.ndarray) -> torch.Tensor:
         """A host array for the attention planner: pinned on CUDA, so that its uploads never wait
@@ -374,66 +439,3 @@ class _Phases:
         now = time.perf_counter()
         self.into[name] = round(now - self.t, 3)
         self.t = now
-
-
-class LaunchedStep:
-    """A step queued on the device: `rows` maps each sampling request to its row of `tokens`.
-    `lp`: (request ids, top-k each asked for, the step's `Sampled`) when some row wants logprobs.
-    `deferred`: its sampling is not queued yet; `finish()` queues it (returns `tokens, lp`)."""
-
-    __slots__ = ("rows", "tokens", "_host", "_ready", "_lp", "_lp_host", "_deferred")
-
-    def __init__(self, rows: dict[str, int], tokens: torch.Tensor | None,
-                 lp: tuple[list[str], list[int], Sampled] | None = None, deferred=None) -> None:
-        self.rows, self._deferred = rows, deferred
-        if deferred is None:
-            self._queued(tokens, lp)
-
-    def finish(self) -> None:
-        """Queue the deferred sampling, if any (on the step loop's thread; once)."""
-        if self._deferred is not None:
-            deferred, self._deferred = self._deferred, None
-            self._queued(*deferred())
-
-    def _queued(self, tokens: torch.Tensor | None, lp) -> None:
-        self.tokens = tokens
-        self._host, self._ready, self._lp, self._lp_host = tokens, None, lp, None
-        if lp is not None:
-            s = lp[2]
-            self._lp_host = [s.logprobs, s.top_ids, s.top_logprobs]
-        if tokens is not None and tokens.is_cuda:
-            self._host = _to_host(tokens)
-            if self._lp_host is not None:
-                self._lp_host = [None if t is None else _to_host(t) for t in self._lp_host]
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-
-    def result(self) -> dict[str, int]:
-        """Wait for the step; the sampled id of each sampling request."""
-        self.finish()
-        if self._host is None:
-            return {}
-        if self._ready is not None:
-            self._ready.synchronize()
-        return dict(zip(self.rows, self._host.tolist()))
-
-    def logprobs(self) -> dict[str, TokenLogprobs] | None:
-        """After `result()`: the sampled tokens' logprobs of the requests that asked for them."""
-        self.finish()
-        if self._lp is None:
-            return None
-        if self._ready is not None:
-            self._ready.synchronize()
-        ids, ks, _ = self._lp
-        lps, top_ids, top_lps = self._lp_host
-        lps = lps.tolist()
-        top_ids = top_ids.tolist() if top_ids is not None else None
-        top_lps = top_lps.tolist() if top_lps is not None else None
-        return {rid: TokenLogprobs(lps[i], tuple(top_ids[i][:k]) if k else (), tuple(top_lps[i][:k]) if k else ())
-                for i, (rid, k) in enumerate(zip(ids, ks))}
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    h.copy_(t, non_blocking=True)
-    return h

@@ -41,6 +41,10 @@ class PlanRow:
     # The runner keeps its per-request penalty counts and grammar matcher up to date from these.
     unseen: list[int] | None = None
     unseen_from: int = 0
+    # Only for prompt chunks of requests that asked for prompt logprobs (None otherwise): the prompt
+    # tokens at positions start+1 .. start+len(prompt_targets), whose logprobs the chunk's first
+    # len(prompt_targets) positions' logits give (the prompt's last token's logits sample instead).
+    prompt_targets: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +68,7 @@ class StepPlan:
     finished: list[int] = field(default_factory=list)   # keys of requests ended since: drop their state
     wait_onboard: bool = False      # rows read blocks the copies onboard: the compute stream waits for them
     layer_waits: list | None = None     # ... layer by layer: one CUDA event per layer, waited on before it
+    prompt_logprobs: bool = False       # some row has prompt_targets (the runner scores them; no graph)
 
     def __bool__(self) -> bool:
         return bool(self.rows or self.copies)

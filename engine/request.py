@@ -1,5 +1,10 @@
 """The engine's live request state. It never leaves the engine: what crosses the boundary are the
-plain value types of runtime/types.py (sampling, outputs, reservations)."""
+plain value types of runtime/types.py (sampling, outputs, reservations).
+
+`Request` holds what every request needs; the state of one concern apart from the step sits in a
+small record of its own: `TierState` (the KV tiers' onboarding, engine/sched/onboarding.py) and
+`PrefillTiming` (a prefill worker's timing and deadline order, engine/sched/order.py). It knows
+nothing of blocks beyond their ids and hashes, nor of how a step is scheduled."""
 
 from __future__ import annotations
 
@@ -18,6 +23,25 @@ class RequestStatus(IntEnum):
     FINISHED_LENGTH = 3
     FINISHED_ABORTED = 4
     FINISHED_ERROR = 5
+
+
+@dataclass(slots=True)
+class TierState:
+    """A request's standing with the KV tiers below G1 in its current admission."""
+    checked: bool = False       # this admission looked below G1 already
+    ready: bool = False         # onboarded blocks are in block_ids: admit it as it is
+
+
+@dataclass(slots=True)
+class PrefillTiming:
+    """A prefill worker's timing of a prompt (set where Scheduler.track_prefill_time or a deadline
+    order needs it): when it was added, when a step first computed part of it (-1: not yet), its
+    token share of the wall time of those steps, and whether the deadline order put it behind the
+    prompts that can still meet the target."""
+    added_at: float = 0.0
+    prefill_started_at: float = -1.0
+    prefill_busy_s: float = 0.0
+    deadline_late: bool = False
 
 
 @dataclass(slots=True)
@@ -43,14 +67,11 @@ class Request:
     num_pending: int = 0                # trailing PENDING_TOKENs in token_ids (0..2)
     key: int = 0                        # unique per admission, in the process (set by Scheduler.add)
     num_tokens_sent: int = 0            # penalties / grammar: tokens given to the runner (PlanRow.unseen)
-    tier_checked: bool = False          # KV tiers: this admission looked below G1 already
-    tier_ready: bool = False            # KV tiers: onboarded blocks are in block_ids; admit as they are
-    # prefill timing (Scheduler.track_prefill_time): when it was added, when a step first computed
-    # part of its prompt (-1: not yet), and its token share of the wall time of those steps
-    added_at: float = 0.0
-    prefill_started_at: float = -1.0
-    prefill_busy_s: float = 0.0
-    deadline_late: bool = False         # Scheduler.prefill_deadline_s: put behind the savable prompts
+    tier: TierState = field(default_factory=TierState)
+    timing: PrefillTiming = field(default_factory=PrefillTiming)
+    # asked for prompt logprobs and not given them yet: those of positions 1.. as steps compute them
+    # (engine/sched/prompt_logprobs.py); None otherwise
+    prompt_lps: list | None = None
 
     @staticmethod
     def new(request_id: str, prompt: list[int], sampling: SamplingParams,
@@ -65,6 +86,8 @@ class Request:
         req = Request.new(spec.request_id, list(spec.prompt_token_ids), spec.sampling,
                           list(spec.output_token_ids), spec.session)
         req.remote_prefill, req.hold_blocks = spec.remote_prefill, spec.hold_blocks
+        if spec.sampling.prompt_logprobs is not None and not spec.output_token_ids:
+            req.prompt_lps = [None] * (len(spec.prompt_token_ids) - 1)
         return req
 
     @property

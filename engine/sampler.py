@@ -73,6 +73,7 @@ class Sampled:
     logprobs: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
+    ranks: torch.Tensor | None = None        # (L,) of the scored token among the vocabulary, 1 = best
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
@@ -101,6 +102,28 @@ def sample_step(logits: torch.Tensor, params: list[SamplingParams], generators: 
         top = raw_lp.topk(k, dim=-1)
         return Sampled(tokens, sampled_lp, top.indices, top.values)
     return Sampled(tokens, sampled_lp)
+
+
+SCORE_ROWS = 256     # prompt rows scored at once: a (rows, vocab) float32 slice, 128 MiB at a 128k vocabulary
+
+
+def score_tokens(hidden: torch.Tensor, logits_of, targets: torch.Tensor, k: int) -> Sampled:
+    """Prompt logprobs: the log-softmax of each hidden row's raw logits (`logits_of` maps (N, E)
+    hidden rows to (N, V) logits) at its `targets` (N,) token, and the k best, in slices of
+    SCORE_ROWS rows so that a long prompt's logits never exist whole. Queued on the device; the
+    `Sampled` returned holds the targets as its tokens."""
+    lps, ids, vals, ranks = [], [], [], []
+    for i in range(0, hidden.shape[0], SCORE_ROWS):
+        lp = torch.log_softmax(logits_of(hidden[i:i + SCORE_ROWS]).float(), dim=-1)
+        mine = lp.gather(1, targets[i:i + SCORE_ROWS, None])
+        lps.append(mine[:, 0])
+        ranks.append((lp > mine).sum(dim=-1) + 1)
+        if k:
+            top = lp.topk(k, dim=-1)
+            ids.append(top.indices)
+            vals.append(top.values)
+    return Sampled(targets, torch.cat(lps), torch.cat(ids) if k else None, torch.cat(vals) if k else None,
+                   torch.cat(ranks))
 
 
 def process_logits(logits: torch.Tensor, proc: LogitsProcessing) -> torch.Tensor:

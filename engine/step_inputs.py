@@ -98,3 +98,19 @@ def empty_step() -> HostStep:
                     sample_rows=z64, qo_indptr=np.zeros(1, np.int32), kv_indptr=np.zeros(1, np.int32),
                     kv_indices=z32, kv_last_page_len=z32, query_lens=[], context_lens=[],
                     block_tables=[], samples=[], pending_rows=z64, pending_seqs=z64)
+
+
+def prompt_score_rows(rows: list[PlanRow], qo_indptr: np.ndarray) -> tuple[np.ndarray, np.ndarray, list]:
+    """Where the step scores prompt tokens (prompt logprobs): the rows of its flat token dimension
+    whose logits score them, the scored tokens, and per asking request (id, first of its rows in
+    those arrays, how many, the top-k it asked for)."""
+    idx: list[int] = []
+    targets: list[int] = []
+    spans = []
+    for i, r in enumerate(rows):
+        if r.prompt_targets:
+            n, base = len(r.prompt_targets), int(qo_indptr[i])
+            spans.append((r.request_id, len(targets), n, r.sampling.prompt_logprobs or 0))
+            idx.extend(range(base, base + n))
+            targets += r.prompt_targets
+    return np.array(idx, np.int64), np.array(targets, np.int64), spans

@@ -6,14 +6,18 @@ unknown model, UNAUTHENTICATED without the API key, RESOURCE_EXHAUSTED when the 
 full). A request whose bytes do not parse as its message (bad wire format, invalid UTF-8 in a
 string) is INVALID_ARGUMENT too, not grpc's default INTERNAL: the servicer is registered with
 deserializers that hand it the parse error. With an API key configured, calls must carry metadata
-`authorization: Bearer <key>`. Prompts are tokenized on the tokenizer pool's threads.
+`authorization: Bearer <key>`. Prompts are tokenized on the tokenizer pool's threads. A request
+with one sample is generated pushed (`pushed`): its tokens are taken from the worker stream's turn,
+and those that pile up while a message is written go out together in the next.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import uuid
+from typing import AsyncIterator
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -24,12 +28,13 @@ from frontend.grpc_reflection_v1 import V1_SERVICE_NAME, add_v1_reflection
 from frontend.schemas import MAX_N, check_json_value, sampling_fields
 
 from runtime.types import GrammarKind, GrammarSpec
-from frontend.generate import GenerateInput, generate_samples
+from frontend.generate import Delta, GenerateInput, generate_samples
 from frontend.state import FrontendState
 from frontend.tokenizer import ChatTurn
 from proto.splitserve.v1 import generation_pb2, generation_pb2_grpc
 from runtime.convert import FINISH_TO_PB
 from runtime.errors import InvalidRequest, NotFound, SplitserveError
+from runtime.grpc_links import server_options
 
 MAX_STOP_STRINGS = 16
 
@@ -67,8 +72,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if len(req.request_id) > 256:
             raise InvalidRequest("request_id is longer than 256 characters")
         kind = req.WhichOneof("prompt")
+        limit = st.generator.context_limit()
         if kind == "text":
-            prompt = await st.tokenize.encode(req.text, st.max_model_len)
+            prompt = await st.tokenize.encode(req.text, limit)
         elif kind == "token_ids":
             prompt = list(req.token_ids.ids)
         elif kind == "chat":
@@ -77,8 +83,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             for m in req.chat.messages:
                 if m.role not in ("system", "user", "assistant"):
                     raise InvalidRequest(f"unknown chat role {m.role!r}")
-            prompt = await st.tokenize.encode_chat([ChatTurn(m.role, m.content) for m in req.chat.messages],
-                                                   st.max_model_len)
+            prompt = await st.tokenize.encode_chat([ChatTurn(m.role, m.content, name=m.name or None)
+                                                    for m in req.chat.messages], limit)
         else:
             raise InvalidRequest("one of text, token_ids or chat is required")
         s = req.sampling
@@ -114,26 +120,26 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             top_k=opt("top_k"), seed=opt("seed"), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
             presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),
             repetition_penalty=opt("repetition_penalty"), min_p=opt("min_p"), min_tokens=opt("min_tokens"),
-            logit_bias=dict(s.logit_bias), logprobs=opt("logprobs"), grammar=grammar)
+            logit_bias=dict(s.logit_bias), logprobs=opt("logprobs"), grammar=grammar,
+            prompt_logprobs=opt("prompt_logprobs"))
         rid = req.request_id or uuid.uuid4().hex
         stop = [x for x in s.stop if x]
-        return [GenerateInput(prompt, sampling if sampling.seed is None or not i else
-                              dataclasses.replace(sampling, seed=(sampling.seed + i) % 2 ** 63), stop,
-                              rid if n == 1 else f"{rid}-{i}") for i in range(n)], rid
+        where = "sampling.response_format.json_schema" if grammar and grammar.kind == GrammarKind.JSON_SCHEMA \
+            else "sampling.response_format"
+        return [GenerateInput(prompt, sampling if not i else dataclasses.replace(
+                    sampling, seed=None if sampling.seed is None else (sampling.seed + i) % 2 ** 63, prompt_logprobs=None),
+                              stop, rid if n == 1 else f"{rid}-{i}", grammar_param=where) for i in range(n)], rid
 
     async def Generate(self, request, context):
         try:
             self._authorize(context)
             inputs, rid = await self._to_input(request)
+            if len(inputs) == 1:
+                async for d in pushed(self.state.generator, inputs[0]):
+                    yield _response(rid, 0, d)
+                return
             async for i, d in generate_samples(self.state.generator, inputs, len(inputs)):
-                msg = generation_pb2.GenerateResponse(request_id=rid, token_ids=d.token_ids, index=i,
-                                                      text=d.text, finish_reason=FINISH_TO_PB[d.finish_reason],
-                                                      logprobs=d.logprobs or ())
-                if d.finish_reason is not None:
-                    msg.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=d.prompt_tokens,
-                                                            completion_tokens=d.completion_tokens,
-                                                            cached_tokens=d.cached_tokens))
-                yield msg
+                yield _response(rid, i, d)
         except SplitserveError as e:
             self.state.metrics.errors.labels("grpc", e.grpc_code.name).inc()
             await context.abort(e.grpc_code, e.message)
@@ -146,11 +152,61 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except SplitserveError as e:
             await context.abort(e.grpc_code, e.message)
         return generation_pb2.ListModelsResponse(models=[generation_pb2.ModelInfo(
-            id=self.state.model_name, max_model_len=self.state.max_model_len, owned_by="splitserve")])
+            id=self.state.model_name, max_model_len=self.state.generator.context_limit(), owned_by="splitserve")])
 
 
-async def start_grpc_server(state: FrontendState, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20)])
+def _response(rid: str, index: int, d: Delta) -> generation_pb2.GenerateResponse:
+    msg = generation_pb2.GenerateResponse(request_id=rid, token_ids=d.token_ids, index=index, text=d.text,
+                                          finish_reason=FINISH_TO_PB[d.finish_reason], logprobs=d.logprobs or (),
+                                          prompt_logprobs=d.prompt_logprobs or ())
+    if d.finish_reason is not None:
+        msg.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=d.prompt_tokens, completion_tokens=d.completion_tokens,
+                                                cached_tokens=d.cached_tokens))
+    return msg
+
+
+async def pushed(generator, inp: GenerateInput) -> AsyncIterator[Delta]:
+    """One generation's deltas, pushed on the worker stream's turn (frontend/generation.py) and
+    taken here once per wake: those that came while the previous message was being written go
+    out merged in one (a stream the client or the server's writes fall behind on catches up in
+    fewer, larger messages; otherwise, one message per token)."""
+    pending: list[Delta] = []
+    wake = asyncio.Event()
+
+    def on_delta(d: Delta) -> None:
+        pending.append(d)
+        wake.set()
+    task = asyncio.ensure_future(generator.stream(inp, on_delta))
+    task.add_done_callback(lambda _t: wake.set())
+    try:
+        while True:
+            await wake.wait()
+            wake.clear()
+            if pending:
+                ds = pending[:]
+                pending.clear()
+                yield ds[0] if len(ds) == 1 else merged(ds)
+            if task.done() and not pending:
+                task.result()
+                return
+    finally:
+        task.cancel()
+
+
+def merged(ds: list[Delta]) -> Delta:
+    """Consecutive deltas of one generation as one (the last one's finish and usage)."""
+    last = ds[-1]
+    logprobs = [lp for d in ds for lp in (d.logprobs or ())]
+    return Delta([t for d in ds for t in d.token_ids], "".join(d.text for d in ds), last.finish_reason,
+                 last.prompt_tokens, last.completion_tokens, last.cached_tokens, logprobs or None,
+                 ds[0].prompt_logprobs)
+
+
+async def start_grpc_server(state: FrontendState, host: str, port: int,
+                            reuse_port: bool = False) -> tuple[grpc.aio.Server, int]:
+    # clients that ping every 5 s or more keep their connection (runtime/grpc_links.py)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 << 20),
+                                      ("grpc.so_reuseport", int(reuse_port)), *server_options()])
     service = GenerationService(state)
     name = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, {

@@ -14,6 +14,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from frontend.http_errors import BodyLimit, error_response, install_error_handlers
 from frontend.openai_api import openai_routes
+from frontend.responses_api import responses_routes
+from frontend.sse import RAW_SEND
 from frontend.state import FrontendState
 from runtime.errors import SplitserveError
 
@@ -24,6 +26,7 @@ def create_app(state: FrontendState):
     app = FastAPI(title="Splitserve", docs_url=None, redoc_url=None)
     install_error_handlers(app, state.metrics)
     app.include_router(openai_routes(state))
+    app.include_router(responses_routes(state))
     app.include_router(ops_routes(state))
     return KeyGuard(BodyLimit(app, state.max_body_bytes), state)
 
@@ -36,6 +39,7 @@ class KeyGuard:
         self.app, self.state = app, state
 
     async def __call__(self, scope, receive, send):
+        scope[RAW_SEND] = send      # the server's own send: frontend/sse.py writes token events through it
         if scope["type"] == "http" and self.state.api_key.required and scope["path"] not in OPEN_PATHS:
             auth = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"authorization"),
                         None)
@@ -67,6 +71,7 @@ def ops_routes(state: FrontendState) -> APIRouter:
                 "degraded": bool(degraded), "degraded_pools": degraded}
         if pool.pools is not None:
             body["desired"] = pool.pools.desired
+        body["worker_gpus"] = pool.gpus()
         return JSONResponse(status_code=200 if ok else 503, content=body)
 
     @router.get("/metrics")

@@ -63,9 +63,13 @@ class LatencyPublisher:
             self.ttft["prefill"].add(ttft_s, now)
 
     def inter_token(self, itl_s: float) -> None:
-        self.itl["decode"].add(itl_s, time.monotonic())
-        self.itl_sum_s += itl_s
-        self.itl_count += 1
+        self.inter_tokens([itl_s])
+
+    def inter_tokens(self, itls_s: list[float]) -> None:
+        """A batch of inter-token gaps (a request's last few tokens')."""
+        self.itl["decode"].add_many(itls_s, time.monotonic())
+        self.itl_sum_s += sum(itls_s)
+        self.itl_count += len(itls_s)
 
     def record(self) -> LatencyRecord:
         now = time.monotonic()

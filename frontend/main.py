@@ -1,5 +1,7 @@
-"""Runs the frontend process: HTTP (uvicorn) and gRPC servers on one event loop, worker discovery
-(which admits only workers of this frontend's model and block size: frontend/admission.py).
+"""Runs the frontend process: HTTP (uvicorn) and gRPC servers on one event loop (uvloop's by default:
+it took a third of the frontend's CPU per gRPC token, docs/frontend.md), worker discovery (which admits only workers of this frontend's model and block size:
+frontend/admission.py). With reuse_port both ports are bound with SO_REUSEPORT, so that several
+frontend processes of one host (`serve --frontends N`) serve one address.
 
 Stopping (SIGTERM or SIGINT): new requests get 503 and /health says so, requests in flight finish
 for up to --drain-timeout-s, and any still open then end with an error event (HTTP streams) or
@@ -10,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import gc
 import logging
+import socket
 from pathlib import Path
 
 import redis.asyncio as aioredis
@@ -19,23 +23,66 @@ import uvicorn
 
 from runtime.model_config import ModelConfig, model_fingerprint
 from frontend.admission import Admission
+from frontend.disagg_policy import make_itl_guard
 from frontend.generate import Generator
 from frontend.grpc_api import start_grpc_server
 from frontend.auth import ApiKey
 from frontend.http_api import create_app
 from frontend.latency_publisher import LatencyPublisher
 from frontend.metrics_merge import WorkerMetricsScraper
-from frontend.routing import FrontendRouter
+from frontend.response_store import ResponseStore
+from frontend.routing import FrontendRouter, RouterLoadCollector
 from frontend.state import FrontendState
 from frontend.tokenizer import ModelTokenizer, TokenizerPool
 from frontend.workers import WorkerPool
-from runtime.config import FrontendConfig
+from runtime.config import EventLoop, FrontendConfig
 from runtime.metrics import FrontendMetrics
 from runtime.process import install_signal_events
 
 log = logging.getLogger(__name__)
 
 FLUSH_S = 0.5          # after the last request ended, for its final bytes to reach the client
+MMAP_THRESHOLD_BYTES = 256 << 10
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def return_big_buffers_to_the_os() -> None:
+    """Allocate buffers of MMAP_THRESHOLD_BYTES or more with mmap, always, so that freeing one gives
+    its memory back. glibc's threshold otherwise rises to the largest buffer freed so far, and then
+    request bodies of a few MB are carved from the heap, which keeps them: sixteen 4 MB prompts left
+    the frontend 120 MB larger for good; with this, 5 MB (bench/health_under_tokenize.py). A no-op
+    without glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    except (OSError, AttributeError):
+        pass
+
+# An idle keep-alive connection is closed after this. uvicorn's default (5 s) equals httpx's pool
+# expiry (the OpenAI client's too): a client could send its next request on a connection in the
+# very moment the server closed it, and get a ReadError with no response and nothing logged here.
+# The common clients' pools let idle connections go sooner (httpx 5 s, aiohttp 15 s): they close first.
+HTTP_KEEP_ALIVE_S = 75
+
+
+def event_loop_factory(kind: EventLoop):
+    """The event loop `--event-loop` names (asyncio's own when uvloop is not installed)."""
+    if kind is EventLoop.ASYNCIO:
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        log.warning("uvloop is not installed: running on asyncio's event loop")
+        return None
+    return uvloop.new_event_loop
+
+
+def http_socket(host: str, port: int) -> socket.socket:
+    """The HTTP port bound with SO_REUSEPORT (and SO_REUSEADDR, as uvicorn binds)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
 
 
 class HttpServer(uvicorn.Server):
@@ -53,6 +100,7 @@ class HttpServer(uvicorn.Server):
 
 
 async def serve_frontend(cfg: FrontendConfig) -> None:
+    return_big_buffers_to_the_os()
     model_cfg = ModelConfig.from_dir(cfg.model)
     tokenizer = ModelTokenizer(cfg.model)
     model_name = cfg.model_name or Path(cfg.model).resolve().name
@@ -68,20 +116,25 @@ async def serve_frontend(cfg: FrontendConfig) -> None:
     max_model_len = cfg.max_model_len or model_cfg.max_position_embeddings
     generator = Generator(pool, tokenizer, metrics, max_model_len,
                           remote_prefill_min_tokens=cfg.remote_prefill_min_tokens,
-                          max_prefill_queue_tokens=cfg.max_prefill_queue_tokens)
+                          max_prefill_queue_tokens=cfg.max_prefill_queue_tokens,
+                          itl_guard=make_itl_guard(cfg.itl_target_ms, cfg.decode_profile))
     latency = LatencyPublisher(redis, cfg.redis.namespace)
-    generator.on_first_token, generator.on_itl = latency.first_token, latency.inter_token
+    generator.on_first_token, generator.on_itls = latency.first_token, latency.inter_tokens
     generator.on_arrival, generator.on_done = latency.arrival, latency.done
     latency_task = asyncio.create_task(latency.run(), name="latency-publisher")
+    metrics.registry.register(RouterLoadCollector(router, latency.frontend_id))
     state = FrontendState(generator=generator, tokenizer=tokenizer, metrics=metrics, model_name=model_name,
-                          max_model_len=max_model_len, api_key=ApiKey(cfg.api_key),
-                          max_body_bytes=cfg.max_body_bytes,
+                          api_key=ApiKey(cfg.api_key), max_body_bytes=cfg.max_body_bytes,
                           tokenize=TokenizerPool(tokenizer, cfg.tokenizer_threads, cfg.max_tokenize_queue),
-                          extra_metrics=WorkerMetricsScraper(pool).scrape)
-    grpc_server, grpc_port = await start_grpc_server(state, cfg.host, cfg.grpc_port)
+                          extra_metrics=WorkerMetricsScraper(pool).scrape,
+                          responses=ResponseStore(redis, cfg.redis.namespace, cfg.responses_ttl_s))
+    grpc_server, grpc_port = await start_grpc_server(state, cfg.host, cfg.grpc_port, cfg.reuse_port)
     http = HttpServer(uvicorn.Config(create_app(state), host=cfg.host, port=cfg.http_port,
-                                     log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
-    http_task = asyncio.create_task(http.serve())
+                                     log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
+                                     timeout_keep_alive=HTTP_KEEP_ALIVE_S))
+    # with reuse_port, several frontends bind the same port and the kernel spreads connections over them
+    http_task = asyncio.create_task(http.serve(sockets=[http_socket(cfg.host, cfg.http_port)] if cfg.reuse_port
+                                               else None))
     # Start-up objects (tokenizer, protobufs, router) never die: move them out of the collector's
     # sight so a full collection cannot land inside a routing decision (~4 ms measured, router bench).
     gc.collect()

@@ -1,19 +1,19 @@
-"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions (both with `stream`),
-/v1/models and /v1/models/{id}, and vLLM's /tokenize and /detokenize.
+"""The OpenAI-compatible routes: /v1/completions (with echo, prompt logprobs and max_tokens 0),
+/v1/chat/completions (both with `stream`), /v1/models and /v1/models/{id}, and vLLM's /tokenize,
+/detokenize and /tokenizer_info. The Responses API is frontend/responses_api.py.
 
 Bodies are the pydantic models of frontend/schemas.py (so the OpenAPI schema describes them),
 reduced to `GenerateInput`s for the shared `Generator`; answers are OpenAI's JSON objects or SSE
 chunks. Tokenization runs on the tokenizer pool's threads, never on the event loop. The API key is
 checked before a body is read (frontend/http_api.py). Errors are raised as SplitserveError and
 shaped by frontend/http_errors.py; a stream that fails after its headers ends with an in-band
-error event, whatever the failure.
+error event, whatever the failure. A stream with a grammar sends its headers after its first token,
+when a worker has compiled the grammar, so that a bad schema is a 400 there too.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import logging
 import time
 import uuid
@@ -22,87 +22,60 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+from frontend.choices import FINISH_TEXT, ChatChoices, CompletionChoices
 from frontend.generate import Delta, GenerateInput, generate_samples
-from frontend.schemas import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest,
-                              TokenizeChatRequest, TokenizeCompletionRequest, _Common)
+from frontend.http_errors import OffLoopJsonRoute
+from frontend.prepare import Prepare, chat_turns
+from frontend.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
+                              TokenizeCompletionRequest, _Common)
+from frontend.sse import ChunkEncoder, PushedStream, event as _event
 from frontend.state import FrontendState
-from frontend.tokenizer import ChatTurn, TokenizerPool
-from frontend.tools import Tool, parse_auto, parse_forced, parse_tools, required_calls_schema, resolve_choice
-from runtime.errors import InvalidRequest, NotFound, SplitserveError, Unavailable
-from runtime.types import FinishReason, GrammarKind, GrammarSpec, SamplingParams
+from frontend.tokenizer import TokenizerPool
+from frontend.tools import parse_tools
+from runtime.errors import InvalidRequest, SplitserveError
 
 log = logging.getLogger(__name__)
 
-FINISH_TEXT = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort",
-               FinishReason.ERROR: "error"}
 MAX_BATCH_PROMPTS = 64
 
 
 def openai_routes(state: FrontendState) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(route_class=OffLoopJsonRoute)
 
-    def check_model(model: str | None) -> None:
-        if model is not None and model != state.model_name:
-            raise NotFound(f"The model `{model}` does not exist; this server serves `{state.model_name}`",
-                           "model")
-
-    def accept(req: _Common) -> None:
-        if state.generator.shutting_down:       # before a stream starts: a plain 503
-            raise Unavailable("the server is shutting down")
-        check_model(req.model)
-        req.check_unsupported()
-
-    def make_inputs(req: _Common, prompt: list[int], default_max: int | None) -> list[GenerateInput]:
-        """The request's `n` samples of one prompt (a given seed s seeds sample i with s + i)."""
-        max_tokens = state.generator.check_prompt(prompt, req.max_tokens if isinstance(req, CompletionRequest)
-                                                  else req.requested_max_tokens, default_max)
-        sampling = req.to_sampling(max_tokens, state.tokenizer.vocab_size)
-        stop = req.stop_strings()
-        key = req.routing_key()
-        return [GenerateInput(prompt, sampling if sampling.seed is None or not i else
-                              dataclasses.replace(sampling, seed=(sampling.seed + i) % 2 ** 63),
-                              stop, uuid.uuid4().hex, key) for i in range(req.n)]
+    prep = Prepare(state)
+    check_model, accept, make_inputs = prep.check_model, prep.accept, prep.make_inputs
 
     @router.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         accept(req)
-        prompts = await _completion_prompts(req.prompt, state.tokenize, state.max_model_len)
+        prompts = await _completion_prompts(req.prompt, state.tokenize, state.generator.context_limit())
         inputs = [inp for p in prompts for inp in make_inputs(req, p, 16)]
-        return await respond(request, req, inputs, chat=False)
+        echo = await _echo_texts(req.prompt, prompts, state.tokenize) if req.echo else None
+        echo = [t for t in echo for _ in range(req.n)] if echo else None
+        return await respond(request, req, inputs, CompletionChoices(req, inputs, echo, token_text))
 
     @router.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         accept(req)
-        tools = parse_tools(req.tools)
-        mode, allowed = resolve_choice(req.tool_choice, tools)
-        if mode == "auto" and not state.tokenizer.template_mentions("tools"):
-            raise InvalidRequest("this model's chat template does not describe tools to the model, so it "
-                                 "cannot choose to call one; use tool_choice \"required\" or a named "
-                                 "function (enforced by a grammar)", "tool_choice")
-        prompt = await state.tokenize.encode_chat(_turns(req.messages), state.max_model_len,
-                                                  [t.as_openai() for t in tools] or None)
-        inputs = make_inputs(req, prompt, None)
-        post = None
-        if mode == "auto":
-            single = req.parallel_tool_calls is False
+        if req.stream and req.prompt_logprobs is not None:
+            raise InvalidRequest("prompt_logprobs is not supported with stream: true on chat completions",
+                                 "prompt_logprobs")
+        inputs, post, stream = await prep.chat(req, chat_turns(req.messages))
+        return await respond(request, req, inputs, ChatChoices(req, inputs, token_text, post, stream))
 
-            def post(text: str):
-                content, calls = parse_auto(text, tools)
-                return content, calls[:1] if single else calls
-        elif mode == "forced":
-            if req.response_format is not None and req.response_format.type != "text":
-                raise InvalidRequest("a forced tool choice and response_format cannot be combined",
-                                     "response_format")
-            for inp in inputs:
-                inp.sampling = forced_tool_sampling(inp.sampling, allowed, req.parallel_tool_calls is not False)
-            post = lambda text: (None, parse_forced(text))   # noqa: E731 (the output is only the calls)
-        return await respond(request, req, inputs, chat=True, post=post)
-
-    async def respond(request: Request, req: _Common, inputs: list[GenerateInput], chat: bool, post=None):
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    async def respond(request: Request, req: _Common, inputs: list[GenerateInput], shape):
+        """The answer to a request: `shape` (frontend/choices.py) makes its choices or chunks."""
+        rid = shape.id_prefix + uuid.uuid4().hex
         created = int(time.time())
+        if req.stream and len(inputs) == 1 and shape.plain and inputs[0].sampling.grammar is None:
+            return pushed_stream(rid, created, req, inputs[0], isinstance(shape, ChatChoices))
         if req.stream:
-            return StreamingResponse(_sse(rid, created, req, inputs, chat, post), media_type="text/event-stream")
+            events = generate_samples(state.generator, inputs, req.n)
+            # a grammar compiles when a worker admits the request: wait for that (the first token)
+            # before the headers, so that a bad schema is the same 400 as without streaming
+            first = await first_item(events) if any(inp.sampling.grammar for inp in inputs) else None
+            return StreamingResponse(_sse(rid, created, req, shape, chain(first, events)),
+                                     media_type="text/event-stream")
         task = asyncio.ensure_future(_collect_all(inputs, req.n))
         while not task.done():      # a client that hangs up stops its generation
             done, _ = await asyncio.wait({task}, timeout=0.5)
@@ -111,32 +84,43 @@ def openai_routes(state: FrontendState) -> APIRouter:
                 return Response(status_code=499)
         results = task.result()
         choices, usage = [], _usage(0, 0, 0)
-        for i, (deltas, inp) in enumerate(zip(results, inputs)):
-            text = "".join(d.text for d in deltas)
-            last = deltas[-1]
-            choice = {"index": i, "finish_reason": FINISH_TEXT.get(last.finish_reason), "logprobs": None}
-            if inp.sampling.logprobs is not None:
-                ids = [t for d in deltas for t in d.token_ids]
-                lps = [lp for d in deltas for lp in (d.logprobs or ())]
-                choice["logprobs"] = _chat_logprobs(ids, lps) if chat else _completion_logprobs(ids, lps)
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text}
-                if post is not None:
-                    content, calls = post(text)
-                    if calls:
-                        choice["message"] = {"role": "assistant", "content": content or None,
-                                             "tool_calls": [c.as_openai() for c in calls]}
-                        if last.finish_reason == FinishReason.STOP:
-                            choice["finish_reason"] = "tool_calls"
-            else:
-                choice["text"] = text
-            if req.return_token_ids:
-                choice["token_ids"] = [t for d in deltas for t in d.token_ids]
-                choice["prompt_token_ids"] = inp.prompt_token_ids
-            choices.append(choice)
-            _add_usage(usage, last)
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": state.model_name, "choices": choices, "usage": usage}
+        for i, deltas in enumerate(results):
+            choices.append(shape.choice(i, deltas))
+            _add_usage(usage, deltas[-1], shape.completion_tokens(i, deltas[-1]))
+        body = {"id": rid, "object": shape.object, "created": created, "model": state.model_name,
+                "choices": choices, "usage": usage, **shape.extra()}
+        if req.service_tier is not None:
+            body["service_tier"] = "default"
+        return body
+
+    def pushed_stream(rid: str, created: int, req: _Common, inp: GenerateInput, chat: bool) -> PushedStream:
+        """The common stream (one choice, no tools, no logprobs, no grammar): each token's event is
+        written on the worker stream's turn (frontend/sse.py), the same bytes `_sse` sends."""
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = _event({"id": rid, "object": obj, "created": created, "model": state.model_name,
+                       "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                    "finish_reason": None, "logprobs": None}]}) if chat else b""
+        with_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def tail(last: Delta | None) -> bytes:
+            if not with_usage:
+                return b""
+            usage = _usage(0, 0, 0)
+            if last is not None:
+                _add_usage(usage, last, last.completion_tokens)
+            return _event({"id": rid, "object": obj, "created": created, "model": state.model_name,
+                           "choices": [], "usage": usage})
+        encoder = ChunkEncoder(rid, created, state.model_name, chat, bool(req.return_token_ids))
+        return PushedStream(lambda on_delta: state.generator.stream(inp, on_delta), encoder, head, tail,
+                            lambda e: _error_event(rid, e), FINISH_TEXT)
+
+    def _error_event(rid: str, e: Exception) -> bytes:
+        if not isinstance(e, SplitserveError):
+            log.error("stream %s failed", rid, exc_info=e)
+            e = SplitserveError(f"internal error: {type(e).__name__}")
+        state.metrics.errors.labels("http", str(e.http_status)).inc()
+        return _event({"error": {"message": e.message, "type": e.error_type, "param": e.param,
+                                 "code": e.http_status}})
 
     async def _collect_all(inputs: list[GenerateInput], n: int) -> list[list[Delta]]:
         out: list[list[Delta]] = [[] for _ in inputs]
@@ -147,83 +131,26 @@ def openai_routes(state: FrontendState) -> APIRouter:
     def token_text(token_id: int) -> str:
         return state.tokenizer.token_text(token_id)
 
-    def _completion_logprobs(ids: list[int], lps: list, offset: int = 0) -> dict:
-        tokens = [token_text(t) for t in ids]
-        offsets = []
-        for t in tokens:
-            offsets.append(offset)
-            offset += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{token_text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)}
-                                 for lp in lps], "text_offset": offsets}
-
-    def _chat_logprobs(ids: list[int], lps: list) -> dict:
-        def entry(t: int, v: float) -> dict:
-            text = token_text(t)
-            return {"token": text, "logprob": v, "bytes": list(text.encode("utf-8"))}
-        return {"content": [{**entry(t, lp.logprob), "top_logprobs": [
-            entry(tt, v) for tt, v in zip(lp.top_token_ids, lp.top_logprobs)]} for t, lp in zip(ids, lps)]}
-
-    async def _sse(rid, created, req: _Common, inputs, chat: bool, post=None) -> AsyncIterator[bytes]:
-        """With tool parsing (`post`) a choice's text is held back and sent, parsed, with its finish."""
-        obj = "chat.completion.chunk" if chat else "text_completion"
+    async def _sse(rid, created, req: _Common, shape, events) -> AsyncIterator[bytes]:
         usage = _usage(0, 0, 0)
-        held: dict[int, list[str]] = {}
+        head = {"id": rid, "object": shape.chunk_object, "created": created, "model": state.model_name}
         try:
-            if chat:
-                for i in range(len(inputs)):
-                    yield _event({"id": rid, "object": obj, "created": created, "model": state.model_name,
-                                  "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                               "finish_reason": None, "logprobs": None}]})
-            offsets = [0] * len(inputs)
-            async for i, d in generate_samples(state.generator, inputs, req.n):
-                reason = FINISH_TEXT.get(d.finish_reason)
-                logprobs = None
-                if inputs[i].sampling.logprobs is not None and d.token_ids:
-                    logprobs = _chat_logprobs(d.token_ids, d.logprobs or []) if chat else \
-                        _completion_logprobs(d.token_ids, d.logprobs or [], offsets[i])
-                    offsets[i] += sum(len(t) for t in logprobs.get("tokens", ()))
-                if chat and post is not None:
-                    held.setdefault(i, []).append(d.text)
-                    delta = {}
-                    if d.finish_reason is not None:
-                        text = "".join(held.pop(i))
-                        content, calls = post(text)
-                        if calls:
-                            delta = {"content": content or None,
-                                     "tool_calls": [c.as_openai(k) for k, c in enumerate(calls)]}
-                            reason = "tool_calls" if d.finish_reason == FinishReason.STOP else reason
-                        elif text:
-                            delta = {"content": text}
-                    elif not req.return_token_ids and logprobs is None:
-                        continue
-                    choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
-                elif chat:
-                    choice = {"index": i, "delta": {"content": d.text} if d.text else {},
-                              "finish_reason": reason, "logprobs": logprobs}
-                else:
-                    choice = {"index": i, "text": d.text, "finish_reason": reason, "logprobs": logprobs}
-                if req.return_token_ids:
-                    choice["token_ids"] = d.token_ids
-                yield _event({"id": rid, "object": obj, "created": created, "model": state.model_name,
-                              "choices": [choice]})
+            for choice in shape.start():
+                yield _event({**head, "choices": [choice]})
+            async for i, d in events:
+                for choice in shape.chunks(i, d):
+                    yield _event({**head, "choices": [choice]})
                 if d.finish_reason is not None:
-                    _add_usage(usage, d)
+                    _add_usage(usage, d, shape.completion_tokens(i, d))
             if req.stream_options and req.stream_options.include_usage:
-                yield _event({"id": rid, "object": obj, "created": created, "model": state.model_name,
-                              "choices": [], "usage": usage})
+                yield _event({**head, "choices": [], "usage": usage})
         except Exception as e:   # mid-stream failure: tell the client in-band, then end
-            if not isinstance(e, SplitserveError):
-                log.exception("stream %s failed", rid)
-                e = SplitserveError(f"internal error: {type(e).__name__}")
-            state.metrics.errors.labels("http", str(e.http_status)).inc()
-            yield _event({"error": {"message": e.message, "type": e.error_type, "param": e.param,
-                                    "code": e.http_status}})
+            yield _error_event(rid, e)
         yield b"data: [DONE]\n\n"
 
     def model_card() -> dict:
         return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "splitserve",
-                "max_model_len": state.max_model_len}
+                "max_model_len": state.generator.context_limit()}
 
     @router.get("/v1/models")
     async def models():
@@ -234,16 +161,22 @@ def openai_routes(state: FrontendState) -> APIRouter:
         check_model(model_id)
         return model_card()
 
+    @router.get("/tokenizer_info")
+    async def tokenizer_info():
+        """vLLM's: the chat template and the special tokens (lm-eval's remote tokenizer reads it)."""
+        return {**state.tokenizer.info(), "model_max_length": state.generator.context_limit()}
+
     @router.post("/tokenize")
     async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest):
         check_model(req.model)
         if isinstance(req, TokenizeChatRequest):
             tools = [t.as_openai() for t in parse_tools(req.tools)] or None
-            text = await state.tokenize.render_chat(_turns(req.messages), req.add_generation_prompt, tools)
+            text = await state.tokenize.render_chat(chat_turns(req.messages), req.add_generation_prompt, tools)
         else:
             text = req.prompt
-        tokens = await state.tokenize.encode(text, state.max_model_len, req.add_special_tokens)
-        return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
+        limit = state.generator.context_limit()
+        tokens = await state.tokenize.encode(text, limit, req.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": limit, "tokens": tokens}
 
     @router.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
@@ -256,28 +189,35 @@ def openai_routes(state: FrontendState) -> APIRouter:
     return router
 
 
-def forced_tool_sampling(sampling: SamplingParams, tools: list[Tool], parallel: bool) -> SamplingParams:
-    """The sampling of a forced tool call: the output must be a JSON array of calls (a grammar)."""
-    schema = json.dumps(required_calls_schema(tools, parallel), ensure_ascii=False)
-    return dataclasses.replace(sampling, grammar=GrammarSpec(GrammarKind.JSON_SCHEMA, schema))
+async def _echo_texts(raw, prompts: list[list[int]], tokenize: TokenizerPool) -> list[str]:
+    """What `echo` repeats of each prompt: its text as sent, or the decoded token ids."""
+    if isinstance(raw, str):
+        return [raw]
+    if raw and all(isinstance(p, str) for p in raw):
+        return list(raw)
+    return [await tokenize.decode(p) for p in prompts]
 
 
-def _turns(messages: list[ChatMessage]) -> list[ChatTurn]:
-    turns = []
-    for i, m in enumerate(messages):
-        calls = []
-        for c in m.tool_calls or ():
-            try:
-                args = json.loads(c.function.arguments)
-            except ValueError:
-                raise InvalidRequest(f"messages[{i}].tool_calls: arguments must be JSON text",
-                                     "messages") from None
-            calls.append({"id": c.id, "name": c.function.name, "arguments": args})
-        if m.role == "tool" and not m.tool_call_id:
-            raise InvalidRequest(f"messages[{i}]: a tool message needs tool_call_id", "messages")
-        turns.append(ChatTurn("system" if m.role == "developer" else m.role, m.text(), tuple(calls),
-                              m.tool_call_id))
-    return turns
+async def first_item(events: AsyncIterator):
+    """The first item of `events` (None if there is none); `events` is closed if that fails."""
+    try:
+        return await events.__anext__()
+    except StopAsyncIteration:
+        return None
+    except BaseException:
+        await events.aclose()
+        raise
+
+
+async def chain(first, events: AsyncIterator) -> AsyncIterator:
+    """`first` (unless None), then the rest of `events`."""
+    try:
+        if first is not None:
+            yield first
+        async for item in events:
+            yield item
+    finally:
+        await events.aclose()
 
 
 async def _completion_prompts(prompt, tokenize: TokenizerPool, max_model_len: int) -> list[list[int]]:
@@ -299,12 +239,8 @@ def _usage(prompt: int, completion: int, cached: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _add_usage(usage: dict, d: Delta) -> None:
+def _add_usage(usage: dict, d: Delta, completion_tokens: int) -> None:
     usage["prompt_tokens"] += d.prompt_tokens
-    usage["completion_tokens"] += d.completion_tokens
-    usage["total_tokens"] += d.prompt_tokens + d.completion_tokens
+    usage["completion_tokens"] += completion_tokens
+    usage["total_tokens"] += d.prompt_tokens + completion_tokens
     usage["prompt_tokens_details"]["cached_tokens"] += d.cached_tokens
-
-
-def _event(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"

@@ -1,21 +1,33 @@
 """OpenAI request bodies (pydantic), reduced to `GenerateInput` by `to_sampling`.
 
 These models are the FastAPI bodies of the routes, so the served OpenAPI schema describes every
-request (the fuzz tests generate from it). Every body is strict: an unknown field is a 400, every
-integer has its range, floats are finite, strings are valid Unicode (no lone surrogates, which
-JSON's `\\ud800` escapes can carry) and free-form JSON is at most `MAX_JSON_DEPTH` deep. A field
-that OpenAI or vLLM define but this server does not implement (best_of > 1, echo, suffix, message
-names) is declared, so that the 400 names it as unsupported instead of unknown; no field is
-accepted and then ignored.
+request (the fuzz tests generate from it). Every body is strict, and this is what is enforced:
+
+- an unknown field is a 400 naming it;
+- no value is coerced (pydantic's strict mode): a number field takes a JSON number only (an
+  integer field an integer: not `"10"`, `true` or `10.0`; a float field an integer or a float,
+  not `"0.5"` or `true`), and a boolean field takes `true` or `false` only (not `"yes"`, `"true"`
+  or `1`), in nested objects, lists and maps too (`stream_options.include_usage`,
+  `stop_token_ids`, `logit_bias` values);
+- every integer has its range, floats are finite, strings are valid Unicode (no lone surrogates,
+  which JSON's `\\ud800` escapes can carry) and free-form JSON is at most `MAX_JSON_DEPTH` deep;
+- `stream_options` needs `stream: true`;
+- a field that OpenAI or vLLM define but this server does not implement (best_of > 1, suffix,
+  image / audio / file content parts) is declared, so that the 400 names it as unsupported instead
+  of unknown.
+
+The fields clients send as a matter of course and that change nothing here (`store`, `metadata`,
+`service_tier` on the chat and completion routes) are accepted and ignored, as docs/openai.md says
+per field; no other field is.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from runtime.types import GrammarKind, GrammarSpec, SamplingParams
 from runtime.errors import InvalidRequest
@@ -58,7 +70,7 @@ def check_json_value(value: Any, where: str = "body") -> None:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class _Body(_Strict):
@@ -86,6 +98,11 @@ class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
+    @property
+    def grammar_param(self) -> str:
+        """The field a grammar that does not compile is blamed on."""
+        return "response_format.json_schema.schema" if self.type == "json_schema" else "response_format"
+
     def grammar(self) -> GrammarSpec | None:
         if self.type == "text":
             return None
@@ -100,7 +117,7 @@ class ResponseFormat(_Strict):
 def sampling_fields(max_tokens: int, vocab_size: int, *, temperature, top_p, top_k, seed, stop_token_ids,
                     ignore_eos, presence_penalty, frequency_penalty, repetition_penalty, min_p, min_tokens,
                     logit_bias: dict[str, float] | dict[int, float] | None, logprobs: int | None,
-                    grammar: GrammarSpec | None) -> SamplingParams:
+                    grammar: GrammarSpec | None, prompt_logprobs: int | None = None) -> SamplingParams:
     """SamplingParams from API values (None: the default), with every range checked; shared by
     HTTP and gRPC."""
     t = 1.0 if temperature is None else temperature
@@ -146,11 +163,17 @@ def sampling_fields(max_tokens: int, vocab_size: int, *, temperature, top_p, top
         raise InvalidRequest("logit_bias names a token twice", "logit_bias")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+        raise InvalidRequest(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]", "prompt_logprobs")
+    if grammar is not None and ignore_eos:
+        raise InvalidRequest("ignore_eos cannot be combined with response_format (its grammar ends the output)",
+                             "ignore_eos")
     return SamplingParams(temperature=t, top_p=top_p, top_k=min(max(top_k, 0), vocab_size),
                           max_tokens=max_tokens, seed=seed, stop_token_ids=stop_ids, ignore_eos=ignore_eos,
                           presence_penalty=presence_penalty or 0.0, frequency_penalty=frequency_penalty or 0.0,
                           repetition_penalty=rep, min_p=min_p, min_tokens=min_tokens,
-                          logit_bias=tuple(sorted(bias)), logprobs=logprobs, grammar=grammar)
+                          logit_bias=tuple(sorted(bias)), logprobs=logprobs, grammar=grammar,
+                          prompt_logprobs=prompt_logprobs)
 
 
 class _Common(_Body):
@@ -167,9 +190,6 @@ class _Common(_Body):
     seed: int | None = Field(None, ge=0, lt=2 ** 63)
     ignore_eos: bool = False
     return_token_ids: bool = False
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    user: str | None = None
     prompt_cache_key: str | None = None
 
     def routing_key(self) -> str | None:
@@ -181,6 +201,7 @@ class _Common(_Body):
                 raise InvalidRequest(f"{name} must be at most {MAX_ROUTING_KEY_CHARS} characters", name)
         key = self.prompt_cache_key or self.user
         return f"key:{key}" if self.prompt_cache_key else (f"user:{key}" if key else None)
+
     user: str | None = Field(None, max_length=256, description="an end-user id; informational only")
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -190,6 +211,13 @@ class _Common(_Body):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(None, max_length=1024)
     response_format: ResponseFormat | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="refused above 1 (not implemented)")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                        description="vLLM's: the prompt tokens' logprobs and this many top ones")
+    store: bool | None = Field(None, description="accepted and ignored: nothing is stored on these routes")
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(
+        None, max_length=16, description="accepted and ignored: nothing is stored on these routes")
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
+        None, description="accepted; every request is served the same way (the response says \"default\")")
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -203,9 +231,14 @@ class _Common(_Body):
     def check_unsupported(self) -> None:
         if self.best_of not in (None, 1):
             raise InvalidRequest("best_of is not supported (use n)", "best_of")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed with stream: true", "stream_options")
 
     def requested_logprobs(self) -> int | None:
         return None
+
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
     def to_sampling(self, max_tokens: int, vocab_size: int) -> SamplingParams:
         return sampling_fields(
@@ -214,27 +247,66 @@ class _Common(_Body):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, min_p=self.min_p, min_tokens=self.min_tokens,
             logit_bias=self.logit_bias, logprobs=self.requested_logprobs(),
-            grammar=self.response_format.grammar() if self.response_format else None)
+            grammar=self.response_format.grammar() if self.response_format else None,
+            prompt_logprobs=self.requested_prompt_logprobs())
 
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
+    # 0: the prompt is only scored (with echo and logprobs: its logprobs), no token is returned
+    max_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo or self.suffix:
-            raise InvalidRequest("echo and suffix are not supported", "echo")
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported", "suffix")
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """echo with logprobs scores the prompt too (OpenAI's legacy semantics, what lm-eval asks)."""
+        ks = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(ks) if ks else None
 
 
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
+
+
+class ImageUrlPart(_Strict):
+    """Declared so that it is refused as what it is: the served models take text only."""
+    type: Literal["image_url"]
+    image_url: dict[str, Any]
+
+
+class InputAudioPart(_Strict):
+    type: Literal["input_audio"]
+    input_audio: dict[str, Any]
+
+
+class FilePart(_Strict):
+    type: Literal["file"]
+    file: dict[str, Any]
+
+
+_PARTS = {"text": TextPart, "image_url": ImageUrlPart, "input_audio": InputAudioPart, "file": FilePart}
+NOT_TEXT = {"image_url": "images", "input_audio": "audio", "file": "files"}
+
+
+def _part_kind(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return _PARTS[kind].__name__ if isinstance(kind, str) and kind in _PARTS else None
+
+
+# tagged by class name, so that an error's path (frontend/http_errors.py) skips the tag
+ContentPart = Annotated[Union[tuple(Annotated[cls, Tag(cls.__name__)] for cls in _PARTS.values())],
+                        Discriminator(_part_kind, custom_error_type="content_part_type",
+                                      custom_error_message=f"a content part's type must be one of {list(_PARTS)}")]
 
 
 class FunctionCall(_Strict):
@@ -251,16 +323,21 @@ class ToolCallIn(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = Field(None, max_length=256)
     tool_calls: list[ToolCallIn] | None = Field(None, max_length=128)
     tool_call_id: str | None = Field(None, max_length=256)
 
-    def text(self) -> str:
+    def text(self, where: str = "messages") -> str:
+        """The message's text; InvalidRequest naming `where`.content[j] for a part that is not text."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
+        for j, p in enumerate(self.content):
+            if not isinstance(p, TextPart):
+                raise InvalidRequest(f"this model takes no {NOT_TEXT[p.type]}: {where}.content[{j}] is of type "
+                                     f"{p.type!r}; send text parts only", f"{where}.content[{j}]")
         return "".join(p.text for p in self.content)
 
 
@@ -272,13 +349,17 @@ class ChatCompletionRequest(_Common):
     tools: list[dict[str, Any]] | None = Field(None, max_length=128)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="more variables for the chat template")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None, description="given to the chat template as the variable reasoning_effort")
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
-        if any(m.name for m in self.messages):
-            raise InvalidRequest("message names are not supported", "messages")
+
+    def template_kwargs(self) -> dict | None:
+        return template_kwargs(self.chat_template_kwargs, self.reasoning_effort)
 
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -286,6 +367,22 @@ class ChatCompletionRequest(_Common):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                "raise_exception"})
+
+
+def template_kwargs(extra: dict | None, reasoning_effort: str | None) -> dict | None:
+    """The chat template's extra variables: `chat_template_kwargs`, and `reasoning_effort` as one."""
+    out = dict(extra or {})
+    clash = sorted(TEMPLATE_VARIABLES & set(out))
+    if clash:
+        raise InvalidRequest(f"chat_template_kwargs may not set {clash}: the server sets them",
+                             f"chat_template_kwargs.{clash[0]}")
+    if reasoning_effort is not None:
+        out["reasoning_effort"] = reasoning_effort
+    return out or None
 
 
 class TokenizeCompletionRequest(_Body):

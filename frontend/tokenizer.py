@@ -5,8 +5,16 @@ template from tokenizer_config.json with a sandboxed jinja2 environment configur
 
 `TokenizerPool` runs the expensive part (encoding a prompt, rendering a template, decoding a long
 list) on a few threads, never on the event loop: `encode_batch_fast` releases the GIL while the
-Rust code works (a 4 MB prompt takes seconds), and the token count is checked against the limit
-before the ids become a Python list. The pool's queue is bounded: a full one refuses (429).
+Rust code works, and the token count is checked against the limit before the ids become a Python
+list. The pool's queue is bounded: a full one refuses (429).
+
+A prompt far longer than the context is refused without being tokenized whole (a 4 MB one took
+seconds of CPU, and sixteen at once took the frontend from 113 to 1,667 MiB): with a limit, a text
+longer than `PREFIX_CHARS_PER_TOKEN` characters per allowed token is first tokenized in a prefix cut
+before a whitespace character, and if that prefix alone has more tokens than the limit (with
+`PREFIX_SLACK_TOKENS` to spare, for a cut that splits a word differently), the whole cannot fit.
+Otherwise the prefix grows 4x until it has enough tokens or is the whole text, so the work is
+bounded by a few times what the context can hold, never by what the client sent.
 """
 
 from __future__ import annotations
@@ -27,6 +35,10 @@ from runtime.errors import InvalidRequest, Overloaded
 
 T = TypeVar("T")
 
+PREFIX_CHARS_PER_TOKEN = 4     # the first prefix of a long text: this many characters per allowed token
+PREFIX_GROWTH = 4              # then this many times longer, while it is not enough
+PREFIX_SLACK_TOKENS = 8        # a cut prefix may have a few tokens more than its part of the whole
+
 
 def _raise(message: str):
     raise TemplateError(message)
@@ -38,9 +50,12 @@ class ChatTurn:
     content: str
     tool_calls: tuple[dict, ...] = ()       # assistant turns: {"name", "arguments": dict}
     tool_call_id: str | None = None         # tool turns: the call this answers
+    name: str | None = None                 # the participant's name (multi-agent chats), for templates that use it
 
     def as_template_message(self) -> dict:
         m: dict = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            m["name"] = self.name
         if self.tool_calls:
             m["tool_calls"] = [{"type": "function", "id": c.get("id"), "function": {
                 "name": c["name"], "arguments": c["arguments"]}, "name": c["name"], "arguments": c["arguments"]}
@@ -74,20 +89,37 @@ class ModelTokenizer:
             env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
             self._template = env.from_string(template)
 
-    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
-        return self.encode_batch([text], add_special_tokens, max_tokens)[0]
+    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None,
+               param: str = "prompt") -> list[int]:
+        return self.encode_batch([text], add_special_tokens, max_tokens, param)[0]
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True,
-                     max_tokens: int | None = None) -> list[list[int]]:
-        """Token ids of each text; InvalidRequest for one of `max_tokens` tokens or more (checked before
-        the ids are copied out of Rust, so a huge prompt costs the event loop's thread nothing)."""
+                     max_tokens: int | None = None, param: str = "prompt") -> list[list[int]]:
+        """Token ids of each text; InvalidRequest (naming `param`) for one of `max_tokens` tokens or
+        more, found from a prefix for a text far too long (module docstring), else checked before
+        the ids are copied out of Rust."""
+        if max_tokens is not None:
+            for text in texts:
+                self._refuse_if_surely_longer(text, add_special_tokens, max_tokens, param)
         encodings = self._encode_batch(texts, add_special_tokens=add_special_tokens)
         if max_tokens is not None:
             for e in encodings:
                 if len(e) >= max_tokens:
                     raise InvalidRequest(f"This model's maximum context length is {max_tokens} tokens; the "
-                                         f"prompt has {len(e)} tokens.", "prompt")
+                                         f"prompt has {len(e)} tokens.", param)
         return [e.ids for e in encodings]
+
+    def _refuse_if_surely_longer(self, text: str, add_special_tokens: bool, max_tokens: int, param: str) -> None:
+        window = PREFIX_CHARS_PER_TOKEN * max_tokens
+        while len(text) > window:
+            cut = max(text.rfind(" ", window // 2, window), text.rfind("\n", window // 2, window))
+            prefix = text[:cut if cut > 0 else window]
+            least = len(self._encode_batch([prefix], add_special_tokens)[0]) - PREFIX_SLACK_TOKENS
+            if least >= max_tokens:
+                raise InvalidRequest(f"This model's maximum context length is {max_tokens} tokens; the "
+                                     f"prompt has more than {least} tokens (its first {len(prefix)} of "
+                                     f"{len(text)} characters have that many).", param)
+            window *= PREFIX_GROWTH
 
     def _encode_batch(self, texts: list[str], add_special_tokens: bool):
         # no offsets: 3-4x faster; both release the GIL while encoding
@@ -110,10 +142,14 @@ class ModelTokenizer:
         return name in self._template_source
 
     def apply_chat_template(self, turns: list[ChatTurn], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+        """`template_kwargs`: more variables for the template (a request's `chat_template_kwargs`
+        and `reasoning_effort`); they may not replace those set here (TEMPLATE_VARIABLES)."""
         if self._template is None:
             raise InvalidRequest("this model has no chat template; use /v1/completions")
-        extra = {"tools": tools} if tools else {}
+        extra = dict(template_kwargs or {})
+        if tools:
+            extra["tools"] = tools
         try:
             return self._template.render(
                 messages=[t.as_template_message() for t in turns],
@@ -123,10 +159,21 @@ class ModelTokenizer:
             raise InvalidRequest(f"chat template rejected the messages: {e}") from None
 
     def encode_chat(self, turns: list[ChatTurn], max_tokens: int | None = None,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         # the template writes special tokens itself
-        return self.encode(self.apply_chat_template(turns, tools=tools), add_special_tokens=False,
-                           max_tokens=max_tokens)
+        return self.encode(self.apply_chat_template(turns, tools=tools, template_kwargs=template_kwargs),
+                           add_special_tokens=False, max_tokens=max_tokens, param="messages")
+
+    def info(self) -> dict:
+        """What vLLM's /tokenizer_info gives (lm-eval's remote tokenizer reads it): the
+        tokenizer_config.json fields clients use, the chat template, the special tokens."""
+        cfg = self.config
+        return {"tokenizer_class": cfg.get("tokenizer_class"), "chat_template": self._template_source or None,
+                "bos_token": self.bos_token, "eos_token": self.eos_token,
+                "pad_token": _token_text(cfg.get("pad_token")), "unk_token": _token_text(cfg.get("unk_token")),
+                "add_bos_token": cfg.get("add_bos_token"), "add_eos_token": cfg.get("add_eos_token"),
+                "vocab_size": self.vocab_size,
+                "added_tokens_decoder": cfg.get("added_tokens_decoder", {})}
 
 
 class TokenizerPool:
@@ -163,12 +210,13 @@ class TokenizerPool:
         return await self.run(self.tokenizer.encode_batch, texts, add_special_tokens, max_tokens)
 
     async def encode_chat(self, turns: list[ChatTurn], max_tokens: int | None,
-                          tools: list[dict] | None = None) -> list[int]:
-        return await self.run(self.tokenizer.encode_chat, turns, max_tokens, tools)
+                          tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
+        return await self.run(self.tokenizer.encode_chat, turns, max_tokens, tools, template_kwargs)
 
     async def render_chat(self, turns: list[ChatTurn], add_generation_prompt: bool = True,
-                          tools: list[dict] | None = None) -> str:
-        return await self.run(self.tokenizer.apply_chat_template, turns, add_generation_prompt, tools)
+                          tools: list[dict] | None = None, template_kwargs: dict | None = None) -> str:
+        return await self.run(self.tokenizer.apply_chat_template, turns, add_generation_prompt, tools,
+                              template_kwargs)
 
     async def decode(self, ids: list[int]) -> str:
         return await self.run(self.tokenizer.decode, ids)
@@ -184,14 +232,20 @@ def _token_text(tok) -> str | None:
 
 
 class IncrementalDetokenizer:
-    """Text deltas for a stream of token ids, holding back what may still become a stop string."""
+    """Text deltas for a stream of token ids, holding back what may still become a stop string.
+
+    Without stop strings nothing needs looking back at: each token's piece (from the Rust decode
+    stream, which itself holds back an unfinished UTF-8 character) is released as it comes, and the
+    text so far is only joined when it is asked for (`flush`, `text`). With stop strings the text is
+    kept whole and searched from just before what was released."""
 
     def __init__(self, tokenizer: ModelTokenizer, stop: list[str]) -> None:
         self._tok = tokenizer.tok
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._step = DecodeStream(skip_special_tokens=True).step
         self._stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self._stop), default=1) - 1
-        self._text = ""          # all text decoded so far
+        self._pieces: list[str] = []     # without stop strings: the text so far, in pieces
+        self._text = ""          # with stop strings: all text decoded so far
         self._emitted = 0        # chars of _text already returned
         self._ids: list[int] = []
         self.stopped = False
@@ -200,11 +254,18 @@ class IncrementalDetokenizer:
         """Feed new tokens; return the text that can be released now. Sets `stopped` on a stop string."""
         if self.stopped:
             return ""
-        self._ids.extend(token_ids)
-        for t in token_ids:
-            piece = self._stream.step(self._tok, t)
+        self._ids += token_ids
+        tok, step = self._tok, self._step
+        if len(token_ids) == 1:
+            piece = step(tok, token_ids[0]) or ""
+        else:
+            piece = "".join(p for t in token_ids if (p := step(tok, t)))
+        if not self._stop:
             if piece:
-                self._text += piece
+                self._pieces.append(piece)
+            return piece
+        if piece:
+            self._text += piece
         if self._cut_at_stop():
             return self._release(len(self._text))
         return self._release(len(self._text) - self._hold)
@@ -216,6 +277,15 @@ class IncrementalDetokenizer:
         that ends inside one (max_tokens reached mid-character) releases them as the replacement
         character, exactly as a one-shot decode of the same tokens does.
         """
+        if not self._stop:
+            if self.stopped or not self._ids:
+                return ""
+            text = "".join(self._pieces)
+            full = self._tok.decode(self._ids, skip_special_tokens=True)
+            if len(full) > len(text) and full.startswith(text):
+                self._pieces = [full]
+                return full[len(text):]
+            return ""
         if not self.stopped and self._ids:
             full = self._tok.decode(self._ids, skip_special_tokens=True)
             if len(full) > len(self._text) and full.startswith(self._text):
@@ -243,4 +313,4 @@ class IncrementalDetokenizer:
 
     @property
     def text(self) -> str:
-        return self._text
+        return self._text if self._stop else "".join(self._pieces)

@@ -5,7 +5,8 @@ are refused (frontend/admission.py), with one log line each. For each accepted w
 frontend keeps one gRPC channel and
 one long-lived bidirectional Session stream that multiplexes all of this frontend's requests on
 that worker: Submit/Cancel go out, one StepOutput per engine step comes back and is fanned out to
-the per-request queues. If a stream breaks (the worker died) or its lease expires, every request
+the requests' sinks, synchronously, in one turn of the loop (a sink does its token's work there:
+frontend/generation.py). If a stream breaks (the worker died) or its lease expires, every request
 on it receives `WORKER_LOST` and the caller migrates it.
 
 Only `ready` workers join and are routed to (runtime/lifecycle.py). A worker that starts draining
@@ -30,6 +31,7 @@ import redis.asyncio as aioredis
 from frontend.admission import Admission
 from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from runtime.discovery import WorkerInfo, list_workers
+from runtime.grpc_links import cluster_metadata, worker_channel
 from runtime.lifecycle import WorkerState
 from runtime.logging import Throttled
 from runtime.pool_record import PoolsRecord, read_pools
@@ -47,14 +49,15 @@ class WorkerConnection:
 
     def __init__(self, info: WorkerInfo) -> None:
         self.info = info
-        self.channel = grpc.aio.insecure_channel(info.address, options=[
-            ("grpc.max_receive_message_length", 64 << 20), ("grpc.keepalive_time_ms", 10_000)])
+        self.channel = worker_channel(info.address, max_message_bytes=64 << 20)   # runtime/grpc_links.py
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self._out: asyncio.Queue[worker_pb2.SessionRequest | None] = asyncio.Queue()
         self._streams: dict[str, asyncio.Queue] = {}
         self.alive = True
         self.draining = info.state == WorkerState.DRAINING
         self.has_session = info.role != "prefill"
+        self.on_load = None      # (worker id, WorkerLoad) -> None: the worker's load, as its stream brings it
+        self._warn = Throttled(log)
         self._reader = asyncio.create_task(self._run() if self.has_session else self._watch(),
                                            name=f"session-{info.worker_id}")
 
@@ -82,10 +85,12 @@ class WorkerConnection:
         for q in self._streams.values():
             q.put_nowait(marker)
 
-    def submit(self, msg: worker_pb2.WorkerSubmit) -> asyncio.Queue:
+    def submit(self, msg: worker_pb2.WorkerSubmit, sink=None):
+        """Send the request; its deltas (and WORKER_LOST / SHUTTING_DOWN) go to `sink.put_nowait`,
+        called on the session reader's turn (frontend/generation.py); default: a new asyncio.Queue."""
         if not self.alive:
             raise Unavailable(f"worker {self.worker_id} is gone")
-        q: asyncio.Queue = asyncio.Queue()
+        q = asyncio.Queue() if sink is None else sink
         self._streams[msg.request_id] = q
         self._out.put_nowait(worker_pb2.SessionRequest(submit=msg))
         return q
@@ -107,11 +112,13 @@ class WorkerConnection:
 
     async def _run(self) -> None:
         try:
-            call = self.stub.Session(self._outgoing())
+            call = self.stub.Session(self._outgoing(), metadata=cluster_metadata())
             async for step in call:
                 if step.draining and not self.draining:
                     log.info("worker %s is draining", self.worker_id)
                     self.draining = True
+                if step.HasField("load") and self.on_load is not None:
+                    self._load(step.load)
                 for delta in step.deltas:
                     q = self._streams.get(delta.request_id)
                     if q is not None:
@@ -119,10 +126,17 @@ class WorkerConnection:
             log.info("worker %s closed its session", self.worker_id)
         except asyncio.CancelledError:
             pass
-        except grpc.aio.AioRpcError as e:
-            log.warning("session with worker %s broke: %s", self.worker_id, e.code().name)
+        except grpc.aio.AioRpcError as e:     # what ended it, said whole (a GOAWAY names its reason)
+            log.warning("session with worker %s broke (%s: %s); %d request(s) on it move to other workers",
+                        self.worker_id, e.code().name, e.details(), len(self._streams))
         finally:
             self._lost()
+
+    def _load(self, load: worker_pb2.WorkerLoad) -> None:
+        try:
+            self.on_load(self.worker_id, load)
+        except Exception as e:      # routing on without this report beats losing every stream on it
+            self._warn.warning("load", "worker %s: its load report was not taken: %s", self.worker_id, e)
 
     async def _watch(self) -> None:
         """Prefill workers carry no session: notice their death by the channel's state."""
@@ -131,7 +145,9 @@ class WorkerConnection:
             while True:
                 await self.channel.wait_for_state_change(state)
                 state = self.channel.get_state(try_to_connect=True)
-                if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:     # expected once it drained
+                    log.log(logging.INFO if self.draining else logging.WARNING,
+                            "the connection to prefill worker %s failed; it leaves the pool", self.worker_id)
                     break
         except asyncio.CancelledError:
             pass
@@ -228,6 +244,7 @@ class WorkerPool:
                 continue
             log.info("worker %s joined (%s at %s, %d-token blocks)", wid, info.role, info.address, info.block_size)
             conn = WorkerConnection(info)
+            conn.on_load = self.router.worker_load
             self.workers[wid] = conn
             self.router.add_worker(wid, info, conn.stub)
         self.changed.set()
@@ -271,6 +288,10 @@ class WorkerPool:
                 failed = self.pools.failed.get(pool, 0)
                 out[pool] = f"{ready} of {desired} workers ready" + (f", {failed} failed" if failed else "")
         return out
+
+    def gpus(self) -> dict[str, str]:
+        """Each live worker's GPUs, by worker id, as its lease says ("" where it runs on none)."""
+        return {wid: c.info.gpus for wid, c in sorted(self.workers.items()) if c.alive}
 
     def interrupt_all(self, marker: object) -> None:
         for conn in self.workers.values():

@@ -50,6 +50,9 @@ DEFAULT_STARTUP_S = 16.5
 DEFAULT_MAX_NUM_SEQS = 256            # EngineConfig's defaults, which the default profile assumes
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_PROFILE_PATH = Path(__file__).parent / "profiles" / "h100-llama-3.1-8b.json"   # measured
+# the shipped default per weight quantization (a profile records the one it was measured with,
+# `splitserve profile`; "none": the model dtype's weights). No FP8 profile is shipped yet.
+DEFAULT_PROFILES = {"none": DEFAULT_PROFILE_PATH}
 CURVE_PROFILE_PATH = Path(__file__).parent / "profiles" / "h100-llama-3.1-8b-curve.json"   # CurveTiming
 PROFILE_FORMAT = 2
 
@@ -228,6 +231,9 @@ class Profile:
     - startup_s: start-to-ready of one worker (process start to serving its first request).
     - max_num_seqs, max_num_batched_tokens: the engine limits the timing was taken under (the
       decode batch cap, and the chunk size of a chunked prefill).
+    - quantization: the workers' weights it was measured with ("none": the model dtype, "fp8").
+    - prefill_tp, decode_tp: the GPUs (tensor-parallel ranks) of the workers whose prefill and decode
+      steps it measured: what a worker of each pool costs against a GPU budget.
     """
 
     timing: StepTiming
@@ -236,6 +242,9 @@ class Profile:
     startup_s: float = DEFAULT_STARTUP_S
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    quantization: str = "none"
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
     def prefill_s(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
         """Seconds to prefill a prompt alone (its TTFT on an idle worker), its first
@@ -335,8 +344,13 @@ def profile_json(spec: dict) -> str:
     return value(spec, "") + "\n"
 
 
-def load_profile(path: str | Path | None = None) -> Profile:
-    """The shipped default profile (path None: the measured H100 8B one), or a JSON profile file.
+def load_profile(path: str | Path | None = None, quantization: str | None = None,
+                 tp: tuple[int, int] | None = None) -> Profile:
+    """The shipped default profile (path None: the measured H100 8B one for `quantization`), or a
+    JSON profile file. `quantization` (the workers' weights, "none" | "fp8"; None: not checked): a
+    profile measured with other weights is refused (ValueError), as is asking for a default that
+    is not shipped. `tp` (the prefill and decode workers' tensor-parallel sizes; None: not checked):
+    likewise, a profile measured at other sizes is refused (the shipped ones are TP 1).
 
     A file is either {"curve": {<CurveTiming fields>}} (the analytic model with other
     constants), or measured tables (format 1, the first version, still read)::
@@ -351,13 +365,22 @@ def load_profile(path: str | Path | None = None) -> Profile:
     - prefill.cached_fraction [f0, f1, ...] (f0 = 0): prefill.time_s becomes a table,
       time_s[i][j] = seconds to prefill tokens[i] tokens of which cached_fraction[j] are cached;
     - kv_capacity_tokens (default DEFAULT_KV_TOKENS), startup_s (default DEFAULT_STARTUP_S),
-      max_num_seqs and max_num_batched_tokens (the engine limits of the measurement), name.
+      max_num_seqs and max_num_batched_tokens (the engine limits of the measurement), name,
+      quantization (default "none"), prefill_tp and decode_tp (default tensor_parallel_size, or 1).
 
     Throughputs are derived (tokens / time), never stored. Other keys (device, model, git sha,
     command) are kept for the reader and ignored here.
     """
     if path is None:
-        path = DEFAULT_PROFILE_PATH
+        path = DEFAULT_PROFILES.get(quantization or "none")
+        if tp is not None and tuple(tp) != (1, 1):
+            raise ValueError(f"no performance profile is shipped for tensor-parallel workers (prefill TP {tp[0]}, "
+                             f"decode TP {tp[1]}): measure one with `splitserve profile --tensor-parallel-size N "
+                             "--out FILE` for each pool's size and pass --planner-profile FILE")
+        if path is None:
+            raise ValueError(f"no performance profile is shipped for {quantization} weights: measure one with "
+                             f"`splitserve profile --quantization {quantization} --out FILE` and pass "
+                             "--planner-profile FILE")
     try:
         spec = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
@@ -365,8 +388,17 @@ def load_profile(path: str | Path | None = None) -> Profile:
     if not isinstance(spec, dict):
         raise ValueError(f"profile {path}: not a JSON object")
     timing = _timing_from_spec(spec, path)
+    measured = str(spec.get("quantization", "none"))
+    if quantization is not None and measured != quantization:
+        raise ValueError(f"profile {path} was measured with {measured} weights; the workers run {quantization}")
+    both = spec.get("tensor_parallel_size", 1)
+    measured_tp = (spec.get("prefill_tp", both), spec.get("decode_tp", both))
+    if tp is not None and tuple(measured_tp) != tuple(tp):
+        raise ValueError(f"profile {path} was measured with prefill TP {measured_tp[0]} and decode TP "
+                         f"{measured_tp[1]}; the workers run prefill TP {tp[0]} and decode TP {tp[1]}")
     try:
-        return Profile(timing, name=str(spec.get("name", Path(path).stem)),
+        return Profile(timing, name=str(spec.get("name", Path(path).stem)), quantization=measured,
+                       prefill_tp=int(measured_tp[0]), decode_tp=int(measured_tp[1]),
                        kv_capacity_tokens=int(spec.get("kv_capacity_tokens", DEFAULT_KV_TOKENS)),
                        startup_s=float(spec.get("startup_s") or DEFAULT_STARTUP_S),
                        max_num_seqs=int(spec.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)),

@@ -1,44 +1,65 @@
-"""The planner's configuration: targets, limits and the few constants of its control loop.
+"""The planner core's configuration: the operator's planner settings in the units the core works in.
 
-Plain frozen data; `splitserve bench plan` (and later `splitserve planner`) mirror its fields as
-flags. The default of every constant is argued in docs/planner.md, none fitted to a trace.
+The settings are declared once, in runtime/config_planner.py (`SlaConfig`: targets in milliseconds,
+flags, help, defaults; `PoolLimitsConfig`: the pools' bounds). `PlannerConfig` is their view for
+the core: targets in seconds, the start-up time resolved against the profile, each pool's limits
+as the controller (or `bench plan`) sets them, the prefill order as a flag. Its defaults are read
+from those declarations, never written a second time; `PlannerConfig.from_settings` is the one
+conversion, used by the live loop and `bench plan` alike. Plain frozen data: it knows nothing of
+flags, files or the controller.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from planner.predictors import DEFAULT_PREDICTOR
-from runtime.config import PLANNER_INTERVAL_S
 from perf.profile import DEFAULT_STARTUP_S
+from planner.predictors import make_predictor
+from runtime.config_planner import DEFAULT_POOL_LIMITS, PoolLimits, PoolLimitsConfig, SlaConfig
 
-
-@dataclass(frozen=True, slots=True)
-class PoolLimits:
-    min_workers: int = 1
-    max_workers: int = 64
+_DECLARED = SlaConfig()          # the declared defaults
 
 
 @dataclass(frozen=True, slots=True)
 class PlannerConfig:
     ttft_target_s: float
     itl_target_s: float                   # the target for each request's mean inter-token latency
-    attainment_goal: float = 0.99         # share of requests that meet both targets
-    interval_s: float = PLANNER_INTERVAL_S  # one decision per interval
+    attainment_goal: float = _DECLARED.attainment_goal    # share of requests that meet both targets
+    interval_s: float = _DECLARED.interval_s              # one decision per interval
     startup_s: float = DEFAULT_STARTUP_S  # a new worker's start-to-ready: the planning horizon
-    prefill: PoolLimits = field(default_factory=PoolLimits)
-    decode: PoolLimits = field(default_factory=PoolLimits)
-    gpu_budget: int | None = None         # workers of both pools, draining ones included
-    predictor: str = DEFAULT_PREDICTOR
-    arrival_quantile: float = 0.9         # plan on this quantile of the predicted arrivals
-    hysteresis: float = 0.1               # scale down only to what load * (1 + this) needs
-    prefill_down_delay_s: float = 0.0     # ... and was needed all along this window: prefill (none: the
-    #                                       margin alone; docs/planner.md "The core" step 5 says why) ...
-    decode_down_delay_s: float | None = None  # ... and decode (None: startup_s)
-    num_samples: int = 4096               # recent requests that make the length distribution
-    min_records: int = 20                 # fewer observations than this leave a correction alone
-    prefill_deadline: bool = True         # prefill workers queue in deadline order (as the planner's
-    #                                       clusters run them: WorkerConfig.prefill_deadline_ms), else FIFO
+    prefill: PoolLimits = field(default_factory=lambda: DEFAULT_POOL_LIMITS.prefill)
+    decode: PoolLimits = field(default_factory=lambda: DEFAULT_POOL_LIMITS.decode)
+    gpu_budget: int | None = _DECLARED.gpu_budget         # GPUs of both pools' workers, draining ones included
+    predictor: str = _DECLARED.predictor
+    arrival_quantile: float = _DECLARED.arrival_quantile  # plan on this quantile of the predicted arrivals
+    hysteresis: float = _DECLARED.hysteresis              # scale down only to what load * (1 + this) needs
+    prefill_down_delay_s: float = _DECLARED.prefill_down_delay_s   # ... and was needed all along this
+    #                                       window: prefill (0: the margin alone; docs/planner.md "The core"
+    #                                       step 5 says why) ...
+    decode_down_delay_s: float | None = _DECLARED.decode_down_delay_s   # ... and decode (None: startup_s)
+    num_samples: int = _DECLARED.num_samples   # recent requests that make the length distribution
+    min_records: int = _DECLARED.min_records   # fewer observations than this leave a correction alone
+    prefill_deadline: bool = _DECLARED.deadline_ordered   # prefill workers queue in deadline order (as the
+    #                                       planner's clusters run them: WorkerConfig.prefill_deadline_ms), else FIFO
+    prefill_gpus: int = 1                 # GPUs one prefill worker holds (its tensor-parallel size) ...
+    decode_gpus: int = 1                  # ... and one decode worker: what each costs against gpu_budget
+
+    @classmethod
+    def from_settings(cls, sla: SlaConfig, profile_startup_s: float,
+                      limits: PoolLimitsConfig | None = None, gpus_per_worker: tuple[int, int] = (1, 1)) -> "PlannerConfig":
+        """The core's config from the declared settings: milliseconds to seconds, an unset start-up
+        time to the profile's, the pools' limits (none: the declared defaults), the GPUs a prefill and
+        a decode worker hold (the profile's TP sizes). ValueError for a setting the core cannot plan with."""
+        limits = limits or DEFAULT_POOL_LIMITS
+        return cls(
+            ttft_target_s=sla.ttft_ms / 1e3, itl_target_s=sla.itl_ms / 1e3,
+            attainment_goal=sla.attainment_goal, interval_s=sla.interval_s,
+            startup_s=profile_startup_s if sla.startup_s is None else sla.startup_s,
+            prefill=limits.prefill, decode=limits.decode, gpu_budget=sla.gpu_budget, predictor=sla.predictor,
+            arrival_quantile=sla.arrival_quantile, hysteresis=sla.hysteresis,
+            prefill_down_delay_s=sla.prefill_down_delay_s, decode_down_delay_s=sla.decode_down_delay_s,
+            num_samples=sla.num_samples, min_records=sla.min_records,
+            prefill_deadline=sla.deadline_ordered, prefill_gpus=gpus_per_worker[0], decode_gpus=gpus_per_worker[1])
 
     def __post_init__(self) -> None:
         if self.ttft_target_s <= 0 or self.itl_target_s <= 0 or self.interval_s <= 0:
@@ -48,11 +69,22 @@ class PlannerConfig:
         if (self.startup_s < 0 or self.hysteresis < 0 or self.prefill_down_delay_s < 0
                 or (self.decode_down_delay_s or 0) < 0):
             raise ValueError("startup_s, hysteresis and the down delays must be >= 0")
+        if self.num_samples < 1 or self.min_records < 1:
+            raise ValueError("num_samples and min_records must be >= 1")
         for limits in (self.prefill, self.decode):
             if not 0 <= limits.min_workers <= limits.max_workers:
                 raise ValueError(f"bad pool limits {limits}")
-        if self.gpu_budget is not None and self.gpu_budget < self.prefill.min_workers + self.decode.min_workers:
-            raise ValueError("the GPU budget is below the pools' minimums")
+        if self.prefill_gpus < 1 or self.decode_gpus < 1:
+            raise ValueError("a worker holds at least one GPU")
+        if self.gpu_budget is not None and self.gpu_budget < self.min_gpus:
+            raise ValueError(f"the GPU budget ({self.gpu_budget}) is below the GPUs of the pools' minimums "
+                             f"({self.min_gpus})")
+        make_predictor(self.predictor)        # ValueError naming the predictors for an unknown one
+
+    @property
+    def min_gpus(self) -> int:
+        """The GPUs the pools' minimum sizes hold."""
+        return self.prefill.min_workers * self.prefill_gpus + self.decode.min_workers * self.decode_gpus
 
     @property
     def pool_goal(self) -> float:

@@ -333,14 +333,12 @@ class Planner:
         cfg = self.config
         if cfg.gpu_budget is None:
             return pre, dec
-        avail = max(cfg.gpu_budget - obs.prefill.draining - obs.decode.draining,
-                    cfg.prefill.min_workers + cfg.decode.min_workers)
-        if pre.desired + dec.desired <= avail:
+        gp, gd = cfg.prefill_gpus, cfg.decode_gpus          # GPUs per worker (their TP sizes)
+        avail = max(cfg.gpu_budget - obs.prefill.draining * gp - obs.decode.draining * gd, cfg.min_gpus)
+        if pre.desired * gp + dec.desired * gd <= avail:
             return pre, dec
-        share = round(avail * pre.desired / (pre.desired + dec.desired))
-        p = min(max(share, cfg.prefill.min_workers), avail - cfg.decode.min_workers, pre.desired)
-        d = min(avail - p, dec.desired)
-        p = min(avail - d, pre.desired)
+        p, d = split_gpu_budget(avail, pre.desired, dec.desired, (gp, gd),
+                                (cfg.prefill.min_workers, cfg.decode.min_workers))
         return (replace(pre, desired=p, bound=Bound.BUDGET) if p < pre.desired else pre,
                 replace(dec, desired=d, bound=Bound.BUDGET) if d < dec.desired else dec)
 
@@ -355,3 +353,16 @@ class Planner:
         s = decode_attainment(max(d.desired, 1), rate, wl, self._decode_step, self.config.itl_target_s, cap,
                               limit, self._burst[Pool.DECODE], p.kv_capacity_tokens)
         return replace(d, predicted=s.itl_s, per_worker=s.batch, limit=s.limit)
+
+
+def split_gpu_budget(avail_gpus: int, prefill: int, decode: int, gpus: tuple[int, int],
+                     mins: tuple[int, int]) -> tuple[int, int]:
+    """Worker counts (prefill, decode) within `avail_gpus` when the wanted ones do not fit: each pool
+    gets the budget's share its wanted GPUs have, at least its minimum, at most what it wants; a
+    worker of each holds `gpus` GPUs (with one each: a split of workers)."""
+    gp, gd = gpus
+    share = round(avail_gpus * prefill * gp / (prefill * gp + decode * gd) / gp)
+    p = min(max(share, mins[0]), (avail_gpus - mins[1] * gd) // gp, prefill)
+    d = min((avail_gpus - p * gp) // gd, decode)
+    p = min((avail_gpus - d * gd) // gp, prefill)
+    return p, d

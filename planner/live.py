@@ -36,11 +36,11 @@ from typing import Protocol
 
 import redis.asyncio as aioredis
 
-from planner.config import PlannerConfig, PoolLimits
+from planner.config import PlannerConfig
 from planner.core import Planner
 from planner.decision import (DecodeStats, Decision, Observation, PoolDecision, PoolState, PrefillRecord,
                               RequestSample)
-from runtime.config import SlaConfig
+from runtime.config_planner import PoolLimitsConfig, SlaConfig
 from runtime.logging import Throttled
 from runtime.metrics import PlannerMetrics
 from runtime.pool_record import LatencyRecord, PrefillTimingRecord, read_latencies, read_prefill_timings
@@ -90,25 +90,23 @@ class ControllerTarget:
 
 
 def sla_planner_config(sla: SlaConfig, profile: Profile, pools: dict[str, PoolView] | None = None) -> PlannerConfig:
-    """The core's config from the operator's settings and the controller's current pool limits."""
-    from planner.predictors import DEFAULT_PREDICTOR
-
-    def limits(pool: str) -> PoolLimits:
+    """The core's config from the operator's settings and the controller's current pool limits (a
+    pool the controller does not report keeps the declared default limits)."""
+    limits = {}
+    for pool in ("prefill", "decode"):
         v = (pools or {}).get(pool)
-        return PoolLimits(v.min, v.max) if v else PoolLimits()
-    return PlannerConfig(
-        ttft_target_s=sla.ttft_ms / 1000.0, itl_target_s=sla.itl_ms / 1000.0,
-        attainment_goal=sla.attainment_goal, interval_s=sla.interval_s,
-        startup_s=profile.startup_s if sla.startup_s is None else sla.startup_s,
-        prefill=limits("prefill"), decode=limits("decode"), gpu_budget=sla.gpu_budget,
-        predictor=sla.predictor or DEFAULT_PREDICTOR, arrival_quantile=sla.arrival_quantile,
-        hysteresis=sla.hysteresis, prefill_down_delay_s=sla.prefill_down_delay_s,
-        decode_down_delay_s=sla.decode_down_delay_s, prefill_deadline=sla.deadline_ordered)
+        if v is not None:
+            limits |= {f"min_{pool}_workers": v.min, f"max_{pool}_workers": v.max}
+    return PlannerConfig.from_settings(sla, profile.startup_s, PoolLimitsConfig(**limits),
+                                       (profile.prefill_tp, profile.decode_tp))
 
 
-def check_sla(sla: SlaConfig) -> Profile:
-    """The planner's profile, its settings checked by building the core's config (ValueError, OSError)."""
-    profile = load_profile(sla.profile)
+def check_sla(sla: SlaConfig, quantization: str | None = None, tp: tuple[int, int] | None = None) -> Profile:
+    """The planner's profile, its settings checked by building the core's config (ValueError, OSError).
+    `quantization`: the workers' weights ("none" | "fp8"), where known: the default profile is the one
+    for them, and a profile measured with other weights is refused; `tp` (the prefill and decode
+    workers' tensor-parallel sizes), where known, likewise."""
+    profile = load_profile(sla.profile, quantization, tp)
     sla_planner_config(sla, profile)
     return profile
 
@@ -325,7 +323,8 @@ class AdminTarget:
 
         from proto.splitserve.v1 import admin_pb2, admin_pb2_grpc
         self._pb = admin_pb2
-        self._channel = grpc.aio.insecure_channel(address)
+        from runtime.grpc_links import client_options
+        self._channel = grpc.aio.insecure_channel(address, options=client_options())   # the admin API accepts its pings
         self._stub = admin_pb2_grpc.AdminStub(self._channel)
         self._md = [("authorization", f"Bearer {token}")] if token else []
 

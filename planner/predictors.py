@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Callable, Protocol, Sequence
 
+from runtime.config_planner import DEFAULT_PREDICTOR, PredictorKind
+
 ERROR_WEIGHT = 0.1   # the squared-error EWMA: the spread follows about the last 10 intervals
 MEASURED_STEPS = 8   # horizons whose spread is measured (the planner's is 2 to 3 intervals)
 ERROR_CAP = 3.0      # an error counts at most this many spreads (Poisson's at least) in the EWMA
@@ -186,22 +188,24 @@ class HoltPredictor(_Base):
         return 1.0 + sum((a * (1 + b * self._damp(j))) ** 2 for j in range(1, steps))
 
 
-PREDICTORS: dict[str, Callable[[], Predictor]] = {
-    "constant": ConstantPredictor,
-    "ewma": EwmaPredictor,
-    "holt": HoltPredictor,
+PREDICTORS: dict[PredictorKind, Callable[[], Predictor]] = {
+    PredictorKind.CONSTANT: ConstantPredictor,
+    PredictorKind.EWMA: EwmaPredictor,
+    PredictorKind.HOLT: HoltPredictor,
 }
-# Chosen by the backtest in docs/planner.md (the horizon error and the peak coverage on the Azure,
-# Mooncake and a synthetic series together), not by one trace.
-DEFAULT_PREDICTOR = "holt"
+assert set(PREDICTORS) == set(PredictorKind)
 
 
 def make_predictor(name: str = DEFAULT_PREDICTOR) -> Predictor:
-    """A predictor by name: constant, ewma, holt, or with parameters: ewma(0.3), holt(0.5,0.2,0.9)."""
+    """A predictor by name (a PredictorKind: constant, ewma, holt), or with parameters: ewma(0.3),
+    holt(0.5,0.2,0.9). ValueError for anything else."""
+    if not isinstance(name, str):
+        raise ValueError(f"a predictor is a name, got {type(name).__name__} {name!r}")
     base, _, params = name.partition("(")
-    factory = PREDICTORS.get(base.strip())
-    if factory is None:
-        raise ValueError(f"unknown predictor {name!r}; use one of {', '.join(PREDICTORS)}")
+    try:
+        factory = PREDICTORS[PredictorKind(base.strip())]
+    except ValueError:
+        raise ValueError(f"unknown predictor {name!r}; use one of {', '.join(PREDICTORS)}") from None
     if not params:
         return factory()
     try:

@@ -151,8 +151,8 @@ def deadline_miss(c: int, rate: float, mean_s: float, patience_s: np.ndarray) ->
 
 def prefill_attainment_deadline(c: int, rate: float, service_s: np.ndarray, target_s: float,
                                 burst: float = 1.0, wait_correction: float = 1.0) -> PrefillSizing:
-    """The attainment of c workers whose queues run in deadline order (engine/scheduler.py
-    `_order_by_deadline`): a prompt meets the target iff it starts within its slack T - S_i, and one
+    """The attainment of c workers whose queues run in deadline order (engine/sched/order.py
+    `PrefillOrder`): a prompt meets the target iff it starts within its slack T - S_i, and one
     that cannot is set aside, so it delays no one: M/G/c with patience, deadline_miss. General
     arrivals and service times enter as in Allen-Cunneen: the waits scale by (ca2 + cs2) / 2 and the
     wait correction, so the patience is divided by that factor and the rest taken as M/M/c."""

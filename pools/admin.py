@@ -16,10 +16,11 @@ import time
 import grpc
 
 from pools.controller import PoolController, PoolRow, WorkerRow
-from pools.book import HARD_MAX_WORKERS
 from proto.splitserve.v1 import admin_pb2, admin_pb2_grpc
 from runtime.admin_auth import token_matches
+from runtime.config_planner import HARD_MAX_WORKERS
 from runtime.errors import InvalidRequest, SplitserveError
+from runtime.grpc_links import server_options
 from runtime.lifecycle import WorkerState
 
 log = logging.getLogger(__name__)
@@ -143,14 +144,16 @@ def _worker_pb(r: WorkerRow, now: float) -> admin_pb2.PoolWorker:
                                 num_waiting=r.num_waiting, num_used_blocks=r.num_used_blocks,
                                 num_total_blocks=r.num_total_blocks,
                                 uptime_s=max(now - r.started_at, 0.0) if r.started_at else 0.0,
-                                restarts=r.restarts, managed=r.managed, detail=r.detail)
+                                restarts=r.restarts, managed=r.managed, detail=r.detail, gpus=r.gpus,
+                                tensor_parallel_size=r.tensor_parallel_size)
 
 
 async def start_admin_server(controller: PoolController, host: str, port: int,
                              token: str) -> tuple[grpc.aio.Server, int]:
     """Serve the admin API; returns the server and its port. OSError if the port is taken."""
     server = grpc.aio.server(interceptors=[TokenInterceptor(token)],
-                             options=[("grpc.max_receive_message_length", 1 << 20), ("grpc.so_reuseport", 0)])
+                             options=[("grpc.max_receive_message_length", 1 << 20), ("grpc.so_reuseport", 0),
+                                      *server_options()])      # a planner's channel pings it (runtime/grpc_links.py)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminService(controller), server)
     target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:

@@ -5,7 +5,7 @@ simulator drive the same object. Per pool it holds
 
     target     the size without an operator's word: the start size, or what the planner decided
     override   an operator's size (`splitserve pools scale`), held until released
-    min, max   bounds no decision crosses (`splitserve pools limits`)
+    min, max   bounds no decision crosses (`splitserve pools limits`), never above HARD_MAX_WORKERS
 
 and desired = override if set, else target, within [min, max]. `plan(workers)` compares desired with
 the workers a connector runs (their states joined from discovery, `WorkerView`) and returns actions:
@@ -21,10 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from runtime.config_planner import HARD_MAX_WORKERS
 from runtime.errors import InvalidRequest, NotFound
 from runtime.lifecycle import WorkerState
-
-HARD_MAX_WORKERS = 256      # no pool size or limit above this is accepted (bounded input)
 
 
 class PoolName(StrEnum):
@@ -35,8 +34,8 @@ class PoolName(StrEnum):
 @dataclass(slots=True)
 class PoolSpec:
     target: int
-    min: int = 0
-    max: int = 8
+    min: int                            # the limits: from ControllerConfig (runtime/config_planner.py
+    max: int                            # declares their defaults), then `pools limits`
     override: int | None = None
     fixed: str | None = None            # why this pool's size cannot change (e.g. aggregated serving)
     last_decision: str = ""             # the planner's, for `pools status`
@@ -95,6 +94,9 @@ class PoolBook:
         specs = {pool: self.spec(pool) for pool in sizes}
         for pool, n in sizes.items():
             s = specs[pool]
+            if not 0 <= n <= HARD_MAX_WORKERS:
+                raise InvalidRequest(f"a pool's size is a number of workers from 0 to {HARD_MAX_WORKERS} "
+                                     f"(got {n} for the {pool} pool)")
             if s.fixed and n != s.desired:
                 raise InvalidRequest(f"the {pool} pool cannot be scaled: {s.fixed}")
             if n > s.max:

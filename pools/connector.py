@@ -51,6 +51,7 @@ class WorkerHandle:
     started_at: float          # unix time of the current process's launch
     restarts: int = 0          # restarts after crashes
     detail: str = ""           # for people: e.g. the last exit code, why it failed
+    gpus: str = ""             # the GPUs the connector gave it (CUDA_VISIBLE_DEVICES), "" if it placed none
 
 
 class ConnectorError(Exception):

@@ -7,6 +7,9 @@ through the connector. It then publishes the desired sizes to Redis (runtime/poo
 frontend's /health reports a pool below its size as degraded) and its gauges
 (`splitserve_pool_*_workers{pool}`). A Redis outage does not stop it: decisions rest on the
 connector's handles; discovery only refines their states, and the last view is kept meanwhile.
+A lease that vanishes from discovery is remembered for `2 x lease_ttl_s` (a restarted Redis comes
+back empty until the workers renew, within a third of the TTL): the pools show the workers as they
+last were (ready), not as starting, while they serve on.
 
 The admin API (pools/admin.py) and the SLA planner (planner/live.py) act through its methods: `scale`,
 `release`, `set_limits`, `drain_worker`, `set_target`, and read `rows()` / `pools()`.
@@ -27,6 +30,7 @@ from pools.book import Drain, PoolBook, PoolName, PoolSpec, Start, Stop, WorkerV
 from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from runtime.discovery import WorkerInfo, list_workers
 from runtime.errors import NotFound
+from runtime.grpc_links import cluster_metadata, worker_channel
 from runtime.latency import merge, quantile_s, total
 from runtime.lifecycle import WorkerState
 from runtime.logging import Throttled
@@ -59,6 +63,8 @@ class WorkerRow:
     started_at: float = 0.0
     restarts: int = 0
     detail: str = ""
+    gpus: str = ""                  # its GPUs: what its lease says, else what the connector gave it
+    tensor_parallel_size: int = 0   # from its lease (0: not known yet)
 
     def view(self, now: float) -> WorkerView:
         return WorkerView(self.name, self.pool, self.state, self.num_running + self.num_waiting,
@@ -92,13 +98,15 @@ def pool_of(role: str) -> PoolName:
 class PoolController:
     def __init__(self, book: PoolBook, connector: Connector, roles: dict[PoolName, str], redis_url: str,
                  namespace: str, metrics: PoolMetrics, tick_s: float = 0.5, metrics_url: str | None = None,
-                 admin_address: str | None = None, name: str = "serve") -> None:
+                 admin_address: str | None = None, name: str = "serve", lease_ttl_s: float = 5.0) -> None:
         self.book, self.connector, self.roles = book, connector, roles
         self.redis = aioredis.Redis.from_url(redis_url)
         self.namespace, self.metrics, self.tick_s = namespace, metrics, tick_s
         self.metrics_url, self.admin_address, self.name = metrics_url, admin_address, name
         self.planner_metrics_url: str | None = None     # a planner process's /metrics, published beside ours
         self._infos: list[WorkerInfo] = []
+        self._seen: dict[str, tuple[WorkerInfo, float]] = {}   # worker id -> (lease, when last listed: monotonic)
+        self._recall_s = 2 * lease_ttl_s
         self._status: dict[str, worker_pb2.WorkerStatus] = {}
         self._status_at = 0.0
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -183,8 +191,9 @@ class PoolController:
             await self.connector.drain(row.name)
         else:
             log.info("asking %s (%s, not started by us) to drain", row.worker_id, row.address)
-            async with grpc.aio.insecure_channel(row.address) as ch:
-                await worker_pb2_grpc.WorkerStub(ch).Drain(worker_pb2.DrainRequest(), timeout=5.0)
+            async with worker_channel(row.address) as ch:
+                await worker_pb2_grpc.WorkerStub(ch).Drain(worker_pb2.DrainRequest(), timeout=5.0,
+                                                           metadata=cluster_metadata())
         return row
 
     def rows(self) -> list[WorkerRow]:
@@ -226,10 +235,17 @@ class PoolController:
     # ---- one tick's parts -------------------------------------------------------------------
     async def _read_discovery(self) -> None:
         try:
-            self._infos = await list_workers(self.redis, self.namespace)
+            infos = await list_workers(self.redis, self.namespace)
             self._warn.clear("discovery")
         except Exception as e:       # keep the last view; decisions rest on the connector's handles
             self._warn.warning("discovery", "reading discovery failed (keeping the last view): %s", e)
+            return
+        now = time.monotonic()
+        for info in infos:
+            self._seen[info.worker_id] = (info, now)
+        # a lease missing for less than recall_s is the worker as it last was (a Redis restart)
+        self._seen = {wid: (i, t) for wid, (i, t) in self._seen.items() if now - t < self._recall_s}
+        self._infos = [i for i, _ in self._seen.values()]
 
     async def _poll_status(self) -> None:
         now = time.monotonic()
@@ -245,9 +261,10 @@ class PoolController:
     async def _status_of(self, info: WorkerInfo) -> worker_pb2.WorkerStatus | None:
         ch = self._channels.get(info.address)
         if ch is None:
-            ch = self._channels[info.address] = grpc.aio.insecure_channel(info.address)
+            ch = self._channels[info.address] = worker_channel(info.address)
         try:
-            return await worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.WorkerStatusRequest(), timeout=1.0)
+            return await worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.WorkerStatusRequest(), timeout=1.0,
+                                                                  metadata=cluster_metadata())
         except grpc.aio.AioRpcError:
             # a cancel of this task can come back as the call's CANCELLED error: it stays a cancel
             # (swallowed, the controller's loop went on and close() waited for it: a CI hang)
@@ -277,7 +294,9 @@ class PoolController:
                 state = WorkerState.DRAINING
             else:
                 state = WorkerState(info.state) if info else WorkerState.STARTING
-            rows.append(self._row(h.name, h.pool, state, True, info, h.started_at, h.restarts, h.detail))
+            row = self._row(h.name, h.pool, state, True, info, h.started_at, h.restarts, h.detail)
+            row.gpus = row.gpus or h.gpus
+            rows.append(row)
         for info in self._infos:
             if info.name in names or info.name in self._gone:
                 continue
@@ -290,6 +309,7 @@ class PoolController:
                         started_at=started_at, restarts=restarts, detail=detail)
         if info is not None:
             row.worker_id, row.address = info.worker_id, info.address
+            row.gpus, row.tensor_parallel_size = info.gpus, info.tensor_parallel_size
             s = self._status.get(info.worker_id)
             if s is not None:
                 row.num_running, row.num_waiting = s.num_running, s.num_waiting

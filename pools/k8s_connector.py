@@ -6,7 +6,9 @@ planner.yaml) allows exactly the calls made here, through the `kubernetes` clien
     read_namespaced_deployment_scale   GET   /apis/apps/v1/namespaces/NS/deployments/NAME/scale
     patch_namespaced_deployment_scale  PATCH /apis/apps/v1/namespaces/NS/deployments/NAME/scale
     list_namespaced_pod                GET   /api/v1/namespaces/NS/pods?labelSelector=SELECTOR
-    patch_namespaced_pod               PATCH /api/v1/namespaces/NS/pods/NAME
+
+It writes to no pod: RBAC cannot name pods whose names are made up at creation, nor select them by
+label, so a `patch` on pods would reach every pod of the namespace (its image included).
 
 (tests/deploy/test_k8s_connector.py checks the Role against the calls a stand-in API server saw).
 
@@ -17,13 +19,17 @@ planner.yaml) allows exactly the calls made here, through the `kubernetes` clien
   (`NAME-pending-N`), so that a scale-up is counted at once.
 - `start(pool)` sets replicas to one more (scale subresource).
 - `drain(name)` drains the chosen pod first — the Worker.Drain RPC on its advertised address (the
-  `drain_rpc` callback, from its lease), so it takes no new requests from now on — then sets its
-  `controller.kubernetes.io/pod-deletion-cost` annotation to the lowest cost, then lowers replicas by
-  one: the ReplicaSet deletes the cheapest pod, the drained one. Its preStop hook's SIGTERM finds the
-  drain under way (a worker drained by RPC takes that first signal as part of the same drain) and
-  waits for the worker to exit. A placeholder is drained by lowering replicas (Kubernetes removes
-  a pod that is not ready first).
-- `stop(name)` does the same without the drain (a failed pod), so that the crash-looping pod goes.
+  `drain_rpc` callback, from its lease), so it takes no new requests from now on and its readiness
+  probe fails — waits until Kubernetes reports the pod not ready (up to NOT_READY_WAIT_S), then
+  lowers replicas by one: a ReplicaSet removes a pod that is not ready before a ready one, so it
+  removes the drained one. Its preStop hook's SIGTERM finds the drain under way (a worker drained
+  by RPC takes that first signal as part of the same drain) and waits for the worker to exit. Should
+  the ReplicaSet pick another pod that is not ready either (a pending or starting one: Kubernetes
+  ranks pending before running, then the newest first), the drained worker exits after its drain and
+  its container starts afresh: the pool still has its size. A placeholder is drained by lowering
+  replicas (the pod not made yet goes first).
+- `stop(name)` lowers replicas without the drain (a failed pod: a CrashLoopBackOff pod is not ready,
+  so it is the one that goes).
 
 The `kubernetes` client is synchronous: calls run in a thread. Errors are ConnectorError.
 """
@@ -41,8 +47,8 @@ from pools.book import PoolName
 
 log = logging.getLogger(__name__)
 
-DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
-DRAINED_COST = "-2147483648"           # the lowest int32: removed before any other pod of the ReplicaSet
+NOT_READY_WAIT_S = 20.0        # a drained worker's readiness probe fails within its period (5 s in the chart)
+NOT_READY_POLL_S = 0.5
 PENDING = "-pending-"
 
 DrainRpc = Callable[[str], Awaitable[bool]]    # (pod name) -> whether the worker took the drain
@@ -82,10 +88,13 @@ class KubernetesConnector:
         pool, p, handle = self._find(name)
         await self._read_scale(p)
         if PENDING not in name:
-            if handle.state != HandleState.FAILED and not await self._drain_rpc(name):
+            if handle.state == HandleState.FAILED:
+                pass
+            elif await self._drain_rpc(name):
+                await self._until_not_ready(p, name)
+            else:
                 log.warning("%s did not take Worker.Drain (no lease or unreachable); Kubernetes stops it "
                             "through its preStop drain", name)
-            await self._mark_cheapest(name)
             self._draining.add(name)
         await self._set_replicas(p, max(p.replicas - 1, 0))
         log.info("drained %s and scaled %s down to %d replicas", name, p.deployment, p.replicas)
@@ -94,7 +103,6 @@ class KubernetesConnector:
         pool, p, _ = self._find(name)
         await self._read_scale(p)
         if PENDING not in name:
-            await self._mark_cheapest(name)
             self._draining.add(name)
         await self._set_replicas(p, max(p.replicas - 1, 0))
 
@@ -160,9 +168,17 @@ class KubernetesConnector:
                                  {"spec": {"replicas": n}})
         p.replicas = scale.spec.replicas if scale.spec.replicas is not None else n
 
-    async def _mark_cheapest(self, pod: str) -> None:
-        await self._call(self._core.patch_namespaced_pod, pod, self._ns,
-                         {"metadata": {"annotations": {DELETION_COST: DRAINED_COST}}})
+    async def _until_not_ready(self, p: _Pool, name: str) -> None:
+        """Until Kubernetes reports pod `name` not ready (or gone), NOT_READY_WAIT_S at most."""
+        deadline = time.monotonic() + NOT_READY_WAIT_S
+        while time.monotonic() < deadline:
+            pods = await self._call(self._core.list_namespaced_pod, self._ns, label_selector=p.selector)
+            pod = next((x for x in pods.items if x.metadata.name == name), None)
+            if pod is None or not _ready(pod):
+                return
+            await asyncio.sleep(NOT_READY_POLL_S)
+        log.warning("%s still reports ready %.0f s after its drain; scaling down anyway (Kubernetes may remove "
+                    "another pod; the drained worker then exits and starts afresh)", name, NOT_READY_WAIT_S)
 
     async def _call(self, fn, *args, **kwargs):
         from kubernetes.client.exceptions import ApiException
@@ -173,3 +189,13 @@ class KubernetesConnector:
             raise ConnectorError(f"the Kubernetes API refused {fn.__name__}: {e.status} {e.reason}") from e
         except (OSError, HTTPError) as e:
             raise ConnectorError(f"the Kubernetes API is unreachable ({fn.__name__}): {e}") from e
+
+
+def _ready(pod: Any) -> bool:
+    """The pod's Ready condition (else: every container ready), as a ReplicaSet ranks it."""
+    status = pod.status
+    for c in (status.conditions or []) if status else []:
+        if c.type == "Ready":
+            return c.status == "True"
+    statuses = (status.container_statuses or []) if status else []
+    return bool(statuses) and all(s.ready for s in statuses)

@@ -30,6 +30,7 @@ from pools.book import PoolBook, PoolName, PoolSpec
 from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from runtime.admin_auth import new_token, write_token_file
 from runtime.config import ControllerComponentConfig
+from runtime.grpc_links import cluster_metadata, worker_channel
 from runtime.metrics import PoolMetrics, start_metrics_server
 
 log = logging.getLogger("splitserve.controller")
@@ -55,8 +56,9 @@ async def worker_drain_rpc(controller: PoolController, name: str) -> bool:
     if row is None:
         return False
     try:
-        async with grpc.aio.insecure_channel(row.address) as ch:
-            await worker_pb2_grpc.WorkerStub(ch).Drain(worker_pb2.DrainRequest(), timeout=5.0)
+        async with worker_channel(row.address) as ch:
+            await worker_pb2_grpc.WorkerStub(ch).Drain(worker_pb2.DrainRequest(), timeout=5.0,
+                                                       metadata=cluster_metadata())
         return True
     except grpc.RpcError as e:
         log.warning("Worker.Drain on %s (%s) failed: %s", name, row.address, e.code().name)
@@ -90,7 +92,8 @@ async def run_controller(cfg: ControllerComponentConfig) -> int:
     if mhost in ("0.0.0.0", "::", ""):     # the frontends merge this /metrics: this pod's address
         mhost = os.environ.get("POD_IP") or "127.0.0.1"
     controller = PoolController(book, connector, roles, cfg.redis.url, cfg.redis.namespace, metrics,
-                                metrics_url=f"http://{mhost}:{mport}/metrics", name="controller")
+                                metrics_url=f"http://{mhost}:{mport}/metrics", name="controller",
+                                lease_ttl_s=cfg.redis.lease_ttl_s)
     holder["c"] = controller
     token = c.admin_token or new_token()
     try:

@@ -6,6 +6,12 @@ a terminal's Ctrl-C reaches serve alone, and it dies with serve: PR_SET_PDEATHSI
 ROLE-N (`decode-0`, `prefill-1`, `aggregated-2`), never reused; the worker's id in discovery is the
 name plus a unique suffix.
 
+With a `Placement` (pools/gpus.py: the host's GPUs, `serve` on cuda) each worker gets its own GPUs
+when it starts, in its environment (CUDA_VISIBLE_DEVICES, runtime/gpus.py `worker_env`), and gives
+them back when it leaves: drained, stopped, or failed for good; a crashed worker waiting for its
+restart keeps them. A start with no GPUs free fails with a `ConnectorError` that says what is free,
+and the controller retries it on its next tick.
+
 `drain(name)` sends SIGTERM (the worker drains, then exits 0) and `stop(name)` SIGKILL. An exit
 that was not asked for is a crash: the worker is restarted under the same name after a backoff
 (pools/restarts.py), and after too many crashes in a row it is left failed and reported (ERROR
@@ -23,13 +29,15 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from pools.connector import HandleState, WorkerHandle
+from pools.connector import ConnectorError, HandleState, WorkerHandle
 from pools.book import PoolName
+from pools.gpus import GpuLease, NoGpus, Placement
 from pools.restarts import CrashHistory, RestartPolicy, record_crash
 
 log = logging.getLogger(__name__)
 
-Spawn = Callable[[PoolName, str], subprocess.Popen]   # (pool, worker name) -> the started process
+# (pool, worker name, its GPUs or None) -> the started process
+Spawn = Callable[[PoolName, str, "GpuLease | None"], subprocess.Popen]
 
 
 def describe_exit(code: int) -> str:
@@ -52,17 +60,20 @@ class _Slot:
     started_at: float = 0.0          # unix
     restart_at: float = 0.0          # monotonic, in BACKOFF
     detail: str = ""
+    gpus: GpuLease | None = None     # held from start until the worker is gone for good
 
     def handle(self) -> WorkerHandle:
-        return WorkerHandle(self.name, self.pool, self.state, self.started_at, self.history.restarts, self.detail)
+        return WorkerHandle(self.name, self.pool, self.state, self.started_at, self.history.restarts, self.detail,
+                            self.gpus.visible_devices if self.gpus else "")
 
 
 class LocalProcessConnector:
     def __init__(self, spawn: Spawn, roles: dict[PoolName, str], policy: RestartPolicy = RestartPolicy(),
                  on_restart: Callable[[PoolName], None] | None = None,
                  on_crash_loop: Callable[[PoolName], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, placement: Placement | None = None) -> None:
         self._spawn, self._roles, self._policy = spawn, roles, policy
+        self.placement = placement
         self._on_restart, self._on_crash_loop = on_restart, on_crash_loop
         self._clock = clock
         self._slots: dict[str, _Slot] = {}
@@ -71,16 +82,29 @@ class LocalProcessConnector:
 
     # ---- the Connector protocol ------------------------------------------------------------
     async def start(self, pool: PoolName) -> WorkerHandle:
+        gpus = None
+        if self.placement is not None:
+            try:
+                gpus = self.placement.take(pool)
+            except NoGpus as e:
+                raise ConnectorError(f"cannot start another {pool} worker: {e}") from None
         name = f"{self._roles[pool]}-{next(self._numbers[pool])}"
-        slot = _Slot(name, pool, None, CrashHistory(self._policy))
+        slot = _Slot(name, pool, None, CrashHistory(self._policy), gpus=gpus)
         self._slots[name] = slot
-        self._launch(slot)
+        try:
+            self._launch(slot)
+        except Exception as e:               # nothing runs under this name: forget it (and its GPUs)
+            self._forget(slot)
+            raise e if isinstance(e, ConnectorError) else ConnectorError(f"starting {name} failed: {e}") from e
+        except BaseException:
+            self._forget(slot)
+            raise
         return slot.handle()
 
     async def drain(self, name: str) -> None:
         slot = self._slot(name)
         if slot.state in (HandleState.BACKOFF, HandleState.FAILED):
-            self._slots.pop(name)           # not running: nothing to drain
+            self._forget(slot)              # not running: nothing to drain
             return
         slot.state = HandleState.DRAINING
         _signal(slot.proc, signal.SIGTERM)
@@ -91,7 +115,7 @@ class LocalProcessConnector:
             slot.state = HandleState.DRAINING       # an exit we asked for: not a crash
             _signal(slot.proc, signal.SIGKILL)
         else:
-            self._slots.pop(name)
+            self._forget(slot)
 
     def list(self) -> list[WorkerHandle]:
         return [s.handle() for s in self._slots.values()]
@@ -111,10 +135,12 @@ class LocalProcessConnector:
                 continue
             if slot.state == HandleState.DRAINING:
                 log.info("%s exited after its drain (%s)", slot.name, describe_exit(code))
-                del self._slots[slot.name]
+                self._forget(slot)
             else:
                 record_crash(slot, describe_exit(code), now, self.restart_crashed, log, self._on_crash_loop,
                              restarting="restarting it", hint="See its log above; ")
+                if slot.state == HandleState.FAILED:
+                    self._release_gpus(slot)        # left stopped: its GPUs are free for others
 
     # ---- beyond the protocol: what serve needs -------------------------------------------
     def pid(self, name: str) -> int | None:
@@ -140,8 +166,17 @@ class LocalProcessConnector:
         except KeyError:
             raise KeyError(f"no worker named {name!r}") from None
 
+    def _forget(self, slot: _Slot) -> None:
+        self._slots.pop(slot.name, None)
+        self._release_gpus(slot)
+
+    def _release_gpus(self, slot: _Slot) -> None:
+        if slot.gpus is not None and self.placement is not None:
+            self.placement.give_back(slot.gpus)
+            slot.gpus = None
+
     def _launch(self, slot: _Slot) -> None:
-        slot.proc = self._spawn(slot.pool, slot.name)
+        slot.proc = self._spawn(slot.pool, slot.name, slot.gpus)
         slot.state = HandleState.RUNNING
         slot.launched_at, slot.started_at = self._clock(), time.time()
 

@@ -2,8 +2,9 @@
 
 Each component runs in one `ComponentActor`: Ray places the actor on a node with the resources it
 asks for (`num_gpus` per worker from --ray-worker-gpus, CPU-only actors otherwise), and the actor
-runs the component's ordinary process there (`splitserve decode-worker --config FILE`), which
-inherits the GPUs Ray assigned (CUDA_VISIBLE_DEVICES) and dies with the actor (PR_SET_PDEATHSIG).
+runs the component's ordinary process there (`splitserve decode-worker --config /dev/stdin`, its
+config through a pipe: nothing is left on the node), which inherits the GPUs Ray assigned
+(CUDA_VISIBLE_DEVICES) and dies with the actor (PR_SET_PDEATHSIG).
 The process binds and advertises the node's address, so the frontend and the workers talk gRPC and
 NIXL to each other directly: Ray starts, watches and stops processes, it carries no request data.
 
@@ -28,7 +29,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -40,7 +40,7 @@ from pools.local_connector import describe_exit
 from pools.book import PoolName
 from pools.restarts import CrashHistory, RestartPolicy, record_crash
 from runtime.config import FrontendConfig, PlannerComponentConfig, WorkerConfig
-from runtime.config_file import write_config
+from runtime.config_file import config_json
 from runtime.process import with_parent_death
 
 log = logging.getLogger(__name__)
@@ -51,18 +51,22 @@ Component = WorkerConfig | FrontendConfig | PlannerComponentConfig      # the co
 
 
 class ComponentActor:
-    """One Splitserve process on the node Ray placed this actor on (used as a Ray actor class)."""
+    """One Splitserve process on the node Ray placed this actor on (used as a Ray actor class).
+
+    The process reads its config from a pipe (`--config /dev/stdin`), never from a file: a killed
+    actor (ray.kill is a SIGKILL) leaves nothing behind on the node. Its command line names the
+    component it runs (`--worker-id NAME` for a worker, which the file's value equals)."""
 
     def __init__(self, command: str, cfg: Component, env: dict[str, str]) -> None:
         node = ray.util.get_node_ip_address()
         if isinstance(cfg, WorkerConfig):       # reachable from the other nodes at the node's address
             cfg = dataclasses.replace(cfg, host=node, advertise_host=node)
-        self._dir = tempfile.mkdtemp(prefix="splitserve-actor-")
-        path = os.path.join(self._dir, f"{getattr(cfg, 'worker_id', None) or command}.json")   # ps shows whose
-        write_config(cfg, path)
+        name = ["--worker-id", cfg.worker_id] if getattr(cfg, "worker_id", None) else []    # ps shows whose
         child_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(with_parent_death([sys.executable, "-m", "splitserve", command, "--config", path]),
-                                     env=child_env, process_group=0)
+        argv = [sys.executable, "-m", "splitserve", command, "--config", "/dev/stdin", *name]
+        self.proc = subprocess.Popen(with_parent_death(argv), env=child_env, process_group=0, stdin=subprocess.PIPE)
+        self.proc.stdin.write(config_json(cfg).encode())
+        self.proc.stdin.close()
         self.node = node
 
     def info(self) -> dict[str, Any]:
@@ -145,7 +149,11 @@ class RayConnector:
         name = f"{self._roles[pool]}-{next(self._numbers[pool])}"
         slot = _Slot(name, pool, CrashHistory(self._policy))
         self._slots[name] = slot
-        self._launch(slot)
+        try:
+            self._launch(slot)
+        except ConnectorError:               # nothing runs under this name: forget it
+            del self._slots[name]
+            raise
         return slot.handle()
 
     async def drain(self, name: str) -> None:
@@ -221,6 +229,8 @@ class RayConnector:
         slot.incarnation += 1       # Ray frees a dead actor's name late: each incarnation has its own
         try:
             slot.actor = self._launch_fn(slot.pool, slot.name, self.actor_name(slot.name))
+        except ConnectorError:
+            raise
         except Exception as e:
             raise ConnectorError(f"Ray refused to create the actor for {slot.name}: {e}") from e
         slot.state, slot.placed, slot.detail = HandleState.RUNNING, False, "waiting for Ray to place the actor"

@@ -7,7 +7,8 @@ import dataclasses
 import time
 
 from engine.engine import Engine, EngineLoop
-from kvstore.movers.transfer import KvTransferAgent, nixl_available
+from engine.parallel.kv import open_endpoint
+from kvstore.movers.transfer import nixl_available
 from prefill_worker.service import PrefillService
 from proto.splitserve.v1 import worker_pb2_grpc
 from runtime.config import WorkerConfig
@@ -39,11 +40,11 @@ async def serve_prefill_worker(cfg: WorkerConfig) -> None:
         raise
     startup_s["engine"] = round(time.perf_counter() - t0, 3)
     t0 = time.perf_counter()
-    agent = KvTransferAgent(worker_id, engine.runner.kv_cache)
+    agent = open_endpoint(worker_id, engine.runner)       # every rank's KV agent
     startup_s["nixl_agent"] = round(time.perf_counter() - t0, 3)
     engine.scheduler.track_prefill_time = True      # each prompt's wait and compute, for the planner
     if cfg.prefill_deadline_ms is not None:
-        engine.scheduler.prefill_deadline_s = cfg.prefill_deadline_ms / 1e3
+        engine.scheduler.order.deadline_s = cfg.prefill_deadline_ms / 1e3
     loop = EngineLoop(engine, service.on_outputs, on_events=host.events_sink)
     host.add_task(service.timings.publish(host.redis, cfg.redis.namespace), "prefill-timings")
     service.attach(loop, agent)

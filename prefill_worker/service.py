@@ -28,11 +28,12 @@ import grpc
 
 from engine.engine import EngineLoop
 from runtime.types import EngineRequest, FinishReason, RequestId, RequestOutput
-from kvstore.movers.transfer import KvTransferAgent, KvTransferError, TransferState
+from kvstore.movers.endpoint import KvEndpoint
+from kvstore.movers.transfer import KvTransferError, TransferState
 from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from prefill_worker.admission import PrefillQueue
 from prefill_worker.timing import PrefillTimings
-from runtime.convert import logprob_to_pb, sampling_from_pb
+from runtime.convert import logprob_to_pb, prompt_logprobs_to_pb, sampling_from_pb
 from runtime.logging import Throttled
 from runtime.metrics import WorkerMetrics
 
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 class PrefillService(worker_pb2_grpc.PrefillServicer):
     def __init__(self, worker_id: str, metrics: WorkerMetrics) -> None:
         self.worker_id, self.metrics = worker_id, metrics
-        self.agent: KvTransferAgent | None = None
+        self.agent: KvEndpoint | None = None
         self.engine_loop: EngineLoop | None = None
         self._loop = asyncio.get_running_loop()
         self._waiting: dict[str, asyncio.Future] = {}
@@ -52,7 +53,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
         self._num_calls = 0             # Prefill calls in progress (computing or pushing)
         self._warn = Throttled(log)
 
-    def attach(self, engine_loop: EngineLoop, agent: KvTransferAgent) -> None:
+    def attach(self, engine_loop: EngineLoop, agent: KvEndpoint) -> None:
         self.engine_loop, self.agent = engine_loop, agent
 
     # ---- lifecycle (runtime.worker_host.Drainable) -------------------------------------------
@@ -180,6 +181,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
                                           transfer_bytes=handle.num_bytes, transfer_s=elapsed)
         if out.logprobs:
             resp.first_logprob.CopyFrom(logprob_to_pb(out.new_token_ids[0], out.logprobs[0]))
+        resp.prompt_logprobs.extend(prompt_logprobs_to_pb(out.prompt_logprobs))
         return resp
 
 

@@ -1,6 +1,8 @@
 """The router's configuration and the small enums its API speaks.
 
-Plain data only; what the router does with it lives in selection.py, index.py and router.py.
+Plain data only; what the router does with it lives in selection.py, index.py and router.py. The
+policy names and the lower-tier weight's default are the frontend's settings, declared once in
+runtime/config.py (its flags choose among them) and used here.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from enum import Enum
 
 from kvstore.events import Tier
 from perf.profile import StepTiming
+from runtime.config import LOWER_TIER_WEIGHT, RoutingPolicy
 
 
 class WorkerRole(Enum):
@@ -21,14 +24,6 @@ class WorkerRole(Enum):
     # Members are singletons that compare by identity, so identity can hash them: Enum's own
     # __hash__ is a Python-level call, and the router looks a role up on every decision.
     __hash__ = object.__hash__
-
-
-class RoutingPolicy(Enum):
-    KV = "kv"                    # lowest predicted time to first token: queue wait + uncached prefill
-    KV_BLOCKS = "kv_blocks"      # Dynamo's formula: overlap_weight x blocks to prefill + load blocks
-    ROUND_ROBIN = "round_robin"
-    RANDOM = "random"
-    LEAST_LOADED = "least_loaded"
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +42,7 @@ class RouterConfig:
     gap_max_buffered: int = 64         # early batches held while waiting for a missing one ...
     gap_timeout_s: float = 1.0         # ... or for this long, before the worker needs a resync
     tiers: tuple[Tier, ...] = (Tier.GPU,)   # tiers whose blocks count as cached
-    lower_tier_weight: float = 0.0     # >0: blocks only on a slower tier count this fraction of a hit
+    lower_tier_weight: float = LOWER_TIER_WEIGHT   # blocks only on a slower tier count this fraction of a hit
 
     def __post_init__(self) -> None:
         if self.overlap_weight < 0 or self.temperature < 0 or not 0 <= self.lower_tier_weight <= 1:

@@ -114,6 +114,12 @@ class PrefixIndex:
             return self._chains.num_hashes()
         return len(set().union(*(w.held.blocks[tier] for w in self._workers.values())))
 
+    def holds_outside(self, tiers: Sequence[Tier]) -> bool:
+        """Whether any worker holds a block on a tier not in ``tiers`` (a look at workers x tiers
+        sets, no walk): while none does, weighing the other tiers changes no overlap."""
+        others = [t for t in _TIERS if t not in tiers]
+        return any(w.held.blocks[t] for w in self._workers.values() for t in others)
+
     def num_entries(self) -> int:
         """(worker, tier, block) entries in the index."""
         return sum(len(s) for w in self._workers.values() for s in w.held.blocks.values())

@@ -15,7 +15,8 @@ failed) leaves the queue.
 Worker reports (queued prompt tokens, from every frontend) can only raise the estimate: the tokens
 the report counts minus the cached tokens of this router's own queued prompts (the report counts a
 waiting prompt whole) are a lower bound of the queue, and they make work that other frontends sent
-visible.
+visible. Their decoding counts do the same for decodes: what a worker decodes beyond this router's
+own decodes there was sent by other frontends (`others`), and the KV cost counts both.
 
 Pure: an injected clock, no I/O. It knows nothing of the index or of how a worker is chosen.
 """
@@ -53,6 +54,10 @@ class PrefillQueues:
         self.decoding = np.zeros(8, dtype=np.int64)
         self.decoding_total = 0                     # sum of ``decoding``: 0 lets the scan skip it
         self._decoder: dict[str, str] = {}          # decoding request id -> worker id
+        # row -> requests that worker decodes for other routers (its last report's decoding count
+        # less what this router had decoding there then): other frontends' load
+        self.others = np.zeros(8, dtype=np.int64)
+        self.others_total = 0
 
     def add_worker(self, worker_id: str) -> None:
         if worker_id in self._queues:
@@ -65,9 +70,11 @@ class PrefillQueues:
             if row == len(self.busy_until):
                 self.busy_until = np.concatenate([self.busy_until, np.zeros(row)])
                 self.decoding = np.concatenate([self.decoding, np.zeros(row, dtype=np.int64)])
+                self.others = np.concatenate([self.others, np.zeros(row, dtype=np.int64)])
         self.row[worker_id] = row
         self.busy_until[row] = 0.0
         self.decoding[row] = 0
+        self.others[row] = 0
 
     def remove_worker(self, worker_id: str) -> None:
         q = self._queues.pop(worker_id, None)
@@ -77,6 +84,8 @@ class PrefillQueues:
         self._free_rows.append(row)
         self.decoding_total -= int(self.decoding[row])
         self.decoding[row] = 0
+        self.others_total -= int(self.others[row])
+        self.others[row] = 0
         for rid in [r for r, w in self._decoder.items() if w == worker_id]:
             del self._decoder[rid]
         for rid in q.items:
@@ -155,6 +164,24 @@ class PrefillQueues:
             row = self.row[worker_id]
             if floor > self.busy_until[row]:
                 self.busy_until[row] = floor
+
+
+    def report_decoding(self, worker_id: str, num_decoding: int) -> None:
+        """A worker's decoding requests by its own count: those beyond this router's decodes and
+        queued prompts there (a worker counts a prompt as decoding from the step that computes its
+        last chunk, a step before its first token reaches the router) were sent by other routers
+        (other frontends), and count as decodes until the next report."""
+        row = self.row[worker_id]
+        others = max(0, num_decoding - int(self.decoding[row]) - len(self._queues[worker_id].items))
+        self.others_total += others - int(self.others[row])
+        self.others[row] = others
+
+    def decodes(self) -> np.ndarray | None:
+        """Per row, the requests each worker is decoding: this router's, plus what the workers last
+        reported running for other routers; None when there are none (the scan skips the term)."""
+        if not self.others_total:
+            return self.decoding if self.decoding_total else None
+        return self.decoding + self.others
 
 
 class Utilisation:

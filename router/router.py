@@ -130,8 +130,7 @@ class Router:
             queues = self._queues
             i, cost = self._selector.select_ttft(
                 pool, num_prompt_tokens, self.block_size, holders, queues.busy_until, now,
-                self._prefill, pinned, weight,
-                queues.decoding if self.config.decode_delay and queues.decoding_total else None)
+                self._prefill, pinned, weight, queues.decodes() if self.config.decode_delay else None)
             worker, overlap = pool.names[i], holder_blocks(holders, i, pool.slots[i])
             cached = cached_tokens(overlap, num_prompt_tokens, self.block_size) if overlap else 0
             prefill_s = self._prefill.seconds(cached, num_prompt_tokens)
@@ -167,11 +166,16 @@ class Router:
         self._queues.finished(request_id, worker_id)
 
     def update_worker_load(self, worker_id: str, active_blocks: int,
-                           waiting_prefill_tokens: int) -> None:
+                           waiting_prefill_tokens: int, num_decoding: int | None = None) -> None:
+        """A worker's own report. ``num_decoding`` (its running requests past their prefill, whoever
+        routed them) lets the KV policy count the decodes other routers (frontends) sent there
+        (router/queues.py)."""
         if worker_id not in self._roles:
             raise UnknownWorker(worker_id)
         self._loads.report(worker_id, active_blocks, waiting_prefill_tokens)
         self._queues.report(worker_id, waiting_prefill_tokens, self._prefill.linear_seconds)
+        if num_decoding is not None:
+            self._queues.report_decoding(worker_id, num_decoding)
 
     def load(self, worker_id: str) -> float:
         """The load the KV cost uses for this worker (decode blocks, or queued prefill blocks)."""
@@ -227,7 +231,7 @@ class Router:
         """The pool's workers holding a prefix of the prompt, grouped by its length: straight from
         the index's slot masks, or (approximate index, lower tiers weighed) per worker."""
         cfg = self.config
-        if self._approx is not None or cfg.lower_tier_weight > 0:
+        if self._approx is not None or self._weighs_other_tiers():
             position = pool.position
             return [(position[w], n, 0) for w, n in self._overlaps(block_hashes).items()
                     if w in position]
@@ -264,12 +268,18 @@ class Router:
                 holders.append((p, common, 0))
         return pin.worker_id
 
+    def _weighs_other_tiers(self) -> bool:
+        """Blocks on tiers beyond `config.tiers` count a fraction of a hit, and some worker holds
+        such blocks (with none, the weighed overlaps equal the fast ones: the index's masks answer)."""
+        cfg = self.config
+        return cfg.lower_tier_weight > 0 and self._index.holds_outside(cfg.tiers)
+
     def _overlaps(self, block_hashes: Sequence[int]) -> dict[str, float]:
         if self._approx:
             return self._approx.overlaps(block_hashes)  # type: ignore[return-value]
         cfg = self.config
         fast = self._index.overlaps(block_hashes, cfg.tiers)
-        if cfg.lower_tier_weight <= 0:
+        if not self._weighs_other_tiers():
             return fast  # type: ignore[return-value]
         slow = self._index.overlaps(block_hashes, tuple(Tier))
         return {w: fast.get(w, 0) + cfg.lower_tier_weight * (n - fast.get(w, 0))

@@ -1,6 +1,7 @@
 """Typed configuration: one frozen dataclass per component, composed by the launcher.
 
-This is the one place a setting is declared: each field's name, type, default, choices and help.
+This is the one place a setting is declared: each field's name, type, default, choices and help
+(the planner's settings and the pools' limits in runtime/config_planner.py, re-exported here).
 The command line of every component is generated from these classes (runtime/cli_args.py), and a
 config file is their JSON (runtime/config_file.py: `--config FILE`, what `serve` hands its children
 and what a Helm ConfigMap holds). Values discovered at run time (the number of KV blocks that fit,
@@ -11,13 +12,39 @@ the config in the objects that discover them, never written back into it.
 from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, field
+from enum import StrEnum
 
 from runtime.config_fields import arg
-
-PLANNER_INTERVAL_S = 20.0   # one planner decision per interval (docs/planner.md "The decision interval")
-PREFILL_ORDERS = ("deadline", "fifo")   # the prefill queue orders the planner sizes for, its default first
+from runtime.quantization import QUANTIZATION_CHOICES
+from runtime.config_planner import (HARD_MAX_WORKERS, PLANNER_INTERVAL_S, PoolLimitsConfig, PrefillOrder,  # noqa: F401
+                                    SlaConfig)
 
 DEFAULT_NAMESPACE = "splitserve"
+# A prompt block a worker holds only in host RAM or on disk counts this fraction of a GPU hit when
+# routing: the frontend's flag, the router's own default and the simulators' (docs/kv_tiers.md).
+LOWER_TIER_WEIGHT = 0.5
+
+
+class Device(StrEnum):
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class EventLoop(StrEnum):
+    """The frontend's event loop."""
+    UVLOOP = "uvloop"            # libuv's: cheaper wake-ups and socket writes (docs/frontend.md)
+    ASYNCIO = "asyncio"          # the standard library's
+
+
+class RoutingPolicy(StrEnum):
+    """How the router picks a request's worker (router/selection.py)."""
+    KV = "kv"                    # lowest predicted time to first token: queue wait + uncached prefill
+    KV_BLOCKS = "kv_blocks"      # Dynamo's formula: overlap_weight x blocks to prefill + load blocks
+    ROUND_ROBIN = "round_robin"
+    RANDOM = "random"
+    LEAST_LOADED = "least_loaded"
+
 _MODEL_HELP = "HF model directory, or tiny | tiny-qwen2 | tiny:SEED (the generated tiny model)"
 
 
@@ -25,12 +52,20 @@ _MODEL_HELP = "HF model directory, or tiny | tiny-qwen2 | tiny:SEED (the generat
 class EngineConfig:
     """engine: the model and how a worker runs it"""
     model: str = arg(MISSING, _MODEL_HELP, cli_default="tiny")
-    device: str = arg("auto", "where the model runs", choices=("auto", "cpu", "cuda"))
+    device: Device = arg(Device.AUTO, "where the model runs")
     dtype: str = arg("auto", "weights and activations; auto: bfloat16 on cuda, float32 on cpu",
                      choices=("auto", "float32", "bfloat16", "float16"))
     kv_cache_dtype: str = arg("auto", "KV cache storage: auto (the model dtype) or fp8 (e4m3, unscaled: half "
                               "the bytes of bf16, so twice the blocks and less to read per decode step)",
                               choices=("auto", "fp8"))
+    quantization: str = arg("auto", "weights: auto (as the checkpoint stores them: its dtype, or FP8 from its "
+                            "quantization_config) or fp8 (quantize a bf16 checkpoint to FP8 at load, per-channel "
+                            "scales: half the weight bytes; docs/quantization.md)", choices=QUANTIZATION_CHOICES)
+    tensor_parallel_size: int = arg(1, "GPUs one worker spans: its model split Megatron-style over this many "
+                                    "ranks, one process per GPU (docs/multi_gpu.md); on the CPU, ranks over gloo")
+    tp_all_reduce: str = arg("nccl", "the all-reduce between tensor-parallel ranks: nccl (torch.distributed) or "
+                             "flashinfer (FlashInfer's custom all-reduce over CUDA IPC; GPU only)",
+                             choices=("nccl", "flashinfer"))
     block_size: int = arg(16, "tokens per KV block (the frontend learns it from the workers)")
     num_blocks: int | None = arg(None, "KV blocks in the GPU tier; none: as many as fit")
     kv_memory_fraction: float = arg(0.85, "share of free GPU memory a worker takes for weights' leftovers "
@@ -126,6 +161,10 @@ class FrontendConfig:
     host: str = arg("127.0.0.1", "address the HTTP and gRPC servers bind")
     http_port: int = arg(8000, "OpenAI-compatible HTTP port")
     grpc_port: int = arg(50051, "gRPC port (splitserve.v1.Generation)")
+    event_loop: EventLoop = arg(EventLoop.UVLOOP, "the event loop the HTTP and gRPC servers run on")
+    reuse_port: bool = arg(False, "bind the HTTP and gRPC ports with SO_REUSEPORT, so that several frontend "
+                           "processes on this host share them and the kernel spreads connections over them "
+                           "(`serve --frontends N` sets it)")
     api_key: str | None = arg(None, "require this key (Bearer on HTTP, metadata on gRPC); none: open",
                               env="SPLITSERVE_API_KEY", secret=True)
     max_body_bytes: int = arg(4 << 20, "largest HTTP request body")
@@ -133,78 +172,48 @@ class FrontendConfig:
                                  "event loop, so that /health and streams stay responsive)")
     max_tokenize_queue: int = arg(64, "tokenization jobs waiting or running at once; more are refused "
                                   "with 429 (HTTP) or RESOURCE_EXHAUSTED (gRPC)")
-    router_policy: str = arg("kv", "how a request's worker is chosen",
-                             choices=("kv", "kv_blocks", "round_robin", "random", "least_loaded"))
+    router_policy: RoutingPolicy = arg(RoutingPolicy.KV, "how a request's worker is chosen")
     router_approximate: bool = arg(False, "build the prefix index from routing decisions instead of KV events")
-    router_lower_tier_weight: float = arg(0.5, "a prompt block a worker holds only in host RAM or on disk "
-                                          "(KV tiers) counts this fraction of a GPU hit (0: only GPU hits count)")
+    router_lower_tier_weight: float = arg(LOWER_TIER_WEIGHT, "a prompt block a worker holds only in host RAM or on "
+                                          "disk (KV tiers) counts this fraction of a GPU hit (0: only GPU hits count)")
     block_size: int | None = arg(None, "tokens per KV block; none: learned from the first worker "
                                  "(workers that disagree are refused either way)")
     remote_prefill_min_tokens: int = arg(128, "send a prompt to a prefill worker only with more uncached "
                                          "tokens than this")
     max_prefill_queue_tokens: int = arg(32768, "a prefill worker with more queued prompt tokens counts "
-                                        "as saturated")
+                                        "as saturated: a prompt then goes to its decode worker, unless "
+                                        "--itl-target-ms says that would break the decode worker's ITL")
+    itl_target_ms: float | None = arg(None, "the decode workers' inter-token latency target: a long prompt "
+                                      "whose prefill on its decode worker would make a step there (its decodes "
+                                      "plus a prefill chunk, at --decode-profile's speed) take longer waits "
+                                      "in a saturated prefill worker's queue instead (docs/disaggregation.md); "
+                                      "none: `serve --planner` passes its --itl-ms, else the queue threshold "
+                                      "alone decides")
+    decode_profile: str | None = arg(None, "JSON performance profile of the decode workers (format 2, "
+                                     "`splitserve profile`) that prices a local prefill for --itl-target-ms; "
+                                     "none: `serve --planner` passes its --planner-profile, else the shipped "
+                                     "H100 Llama-3.1-8B one")
     max_model_len: int | None = arg(None, "longest prompt + output accepted; none: the model's "
                                     "max_position_embeddings")
     drain_timeout_s: float = arg(60.0, "on SIGTERM, open requests may finish for this long before they end "
                                  "with an error event; new ones get 503 (under `serve`: the workers' drain "
                                  "timeout too)")
+    responses_ttl_s: int = arg(3600, "how long /v1/responses keeps a stored response (for previous_response_id "
+                               "and retrieval) in Redis, seconds")
 
 
 @dataclass(frozen=True, slots=True)
-class ControllerConfig:
+class ControllerConfig(PoolLimitsConfig):
     """controller: the pool controller (desired pool sizes, restarts) and its admin API"""
     admin_host: str = arg("127.0.0.1", "address the admin API (gRPC splitserve.v1.Admin) binds")
     admin_port: int = arg(50052, "admin API port; 0 picks a free one")
     admin_token: str | None = arg(None, "bearer token the admin API requires; none: `serve` generates one and "
                                   "writes it to a file only this user can read (the CLI finds it)",
                                   env="SPLITSERVE_ADMIN_TOKEN", secret=True)
-    min_decode_workers: int = arg(1, "the decode pool never shrinks below this")
-    max_decode_workers: int = arg(8, "the decode pool never grows above this (`pools scale` beyond it is refused)")
-    min_prefill_workers: int = arg(0, "the prefill pool never shrinks below this")
-    max_prefill_workers: int = arg(8, "the prefill pool never grows above this")
     restart_backoff_s: float = arg(1.0, "a crashed worker is restarted after this, doubling per crash in a row "
                                    "(up to 30 s)")
     crash_loop_restarts: int = arg(5, "after this many restarts in a row, each crashing within a minute, a "
                                    "worker is left stopped and reported (log, metric, `pools status`)")
-
-
-@dataclass(frozen=True, slots=True)
-class SlaConfig:
-    """sla: the SLA planner's targets and control loop (planner/; docs/planner.md)"""
-    ttft_ms: float = arg(1000.0, "time-to-first-token target, milliseconds")
-    itl_ms: float = arg(50.0, "target for each request's mean inter-token latency, milliseconds")
-    attainment_goal: float = arg(0.99, "share of requests that must meet both targets")
-    interval_s: float = arg(PLANNER_INTERVAL_S, "one planner decision per interval", flag="--planner-interval-s")
-    profile: str | None = arg(None, "JSON performance profile the planner sizes pools with (format 2, "
-                              "`splitserve profile`); none: the shipped H100 Llama-3.1-8B one",
-                              flag="--planner-profile")
-    startup_s: float | None = arg(None, "a new worker's start-to-ready, the planning horizon; none: the "
-                                  "profile's", flag="--planner-startup-s")
-    predictor: str | None = arg(None, "load predictor: constant, ewma[(a)], holt[(a,b,phi)]; none: the "
-                                "default damped Holt")
-    arrival_quantile: float = arg(0.9, "plan on this quantile of the predicted arrivals")
-    hysteresis: float = arg(0.1, "scale down only to what the load times (1 + this) needs")
-    prefill_down_delay_s: float = arg(0.0, "the prefill pool scales down only to what was needed all along this "
-                                      "window; 0: the hysteresis margin alone")
-    decode_down_delay_s: float | None = arg(None, "the decode pool scales down only to what was needed all along "
-                                            "this window; none: the start-up time")
-    gpu_budget: int | None = arg(None, "workers of both pools at most (draining ones included); none: only "
-                                 "the pools' limits")
-    prefill_order: str = arg(PREFILL_ORDERS[0], "the prefill workers' queue order the planner sizes for: deadline (the "
-                             "oldest prompt that can still meet the TTFT target first; serve, Ray and the Helm "
-                             "chart start them so with the planner) or fifo (arrival order; serve then starts "
-                             "them so)", choices=PREFILL_ORDERS)
-
-    @property
-    def deadline_ordered(self) -> bool:
-        """The planner sizes prefill workers that queue in deadline order (and serve starts them so)."""
-        return self.prefill_order == "deadline"
-
-    def targets(self) -> str:
-        """What the planner keeps, for the startup log of serve, Ray and `splitserve planner`."""
-        return (f"TTFT {self.ttft_ms:.0f} ms, ITL {self.itl_ms:.0f} ms, a decision every {self.interval_s:.0f} s, "
-                f"prefill queues in {self.prefill_order} order")
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,8 +264,9 @@ class RayConfig:
     address: str | None = arg(None, "run on Ray: a cluster's address (HOST:PORT of its GCS, or auto), or, "
                               "given alone, a new local Ray cluster; none: local processes", flag="--ray",
                               const="local")
-    worker_gpus: float | None = arg(None, "GPUs each worker actor asks Ray for; none: 1 when the engine runs on "
-                                    "cuda (--device cuda, or auto on a cluster with GPUs, and not --mock), else 0",
+    worker_gpus: float | None = arg(None, "GPUs each worker actor asks Ray for; none: as many as the worker "
+                                    "spans (its pool's tensor-parallel size) when the engine runs on cuda "
+                                    "(--device cuda, or auto on a cluster with GPUs, and not --mock), else 0",
                                     flag="--ray-worker-gpus")
     worker_cpus: float = arg(1.0, "CPUs each worker actor asks Ray for", flag="--ray-worker-cpus")
     frontend_cpus: float = arg(1.0, "CPUs the frontend actor asks Ray for", flag="--ray-frontend-cpus")
@@ -269,10 +279,26 @@ class ServeConfig:
     """serve: a whole cluster on this machine"""
     engine: EngineConfig              # every worker's engine
     frontend: FrontendConfig          # its Redis and host are every child's; its model is the engine's
+    frontends: int = arg(1, "frontend processes, sharing the HTTP and gRPC ports (SO_REUSEPORT); each routes "
+                         "with the whole fleet's load (docs/frontend.md)")
     decode_workers: int = arg(1, "decode workers (aggregated ones with --prefill-workers 0)")
     prefill_workers: int = arg(1, "prefill workers; 0: aggregated serving (each worker prefills its own "
                                "prompts)")
+    prefill_tp: int | None = arg(None, "GPUs (tensor-parallel ranks) per prefill worker; none: "
+                                 "--tensor-parallel-size")
+    decode_tp: int | None = arg(None, "GPUs (tensor-parallel ranks) per decode (or aggregated) worker; none: "
+                                "--tensor-parallel-size")
+    gpus: str | None = arg(None, "the GPUs this cluster may use, by nvidia-smi index (e.g. 0,1,2,3); none: every "
+                           "visible one. Each worker gets its own (CUDA_VISIBLE_DEVICES); more than there are is "
+                           "refused at start-up")
+    gpus_per_worker: float = arg(1.0, "the share of a GPU each worker (each rank of a tensor-parallel worker) "
+                                 "takes: 1 gives every worker GPUs of its own; a fraction (0.5) lets workers "
+                                 "share one, each taking that share of its memory; 0 places nothing (every "
+                                 "worker sees every GPU: a tiny model, several workers on one GPU on purpose)")
     startup_timeout_s: float = arg(300.0, "how long to wait for every worker to be healthy")
+    redis_port: int = arg(0, "port of the embedded Redis (without --redis-url); 0 picks a free one")
+    worker_ports: str | None = arg(None, "LOW-HIGH: each worker's gRPC and /metrics ports come from this range, "
+                                   "two per worker (a restarted worker keeps its own); none: free ones")
     prefill_lease_s: float = arg(15.0, "how long a prefill worker may take to compute and push a prompt "
                                  "before the decode worker computes it itself")
     controller: ControllerConfig = field(default_factory=ControllerConfig)

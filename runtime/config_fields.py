@@ -7,11 +7,18 @@ do, the environment variable that stands in for an unset value, and whether it i
 written to a file). `settings(cls)` flattens a config, nested configs included, into `Setting`s;
 `build(cls, value_of)` makes a config from one value per setting. runtime/cli_args.py and
 runtime/config_file.py are both written over these two, so neither knows any particular field.
+
+A field's type is a scalar (bool, int, float, str), a `StrEnum` (its members are the choices, and
+it is spelled as their values on a command line and in a file), or a nested config class. A nested
+config given a default instance (`field(default_factory=lambda: LIMITS)`) lends its leaves that
+instance's values as defaults, so one class declared once can serve a command whose defaults differ
+(`bench plan`'s unbounded pools) without a second declaration.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import types
 import typing
@@ -60,6 +67,13 @@ class Setting:
         return self.path.rsplit(".", 1)[-1]
 
     @property
+    def choices(self) -> tuple[str, ...] | None:
+        """The values the setting may take, as spelled on a command line and in a file."""
+        if isinstance(self.type, enum.EnumMeta):
+            return tuple(m.value for m in self.type)
+        return self.meta.choices
+
+    @property
     def tri_state(self) -> bool:
         return self.type is bool and self.optional
 
@@ -76,6 +90,8 @@ class Setting:
             if self.optional:
                 return None
             raise ConfigError(f"{self.path}: must be set (a {self.type.__name__}), got null")
+        if isinstance(self.type, enum.EnumMeta):
+            return self._member(value)
         ok = isinstance(value, self.type) and not (self.type is int and isinstance(value, bool))
         if self.type is float and isinstance(value, int) and not isinstance(value, bool):
             value, ok = float(value), True
@@ -86,6 +102,14 @@ class Setting:
             raise ConfigError(f"{self.path}: {value!r} is not one of {', '.join(self.meta.choices)}")
         return value
 
+    def _member(self, value: Any) -> enum.Enum:
+        if not isinstance(value, str):
+            raise ConfigError(f"{self.path}: expected str, got {type(value).__name__} {value!r}")
+        try:
+            return self.type(value)
+        except ValueError:
+            raise ConfigError(f"{self.path}: {value!r} is not one of {', '.join(self.choices)}") from None
+
 
 def _leaf_type(cls: type, name: str, hint: Any) -> tuple[type, bool]:
     optional = False
@@ -94,7 +118,9 @@ def _leaf_type(cls: type, name: str, hint: Any) -> tuple[type, bool]:
         optional = len(args) < len(typing.get_args(hint))
         assert len(args) == 1, f"{cls.__name__}.{name}: only `X | None` unions are supported"
         hint = args[0]
-    assert hint in SCALARS or dataclasses.is_dataclass(hint), f"{cls.__name__}.{name}: unsupported type {hint}"
+    is_enum = isinstance(hint, type) and issubclass(hint, enum.StrEnum)
+    ok = hint in SCALARS or dataclasses.is_dataclass(hint) or is_enum
+    assert ok, f"{cls.__name__}.{name}: unsupported type {hint}"
     return hint, optional
 
 
@@ -114,21 +140,36 @@ def children(cls: type, prefix: str = "") -> tuple[tuple[str, type | None, Setti
     return tuple(out)
 
 
-def settings(cls: type, prefix: str = "") -> Iterator[Setting]:
-    """Every leaf field of config class `cls`, nested configs flattened, in declaration order."""
+def _nested_default(cls: type, name: str, base: Any) -> Any:
+    """The instance whose values a nested config's leaves take as defaults: the enclosing default
+    instance's, else the field's own default (None: the nested class's field defaults)."""
+    if base is not None:
+        return getattr(base, name)
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.default_factory() if f.default_factory is not MISSING else None
+
+
+def settings(cls: type, prefix: str = "", base: Any = None) -> Iterator[Setting]:
+    """Every leaf field of config class `cls`, nested configs flattened, in declaration order;
+    `base`: an instance whose values are the defaults."""
     for name, nested, s in children(cls, prefix):
         if nested is not None:
-            yield from settings(nested, f"{prefix}{name}.")
+            yield from settings(nested, f"{prefix}{name}.", _nested_default(cls, name, base))
         else:
-            yield s
+            yield s if base is None else dataclasses.replace(s, default=getattr(base, name))
 
 
-def build(cls: type, value_of: Callable[[Setting], Any], prefix: str = "") -> Any:
+def build(cls: type, value_of: Callable[[Setting], Any], prefix: str = "", base: Any = None) -> Any:
     """A `cls` whose leaves are `value_of(setting)`; a leaf whose value is MISSING takes its default
-    (ConfigError where the class requires it)."""
+    (`base`'s value if given; ConfigError where the class requires it)."""
     kwargs = {}
     for name, nested, s in children(cls, prefix):
-        value = build(nested, value_of, f"{prefix}{name}.") if nested is not None else value_of(s)
+        if nested is not None:
+            kwargs[name] = build(nested, value_of, f"{prefix}{name}.", _nested_default(cls, name, base))
+            continue
+        value = value_of(s)
+        if value is MISSING and base is not None:
+            value = getattr(base, name)
         if value is not MISSING:
             kwargs[name] = value
         elif s.default is MISSING:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import MISSING
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,8 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
         node, value = out, cfg
         for p in parents:
             node, value = node.setdefault(p, {}), getattr(value, p)
-        node[name] = getattr(value, name)
+        v = getattr(value, name)
+        node[name] = v.value if isinstance(v, Enum) else v       # a choice as it is spelled
     return out
 
 
@@ -77,8 +79,13 @@ def read_config(cls: type, path: str | os.PathLike) -> dict[str, Any]:
     return flatten(cls, data, str(path))
 
 
+def config_json(cfg: Any) -> str:
+    """`cfg` (secrets left out) as the JSON a config file holds."""
+    return json.dumps(config_to_dict(cfg), indent=1)
+
+
 def write_config(cfg: Any, path: str | os.PathLike) -> None:
     """Write `cfg` (secrets left out) as JSON, readable by its owner only."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump(config_to_dict(cfg), f, indent=1)
+        f.write(config_json(cfg))

@@ -37,10 +37,16 @@ class WorkerInfo:
     state: str = WorkerState.READY    # runtime.lifecycle.WorkerState
     name: str = ""                # what it was launched as (--worker-id, without the unique suffix)
     started_at: float = 0.0       # unix time the process started its services
+    max_model_len: int = 0        # the engine's context (model or configured, before the KV cache caps it); 0: unknown
+    gpus: str = ""                # the GPUs it runs on (CUDA_VISIBLE_DEVICES, nvidia-smi's numbering); "": none
+    tensor_parallel_size: int = 1  # GPUs (tensor-parallel ranks) it spans
 
     @property
     def ready(self) -> bool:
         return self.state == WorkerState.READY
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(WorkerInfo))
 
 
 def _key(namespace: str, worker_id: str) -> str:
@@ -98,7 +104,9 @@ async def list_workers(client: aioredis.Redis, namespace: str) -> list[WorkerInf
         if v is None:  # expired between SCAN and MGET
             continue
         try:
-            out.append(WorkerInfo(**json.loads(v)))
-        except (TypeError, ValueError) as e:
+            record = json.loads(v)
+            # fields a newer worker added are skipped, so that a rolling upgrade keeps its workers
+            out.append(WorkerInfo(**{k: x for k, x in record.items() if k in _FIELDS}))
+        except (TypeError, ValueError, AttributeError) as e:
             log.warning("ignoring malformed worker record: %s", e)
     return sorted(out, key=lambda w: w.worker_id)

@@ -1,12 +1,18 @@
 """The small exception hierarchy shared by every component, and its mapping to gRPC and HTTP.
 
 Bad input raises `InvalidRequest` (never crashes a process); a missing model raises `NotFound`;
-peers that fail raise `Unavailable`. The frontend maps these to HTTP status codes and gRPC status
-codes in exactly one place each (`http_status`, `grpc_code`). The gRPC code is named, not imported:
-pure code (the pool book, the router) raises these without loading grpc.
+peers that fail raise `Unavailable`; a component that cannot start raises `StartupError`. The
+frontend maps the request errors to HTTP status codes and gRPC status codes in exactly one place
+each (`http_status`, `grpc_code`). The gRPC code is named, not imported: pure code (the pool book,
+the router) raises these without loading grpc.
 """
 
 from __future__ import annotations
+
+
+class StartupError(RuntimeError):
+    """A component cannot start here (a flag this machine cannot honour, an unusable directory):
+    the command says so in one line and exits with code 2, never with a traceback."""
 
 
 class SplitserveError(Exception):
@@ -60,3 +66,8 @@ class Overloaded(SplitserveError):
     http_status = 429
     grpc_status = "RESOURCE_EXHAUSTED"
     error_type = "rate_limit_error"
+
+
+class UnsupportedMediaType(InvalidRequest):
+    """A request body of a content type the route does not read (it reads JSON)."""
+    http_status = 415

@@ -118,12 +118,14 @@ class KvEventConsumer:
 
     Resyncs run as separate tasks so that reading never waits on a worker; events arriving
     meanwhile are buffered by the index and replayed after the snapshot. A failed resync is
-    retried after ``resync_retry_s``. Malformed entries are logged, counted and skipped.
+    retried after ``resync_retry_s``. Malformed entries are logged, counted and skipped. With
+    ``min_interval_s`` a read that found entries is followed by the next one no sooner than that
+    after it began, so that a busy fleet's batches come several to a read.
     """
 
     def __init__(self, redis: aioredis.Redis, namespace: str, sink: EventSink, resync: ResyncFn,
                  start_id: str = "0-0", block_ms: int = 100, count: int = 1024,
-                 resync_retry_s: float = 1.0) -> None:
+                 resync_retry_s: float = 1.0, min_interval_s: float = 0.0) -> None:
         self._redis = redis
         self._stream = stream_name(namespace)
         self._sink = sink
@@ -132,6 +134,9 @@ class KvEventConsumer:
         self._block_ms = block_ms
         self._count = count
         self._resync_retry_s = resync_retry_s
+        # after a read that found entries, the next one waits until this long after it began: a busy
+        # fleet's batches (one per worker step) then come several to a read
+        self._min_interval_s = min_interval_s
         self._resyncs: dict[str, asyncio.Task[None]] = {}
         self._retry_after: dict[str, float] = {}
         self.num_batches = 0
@@ -154,7 +159,9 @@ class KvEventConsumer:
                 try:
                     if failing or self._server_id is None:
                         await self._check_server()
-                    await self.poll_once()
+                    began = time.monotonic()
+                    if await self.poll_once() and self._min_interval_s > 0:
+                        await asyncio.sleep(self._min_interval_s - (time.monotonic() - began))
                     failing = False
                     self._warn.clear("read")
                 except (RedisConnectionError, RedisTimeoutError, OSError) as e:

@@ -41,13 +41,17 @@ class RollingHistogram:
         self._slots: list[tuple[int, Counts]] = []      # (slot number, counts), oldest first
 
     def add(self, value_s: float, now: float) -> None:
+        self.add_many((value_s,), now)
+
+    def add_many(self, values_s: Iterable[float], now: float) -> None:
         slot = int(now // self._slot_s)
         if not self._slots or self._slots[-1][0] != slot:
             self._expire(now)
             self._slots.append((slot, {}))
         counts = self._slots[-1][1]
-        b = bucket_of(value_s)
-        counts[b] = counts.get(b, 0) + 1
+        for value_s in values_s:
+            b = bucket_of(value_s)
+            counts[b] = counts.get(b, 0) + 1
 
     def counts(self, now: float) -> Counts:
         """The window's samples, summed over its slots."""

@@ -8,13 +8,19 @@ import sys
 import time
 
 _configured = False
+_component = ""
+
+
+def component_name() -> str:
+    """The component named in this process's log lines ("" before `setup_logging`)."""
+    return _component
 
 
 def setup_logging(component: str, level: str | None = None) -> None:
-    global _configured
+    global _configured, _component
     if _configured:
         return
-    _configured = True
+    _configured, _component = True, component
     level = (level or os.environ.get("SPLITSERVE_LOG_LEVEL", "INFO")).upper()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -131,6 +133,9 @@ class FrontendMetrics:
                                      registry=r)
         self.generation_tokens = Counter("splitserve_generation_tokens", "Generated tokens", registry=r)
         self.prefill_remote = Counter("splitserve_prefill_remote", "Prompts sent to a prefill worker", registry=r)
+        self.prefill_held_for_itl = Counter(
+            "splitserve_prefill_held_for_itl", "Prompts sent to a saturated prefill worker because computing "
+            "them on their decode worker would break --itl-target-ms", registry=r)
         self.prefill_local = Counter("splitserve_prefill_local", "Prompts prefilled on their decode worker, by "
                                      "reason", ["reason"], registry=r)
         self.migrations = Counter("splitserve_request_migrations", "Requests moved to another worker, by "
@@ -173,3 +178,19 @@ class PlannerMetrics:
         self.estimate = Gauge("splitserve_planner_estimate", "What the last decision planned on and predicted "
                               "(rate_rps, plan_rate_rps, prefix_hit_rate, POOL_desired, POOL_required, "
                               "POOL_correction, POOL_predicted, ...)", ["name"], registry=r)
+
+
+def observe_many(hist, values_s: list[float]) -> None:
+    """`hist.observe(v)` for every v, in one pass: one increment per bucket that got samples
+    instead of several per sample (the frontend's ITL samples, one per token, come in batches).
+    Reaches into prometheus_client's Histogram (non-cumulative per-bucket counters, a sum)."""
+    if not values_s:
+        return
+    bounds = hist._upper_bounds
+    counts = [0] * len(bounds)
+    for v in values_s:
+        counts[bisect_left(bounds, v)] += 1
+    for bucket, n in zip(hist._buckets, counts):
+        if n:
+            bucket.inc(n)
+    hist._sum.inc(sum(values_s))

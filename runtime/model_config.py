@@ -1,5 +1,7 @@
 """What the engine needs from a HF `config.json` of the Llama family (Llama, Mistral, Qwen2), and
-the model's identity across machines (`model_fingerprint`)."""
+the model's identity across machines (`model_fingerprint`). A `quantization_config` is parsed here
+(runtime/quantization.py), so that a checkpoint the engine cannot run is refused wherever the
+directory is first read."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.errors import InvalidRequest
+from runtime.quantization import WeightQuant, parse_quantization_config
 
 SUPPORTED = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 FINGERPRINTED = ("config.json", "tokenizer.json")
@@ -47,6 +50,7 @@ class ModelConfig:
     torch_dtype: str
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    quantization: WeightQuant | None = None     # how the checkpoint stores its linear weights
 
     @staticmethod
     def from_dir(model_dir: str | Path) -> "ModelConfig":
@@ -57,6 +61,17 @@ class ModelConfig:
         model_type = cfg.get("model_type", "")
         if model_type not in SUPPORTED:
             raise InvalidRequest(f"unsupported model_type {model_type!r}; supported: {sorted(SUPPORTED)}")
+        try:
+            quantization = parse_quantization_config(cfg.get("quantization_config"))
+        except InvalidRequest as e:
+            raise InvalidRequest(f"{model_dir}: {e.message}") from None
+        try:
+            return ModelConfig._from_json(cfg, model_dir, model_type, quantization)
+        except KeyError as e:
+            raise InvalidRequest(f"{path} lacks {e.args[0]!r}") from None
+
+    @staticmethod
+    def _from_json(cfg: dict, model_dir, model_type: str, quantization: WeightQuant | None) -> "ModelConfig":
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
@@ -78,4 +93,5 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids)
+            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids,
+            quantization=quantization)

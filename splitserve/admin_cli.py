@@ -9,8 +9,11 @@
 
 The admin API's address is --admin-url, else SPLITSERVE_ADMIN_URL, else 127.0.0.1:50052; its token
 --admin-token, else SPLITSERVE_ADMIN_TOKEN, else (for a loopback address) the file `splitserve serve`
-wrote for that port (runtime/admin_auth.py). Control plane only: no torch, no engine. Errors are one
-line and exit code 1 (unreachable, refused token, a size the pool's limits refuse).
+wrote for that port (runtime/admin_auth.py). Control plane only: no torch, no engine, no numpy;
+`splitserve pools ...` reaches this module without loading the rest of the CLI (splitserve/cli.py),
+so that it answers in a fraction of a second. Errors are one line and exit code 1 (unreachable,
+refused token, an address that is not an admin API, a size the pool's limits refuse); bad flags
+(a negative size, a --watch interval below MIN_WATCH_S) are argparse's one line and exit code 2.
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ import sys
 import time
 
 import grpc
-from google.protobuf.json_format import MessageToDict
 
 from proto.splitserve.v1 import admin_pb2, admin_pb2_grpc
 from runtime.admin_auth import read_token_file
 
 DEFAULT_ADMIN_URL = "127.0.0.1:50052"
 TIMEOUT_S = 10.0
+MIN_WATCH_S = 0.5             # `pools status --watch S`: no faster than this (each redraw is a status call)
+MAX_POOL_SIZE = 256           # pools/book.py HARD_MAX_WORKERS (not imported: this CLI stays light)
 STATE_NAMES = {v: k.removeprefix("WORKER_STATE_").lower() for k, v in admin_pb2.WorkerState.items()}
 
 
@@ -36,31 +40,64 @@ class AdminError(Exception):
     """A failed call, said in one line for the operator."""
 
 
+def parse(argv: list[str]) -> argparse.Namespace:
+    """`splitserve pools|workers ...` parsed by this module's own parser (the same flags and help
+    as under `splitserve`'s full parser, which adds them through `add_arguments`)."""
+    parser = argparse.ArgumentParser(prog="splitserve")
+    add_arguments(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    return parser.parse_args(argv)
+
+
+def _watch_s(text: str) -> float:
+    try:
+        s = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seconds between redraws, not {text!r}") from None
+    if not s >= MIN_WATCH_S:           # also refuses nan
+        raise argparse.ArgumentTypeError(f"redraw at most every {MIN_WATCH_S:g} s (got {text})")
+    return s
+
+
+def _pool_size(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of workers, not {text!r}") from None
+    if not 0 <= n <= MAX_POOL_SIZE:
+        raise argparse.ArgumentTypeError(f"a number of workers from 0 to {MAX_POOL_SIZE} (got {n})")
+    return n
+
+
 def add_arguments(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pools", help="the worker pools: status, scale, release, limits (admin API)")
-    psub = p.add_subparsers(dest="pools_command", required=True)
+    psub = p.add_subparsers(dest="pools_command", required=True, metavar="COMMAND")
     s = psub.add_parser("status", help="each pool's size, load and latency")
     s.add_argument("--json", action="store_true", help="the whole status (pools and workers) as JSON")
-    s.add_argument("--watch", nargs="?", const=2.0, type=float, metavar="S", help="redraw every S seconds (2)")
+    s.add_argument("--watch", nargs="?", const=2.0, type=_watch_s, metavar="S",
+                   help=f"redraw every S seconds (default 2, at least {MIN_WATCH_S:g}); Ctrl-C ends it")
     _admin_flags(s)
     s = psub.add_parser("scale", help="hold pools at these sizes (an override, until `pools release`)")
-    s.add_argument("--prefill", type=int, metavar="N")
-    s.add_argument("--decode", type=int, metavar="M")
+    s.add_argument("--prefill", type=_pool_size, metavar="N",
+                   help="prefill workers to hold the prefill pool at (within its limits: `pools limits`)")
+    s.add_argument("--decode", type=_pool_size, metavar="M",
+                   help="decode workers to hold the decode pool at (within its limits: `pools limits`)")
     _admin_flags(s)
     s = psub.add_parser("release", help="drop the override (every pool, or those named)")
-    s.add_argument("--prefill", action="store_true")
-    s.add_argument("--decode", action="store_true")
+    s.add_argument("--prefill", action="store_true", help="release the prefill pool's override only")
+    s.add_argument("--decode", action="store_true", help="release the decode pool's override only")
     _admin_flags(s)
     s = psub.add_parser("limits", help="show, or set, each pool's min and max")
     for pool in ("decode", "prefill"):
-        s.add_argument(f"--{pool}-min", type=int, metavar="N")
-        s.add_argument(f"--{pool}-max", type=int, metavar="N")
+        s.add_argument(f"--{pool}-min", type=_pool_size, metavar="N",
+                       help=f"the {pool} pool never shrinks below N (the planner's and `pools scale`'s floor)")
+        s.add_argument(f"--{pool}-max", type=_pool_size, metavar="N",
+                       help=f"the {pool} pool never grows above N (the planner's and `pools scale`'s ceiling)")
     _admin_flags(s)
 
     p = sub.add_parser("workers", help="the workers: list, drain (admin API)")
-    wsub = p.add_subparsers(dest="workers_command", required=True)
+    wsub = p.add_subparsers(dest="workers_command", required=True, metavar="COMMAND")
     s = wsub.add_parser("list", help="every worker, its state and load")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="every worker as JSON")
     _admin_flags(s)
     s = wsub.add_parser("drain", help="drain one worker: it finishes its requests and exits (and is replaced)")
     s.add_argument("worker_id", metavar="ID", help="a worker id or name from `splitserve workers list`")
@@ -96,7 +133,7 @@ def _pools(client: AdminClient, args) -> int:
     if cmd == "status":
         while True:
             st = client.call("GetStatus", admin_pb2.GetStatusRequest())
-            text = json.dumps(_to_dict(st), indent=1) if args.json else format_pools(st.pools)
+            text = json.dumps(_to_dict(st), indent=1) if args.json else format_pools(st.pools, st.workers)
             if args.watch is None:
                 print(text)
                 return 0
@@ -167,6 +204,10 @@ class AdminClient:
             return getattr(self._stub, method)(request, metadata=md, timeout=TIMEOUT_S)
         except grpc.RpcError as e:
             code = e.code()
+            if _not_admin(e):
+                raise AdminError(f"{self.url} is not a Splitserve admin API ({_what_answered(e)}); the admin API "
+                                 f"listens on serve's --admin-port (default {DEFAULT_ADMIN_URL}, printed in its "
+                                 f"banner): set --admin-url or SPLITSERVE_ADMIN_URL") from None
             if code == grpc.StatusCode.UNAVAILABLE:
                 raise AdminError(f"cannot reach the admin API at {self.url} (is `splitserve serve` running? "
                                  f"set --admin-url or SPLITSERVE_ADMIN_URL)") from None
@@ -185,6 +226,25 @@ class AdminClient:
         self._channel.close()
 
 
+def _not_admin(e: grpc.RpcError) -> bool:
+    """Something other than an admin API answered: a gRPC server without the service (the frontend's
+    port), one that wants other credentials (a worker's), or a peer that does not speak gRPC (an
+    HTTP port, Redis)."""
+    code, details = e.code(), (e.details() or "").lower()
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return True
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return "admin" not in details           # the admin API's refusal names itself
+    return code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE) and any(
+        w in details for w in ("http1", "http/1", "http/2", "protocol", "frame", "malformed", "content-type"))
+
+
+def _what_answered(e: grpc.RpcError) -> str:
+    if e.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED):
+        return "a gRPC server without the splitserve.v1.Admin service answered: a frontend's or a worker's port?"
+    return "something that does not speak gRPC answered: an HTTP port?"
+
+
 def _local_token(url: str) -> str | None:
     host, _, port = url.rpartition(":")
     if host.strip("[]") in ("127.0.0.1", "localhost", "::1") and port.isdigit():
@@ -193,6 +253,7 @@ def _local_token(url: str) -> str | None:
 
 
 def _to_dict(msg) -> dict:
+    from google.protobuf.json_format import MessageToDict     # only for --json
     return MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
@@ -213,8 +274,8 @@ def _opt(msg, field: str) -> float | None:
     return getattr(msg, field) if msg.HasField(field) else None
 
 
-def format_pools(pools) -> str:
-    """The `pools status` table, then one line per degraded pool."""
+def format_pools(pools, workers=None) -> str:
+    """The `pools status` table (with `workers`: each worker's GPUs), then one line per degraded pool."""
     rows = []
     has_decision = any(p.last_decision for p in pools)
     for p in pools:
@@ -224,11 +285,14 @@ def format_pools(pools) -> str:
                str(p.num_waiting), f"{p.kv_usage:.0%}",
                _pair_ms(_opt(lat, "ttft_p50_ms"), _opt(lat, "ttft_p90_ms")),
                _pair_ms(_opt(lat, "itl_p50_ms"), _opt(lat, "itl_p90_ms"))]
+        if workers is not None:
+            row.append(pool_gpus(workers, p.pool))
         if has_decision:
             row.append(p.last_decision or "-")
         rows.append(row)
     header = ["POOL", "ROLE", "DESIRED", "READY", "STARTING", "DRAINING", "RUNNING", "QUEUED", "KV USE",
-              "TTFT p50/p90", "ITL p50/p90"] + (["LAST DECISION"] if has_decision else [])
+              "TTFT p50/p90", "ITL p50/p90"] + (["GPUS"] if workers is not None else []) + \
+        (["LAST DECISION"] if has_decision else [])
     out = _table(header, rows)
     notes = [f"{p.pool}: degraded, {p.ready} of {p.desired} ready" + (f", {p.failed} failed (crash loop)"
                                                                        if p.failed else "")
@@ -243,10 +307,16 @@ def _uptime(s: float) -> str:
 
 
 def format_workers(workers) -> str:
-    rows = [[w.worker_id or "-", w.name or "-", w.pool, STATE_NAMES.get(w.state, "?"), str(w.num_running),
-             str(w.num_waiting), f"{w.num_used_blocks / w.num_total_blocks:.0%}" if w.num_total_blocks else "-",
+    rows = [[w.worker_id or "-", w.name or "-", w.pool, STATE_NAMES.get(w.state, "?"), w.gpus or "-",
+             str(w.num_running), str(w.num_waiting),
+             f"{w.num_used_blocks / w.num_total_blocks:.0%}" if w.num_total_blocks else "-",
              _uptime(w.uptime_s) if w.uptime_s else "-", str(w.restarts), w.address or "-",
              ("" if w.managed else "external ") + w.detail]
             for w in workers]
-    return _table(["WORKER", "NAME", "POOL", "STATE", "RUNNING", "QUEUED", "KV USE", "UPTIME", "RESTARTS",
+    return _table(["WORKER", "NAME", "POOL", "STATE", "GPUS", "RUNNING", "QUEUED", "KV USE", "UPTIME", "RESTARTS",
                    "ADDRESS", "NOTE"], rows)
+
+
+def pool_gpus(workers, pool: str) -> str:
+    """The GPUs of each of a pool's workers, e.g. "0,1 2,3" ("-": none placed)."""
+    return " ".join(w.gpus for w in workers if w.pool == pool and w.gpus) or "-"

@@ -6,22 +6,24 @@ runtime/config.py (runtime/cli_args.py); a component also takes `--config FILE`,
 config, which is how `serve` hands each child its config. Secrets (the API key) are read from the
 environment (SPLITSERVE_API_KEY, SPLITSERVE_ADMIN_TOKEN) as well as flags, so launchers can pass
 them without putting them on a command line that `ps` shows. `pools` and `workers` talk to a running
-cluster's admin API (splitserve/admin_cli.py). Engine code is imported only by the commands that run one.
+cluster's admin API (splitserve/admin_cli.py).
+
+Each command imports only what it runs: engine code only for the commands that run one, and
+`pools`/`workers` go straight to the admin CLI (its own parser, gRPC and the admin stubs; no config
+classes, no asyncio, no numpy), so that an operator's `pools status` answers in a fraction of a second.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
+from typing import TYPE_CHECKING
 
-from runtime.cli_args import add_config_args, config_from_args
-from runtime.config import (ControllerComponentConfig, EngineConfig, FrontendConfig, PlannerComponentConfig,
-                            ServeConfig, WorkerConfig)
-from runtime.config_fields import ConfigError
-from runtime.errors import InvalidRequest
-from runtime.logging import setup_logging
-from runtime.process import enable_stack_dumps, run_component
+if TYPE_CHECKING:
+    from runtime.config import FrontendConfig
+
+DESCRIPTION = ("The splitserve command: serve a cluster on this machine (or on Ray), run one of its "
+               "components, operate its pools, make the tiny model, profile and benchmark.")
 
 # serve's frontend follows the engine: its model is the workers', its block size is learned
 SERVE_SKIPS = ("frontend.model", "frontend.block_size", "frontend.max_model_len")
@@ -44,8 +46,10 @@ def show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    from runtime.cli_args import add_config_args
+    from runtime.config import ControllerComponentConfig, FrontendConfig, PlannerComponentConfig, ServeConfig, WorkerConfig
+    parser = argparse.ArgumentParser(prog="splitserve", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("serve", help="a whole cluster on this machine")
     add_config_args(p, ServeConfig, skip=SERVE_SKIPS, config_file=False)
@@ -77,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = p.add_subparsers(dest="bench_command", required=True)
     from splitserve.bench import serve as bench_serve
     bench_serve.add_arguments(bsub.add_parser("serve", help="load-generate against a running server"))
+    from splitserve.bench import goodput as bench_goodput
+    bench_goodput.add_arguments(bsub.add_parser(
+        "goodput", help="the highest request rate at which a server meets TTFT and ITL targets"))
     from splitserve.bench import replay as bench_replay
     bench_replay.add_arguments(bsub.add_parser("replay", help="replay a trace on a local mock cluster"))
     from splitserve.bench import routesim as bench_routesim
@@ -84,12 +91,21 @@ def build_parser() -> argparse.ArgumentParser:
         "routesim", help="the real router driving simulated workers on a virtual clock"))
     from splitserve.bench import plan as bench_plan
     bench_plan.add_arguments(bsub.add_parser("plan", help="simulate the SLA planner on a trace (virtual clock)"))
-    for p in (msub.choices["tiny"], bsub.choices["serve"], bsub.choices["replay"]):
+    for p in (msub.choices["tiny"], bsub.choices["serve"], bsub.choices["goodput"], bsub.choices["replay"]):
         show_defaults(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] in (["pools"], ["workers"]):          # the operator's commands: nothing else to load
+        from splitserve import admin_cli
+        return admin_cli.main(admin_cli.parse(argv))
+    from runtime.config_fields import ConfigError
+    from runtime.errors import InvalidRequest, StartupError
+    from runtime.host_checks import device_problem
+    from runtime.logging import setup_logging
+    from runtime.process import enable_stack_dumps, run_component
     args = build_parser().parse_args(argv)
     enable_stack_dumps()
     cmd = args.command
@@ -109,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "bench" and args.bench_command == "plan":
         from splitserve.bench import plan as bench_plan
         return bench_plan.main(args)
+    if cmd == "bench" and args.bench_command == "goodput":
+        from splitserve.bench import goodput as bench_goodput
+        return bench_goodput.main(args)
     if cmd == "bench" and args.bench_command == "replay":
         from splitserve.bench import replay as bench_replay
         return bench_replay.main(args)
@@ -121,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"splitserve {cmd}: {e}", file=sys.stderr)
         return 2
     if cmd == "serve" and cfg.ray.address:
+        if cfg.ray.address == "local":
+            # a Ray of this machine alone binds loopback, not the machine's address (Ray reads this
+            # when it is imported; Redis, the workers and the frontend follow the node's address)
+            import os
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         from splitserve.ray_serve import serve_ray
         setup_logging("serve")
         return serve_ray(cfg)
@@ -138,27 +162,45 @@ def main(argv: list[str] | None = None) -> int:
         return run_component(run_controller(cfg))
     if cmd == "frontend":
         setup_logging("frontend")
-        from frontend.main import serve_frontend
-        run_component(serve_frontend(cfg))
+        from frontend.main import event_loop_factory, serve_frontend
+        run_component(serve_frontend(cfg), event_loop_factory(cfg.event_loop))
         return 0
+    problem = device_problem(cfg.engine.device)
+    if problem:                      # before the engine loads: no traceback 15 s later
+        print(f"splitserve {cmd}: {problem}", file=sys.stderr)
+        return 2
     setup_logging(cfg.worker_id or cmd)
-    if cmd == "prefill-worker":
-        from prefill_worker.main import serve_prefill_worker
-        run_component(serve_prefill_worker(cfg))
-    else:
-        from decode_worker.main import serve_worker
-        run_component(serve_worker(cfg))
+    try:
+        if cmd == "prefill-worker":
+            from prefill_worker.main import serve_prefill_worker
+            run_component(serve_prefill_worker(cfg))
+        else:
+            from decode_worker.main import serve_worker
+            run_component(serve_worker(cfg))
+    except StartupError as e:        # e.g. an unusable --kv-disk-dir: one line, not a traceback
+        print(f"splitserve {cmd}: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
-def component_config(args: argparse.Namespace) -> (ServeConfig | FrontendConfig | WorkerConfig | PlannerComponentConfig
-                                                     | ControllerComponentConfig):
-    """The config of the command in `args`, its model resolved (tiny → the generated directory)."""
+def component_config(args: argparse.Namespace):
+    """The config of the command in `args` (a ServeConfig, FrontendConfig, WorkerConfig,
+    PlannerComponentConfig or ControllerComponentConfig), its model resolved (tiny → the generated
+    directory). ConfigError or InvalidRequest for bad input."""
+    import dataclasses
+
+    from runtime.cli_args import config_from_args
+    from runtime.config import (ControllerComponentConfig, EngineConfig, FrontendConfig, PlannerComponentConfig,
+                                ServeConfig, WorkerConfig)
+    from runtime.config_fields import ConfigError
     from splitserve.models import resolve_model
     cmd = args.command
     if cmd == "serve":        # serve resolves the model itself, to report a bad one its own way
         engine = config_from_args(EngineConfig, args, prefix="engine.")
-        return config_from_args(ServeConfig, args, given={"frontend.model": engine.model})
+        cfg = config_from_args(ServeConfig, args, given={"frontend.model": engine.model})
+        from splitserve.serve_plan import itl_guard_settings
+        check_itl_guard(dataclasses.replace(cfg.frontend, **itl_guard_settings(cfg)))
+        return cfg
     if cmd == "planner":
         cfg = config_from_args(PlannerComponentConfig, args)
         from planner.live import check_sla
@@ -170,6 +212,7 @@ def component_config(args: argparse.Namespace) -> (ServeConfig | FrontendConfig 
         cfg = config_from_args(ControllerComponentConfig, args)
     elif cmd == "frontend":
         cfg = config_from_args(FrontendConfig, args)
+        check_itl_guard(cfg)
         cfg = dataclasses.replace(cfg, model=resolve_model(cfg.model))
     else:
         cfg = config_from_args(WorkerConfig, args, given={"role": "prefill"} if cmd == "prefill-worker" else None)
@@ -179,3 +222,13 @@ def component_config(args: argparse.Namespace) -> (ServeConfig | FrontendConfig 
     if not cfg.redis.url:
         raise ConfigError("--redis-url (or SPLITSERVE_REDIS_URL, or redis.url in --config) is required")
     return cfg
+
+
+def check_itl_guard(cfg: FrontendConfig) -> None:
+    """A bad --itl-target-ms or --decode-profile is a start-up error, not a frontend that dies later."""
+    from frontend.disagg_policy import make_itl_guard
+    from runtime.config_fields import ConfigError
+    try:
+        make_itl_guard(cfg.itl_target_ms, cfg.decode_profile)
+    except ValueError as e:
+        raise ConfigError(f"--itl-target-ms / --decode-profile: {e}") from None

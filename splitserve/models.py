@@ -1,5 +1,7 @@
 """Resolves --model: a HF directory as given, or "tiny[-qwen2][:seed]" → the generated tiny model,
-written once into a cache directory ($SPLITSERVE_CACHE, default ~/.cache/splitserve)."""
+written once into a cache directory ($SPLITSERVE_CACHE, default ~/.cache/splitserve). A cached tiny
+model whose tokenizer_config.json is older than this code's (a chat template that changed since) gets
+the current one; its weights and tokenizer.json stay."""
 
 from __future__ import annotations
 
@@ -34,8 +36,23 @@ def resolve_model(spec: str) -> str:
             except OSError:  # another process won the race; theirs is identical
                 import shutil
                 shutil.rmtree(tmp, ignore_errors=True)
+        _refresh_tokenizer_config(out, arch)
         return str(out)
     path = Path(spec).expanduser()
     if not (path / "config.json").is_file():
         raise InvalidRequest(f"--model {spec}: not a HF model directory (no config.json) and not 'tiny'")
     return str(path.resolve())
+
+
+def _refresh_tokenizer_config(model_dir: Path, arch: str) -> None:
+    import json
+    from splitserve.tiny_model import tokenizer_config
+    path, want = model_dir / "tokenizer_config.json", tokenizer_config(arch)
+    try:
+        if json.loads(path.read_text()) == want:
+            return
+    except (OSError, ValueError):
+        pass
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(want, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.replace(path)

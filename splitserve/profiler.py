@@ -15,8 +15,10 @@ CPU or the mock, with the engine flags of a worker (`--model`, `--device`, `--mo
   extrapolating the context row linearly in the batch from the two largest batches that fit, and
   listed under `extrapolated` (a planner never plans a batch past the KV capacity anyway).
 
-The file also records the engine's KV capacity in tokens and its max_num_seqs and
-max_num_batched_tokens; --startup-s, if given, the start-to-ready to plan with (else readers use
+The file also records the engine's KV capacity in tokens, its max_num_seqs and
+max_num_batched_tokens, the weights' quantization ("none" | "fp8": a planner takes the profile of
+the weights its workers run) and the tensor-parallel size (`--tensor-parallel-size N`: a worker over N
+GPUs; a planner takes the profile of its pools' sizes and counts N GPUs per worker); --startup-s, if given, the start-to-ready to plan with (else readers use
 perf.profile.DEFAULT_STARTUP_S). Throughputs are derived by readers, never stored.
 """
 
@@ -36,6 +38,8 @@ from runtime.cli_args import add_config_args, config_from_args
 from runtime.config import EngineConfig
 from runtime.config_fields import ConfigError
 from runtime.errors import InvalidRequest
+from runtime.model_config import ModelConfig
+from runtime.quantization import quantization_name, resolve_quantization
 from perf.profile import PROFILE_FORMAT, load_profile, profile_json
 
 DEFAULTS = {"prefill_tokens": "128,512,2048,8192", "cached_fractions": "0,0.5,0.9",
@@ -119,6 +123,8 @@ def main(args: argparse.Namespace) -> int:
         "kv_capacity_tokens": kv_tokens,
         "max_num_seqs": cfg.max_num_seqs,
         "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "quantization": _quantization(cfg),
+        "tensor_parallel_size": cfg.tensor_parallel_size,     # the GPUs a worker measured here holds
         "prefill": {"tokens": args.prefill_tokens, "cached_fraction": args.cached_fractions,
                     "time_s": [[round(x, 6) for x in row] for row in prefill]},
         "decode": {"batch_size": args.decode_batches, "context_len": args.decode_contexts,
@@ -129,10 +135,16 @@ def main(args: argparse.Namespace) -> int:
     if args.startup_s is not None:
         spec["startup_s"] = args.startup_s
     Path(args.out).write_text(profile_json(spec))
+    engine.close()                    # a tensor-parallel engine's other ranks
     load_profile(args.out)            # what we wrote reads back
     print(json.dumps({"profile": args.out, "wall_s": spec["profile_wall_s"], "kv_capacity_tokens": kv_tokens,
                       "extrapolated": len(extrapolated)}))
     return 0
+
+
+def _quantization(cfg: EngineConfig) -> str:
+    """The workers' weights this profile describes ("none" | "fp8"): the planner picks profiles by it."""
+    return quantization_name(resolve_quantization(ModelConfig.from_dir(cfg.model).quantization, cfg.quantization))
 
 
 class Profiler:

@@ -2,7 +2,9 @@
 
 This process (the Ray driver) connects to the Ray cluster at ADDRESS (or starts a local one with
 `--ray` alone), runs the embedded Redis on its own node bound to that node's address (or uses
---redis-url), the pool controller and its admin API, and places:
+--redis-url), the pool controller and its admin API, and places the components below. A local Ray
+cluster (`--ray` alone) is this machine's only: Ray, Redis, the workers and the frontend's links
+bind loopback (splitserve/cli.py sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray loads).
 
 - the frontend as one actor pinned to this node (clients connect where they would without Ray);
 - each worker as one actor with --ray-worker-gpus GPUs and --ray-worker-cpus CPUs, anywhere Ray
@@ -37,6 +39,7 @@ from pools.restarts import CrashHistory, RestartPolicy
 from runtime.config import PlannerComponentConfig, RayConfig, ServeConfig, SlaConfig
 from runtime.process import bounded
 from runtime.redis_embedded import free_port
+from splitserve.placement import ray_worker_gpus
 from splitserve.serve import CLOSE_TIMEOUT_S, STOP_MARGIN_S, Launcher, connect_host, frontend_config, serve, worker_config
 
 log = logging.getLogger("splitserve.serve")
@@ -96,15 +99,12 @@ def planner_config(cfg: ServeConfig, admin_address: str, metrics_port: int) -> P
                                   metrics_host=cfg.frontend.host, metrics_port=metrics_port)
 
 
-def worker_gpus(cfg: ServeConfig) -> float:
-    """GPUs per worker actor: --ray-worker-gpus, else 1 where the engine will run on cuda."""
-    if cfg.ray.worker_gpus is not None:
-        return cfg.ray.worker_gpus
-    if cfg.engine.mock or cfg.engine.device == "cpu":
-        return 0.0
-    if cfg.engine.device == "cuda":
-        return 1.0
-    return 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+def worker_gpus(cfg: ServeConfig) -> dict[PoolName, float]:
+    """GPUs per worker actor of each pool: --ray-worker-gpus, else as many as the worker spans (its
+    pool's tensor-parallel size) where the engine will run on cuda."""
+    has_gpus = lambda: ray.cluster_resources().get("GPU", 0) > 0     # noqa: E731
+    return {pool: ray_worker_gpus(cfg, role, has_gpus)
+            for pool, role in ((PoolName.PREFILL, "prefill"), (PoolName.DECODE, "decode"))}
 
 
 class ActorProcess:
@@ -169,10 +169,10 @@ class RayLauncher(Launcher):
     def _launch_worker(self, pool: PoolName, name: str, actor_name: str):
         role = self.roles[pool]
         command = "prefill-worker" if role == "prefill" else "decode-worker"
-        wcfg = worker_config(self.cfg, self.actor_model, role, name.rsplit("-", 1)[1])
-        return start_component(actor_name, command, wcfg, self.actor_env, self.cfg.ray.worker_cpus, self.gpus)
+        wcfg = worker_config(self.cfg, self.actor_model, role, name.rsplit("-", 1)[1], self.ports_of(name))
+        return start_component(actor_name, command, wcfg, self.actor_env, self.cfg.ray.worker_cpus, self.gpus[pool])
 
-    def _start_frontend(self) -> None:
+    def _start_frontend(self, index: int = 0) -> None:
         fcfg = dataclasses.replace(frontend_config(self.cfg, self.model_dir), model=self.actor_model)
         env = dict(self.actor_env)
         if self.cfg.frontend.api_key:
@@ -182,8 +182,8 @@ class RayLauncher(Launcher):
         # pinned to this node: clients connect to --host:--http-port here, as without Ray
         actor = start_component(name, "frontend", fcfg, env, self.cfg.ray.frontend_cpus,
                                 resources={f"node:{self.node}": 0.001})
-        self.frontend = ActorProcess(actor)
-        self.frontend_started = time.monotonic()
+        self.fronts[index].proc = ActorProcess(actor)
+        self.fronts[index].started = time.monotonic()
 
     def _start_planner(self) -> None:
         """The SLA planner as an actor pinned to this node: the admin API may bind loopback only, and
@@ -237,8 +237,9 @@ class RayLauncher(Launcher):
             self.connector.restart_crashed = False
         if self.controller is not None:
             await bounded("closing the pool controller", self.controller.close(), CLOSE_TIMEOUT_S)
-        if self.frontend is not None and self.frontend.poll() is None:
-            self.frontend.send_signal(signal.SIGTERM)
+        for f in self.fronts:
+            if f.proc is not None and f.proc.poll() is None:
+                f.proc.send_signal(signal.SIGTERM)
         c = self.connector
         if c is not None:
             for h in c.list():
@@ -253,11 +254,11 @@ class RayLauncher(Launcher):
             if c.running() and not self.kill_now.is_set():
                 log.warning("%d worker actor(s) did not stop in time; killing them", c.running())
             c.kill_all()
-        if self.frontend is not None:
-            deadline = time.monotonic() + 10
-            while self.frontend.poll() is None and time.monotonic() < deadline and not self.kill_now.is_set():
+        deadline = time.monotonic() + 10
+        for f in (f.proc for f in self.fronts if f.proc is not None):
+            while f.poll() is None and time.monotonic() < deadline and not self.kill_now.is_set():
                 await asyncio.sleep(0.1)
-            self.frontend.kill()
+            f.kill()
         if self.admin is not None:
             await self.admin.stop(grace=0.5)
         if self.redis is not None:
@@ -271,4 +272,5 @@ class RayLauncher(Launcher):
         actors = "frontend, workers and the SLA planner" if self.planner is not None else "frontend and workers"
         return (super()._banner().rstrip("\n") +
                 f"\nOn {where}: {actors} are actors in Ray namespace {RAY_NAMESPACE!r} "
-                f"({self.gpus:g} GPU(s) per worker).\n")
+                f"({self.gpus[PoolName.PREFILL]:g} GPU(s) per prefill worker, {self.gpus[PoolName.DECODE]:g} "
+                f"per decode worker).\n")

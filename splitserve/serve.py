@@ -20,7 +20,8 @@ Each child gets its whole config as a file (`splitserve decode-worker --config D
 derived from the ServeConfig: the workers' from its engine, the frontend's from its frontend, all
 sharing its Redis and host. The files lie in a private directory (mode 0700) that is removed at
 exit; the API key is not in them but in the frontend's environment, and the admin token reaches no
-child at all.
+child at all. The cluster token that worker RPCs require (runtime/grpc_links.py: SPLITSERVE_CLUSTER_TOKEN,
+generated per run unless set) reaches every child by environment.
 """
 
 from __future__ import annotations
@@ -40,24 +41,33 @@ from pathlib import Path
 import httpx
 
 from pools.admin import start_admin_server
+from pools.connector import ConnectorError
 from pools.controller import PoolController
 from pools.local_connector import LocalProcessConnector, describe_exit
-from pools.book import PoolBook, PoolName, PoolSpec
+from pools.book import PoolBook, PoolName
 from pools.restarts import CrashHistory, RestartPolicy
 from runtime.admin_auth import new_token, write_token_file
 from runtime.config import FrontendConfig, ServeConfig, WorkerConfig
 from runtime.config_file import write_config
 from runtime.errors import InvalidRequest
+from runtime.grpc_links import ensure_cluster_token
 from runtime.metrics import PoolMetrics, start_metrics_server
+from runtime.model_config import ModelConfig
 from runtime.process import bounded, run_component, with_parent_death
+from runtime.quantization import quantization_name, resolve_quantization
 from runtime.redis_embedded import EmbeddedRedis
 from splitserve.models import resolve_model
+from splitserve.serve_plan import (FrontendSlot, WorkerPorts, connect_host, frontend_config, machine_problem,  # noqa: F401
+                                   pool_book, serving_mode, worker_config)
+from splitserve.placement import check_pools_tp, plan_placement, pool_tp
+from runtime.gpus import worker_env
 
 log = logging.getLogger("splitserve.serve")
 
 STOP_MARGIN_S = 15.0          # beyond the drain timeout, before stragglers are killed
 CLOSE_TIMEOUT_S = 5.0         # for each of serve's own clean-up steps; the workers' drain goes on regardless
-SECRETS_ENV = ("SPLITSERVE_ADMIN_TOKEN",)
+# never passed on as they are: the admin token reaches no child, the API key only the frontend
+SECRETS_ENV = ("SPLITSERVE_ADMIN_TOKEN", "SPLITSERVE_API_KEY")
 
 
 class Cluster:
@@ -118,50 +128,54 @@ def serve(cfg: ServeConfig, launcher: type[Launcher] | None = None, connect=None
     """Run the cluster `cfg` describes until stopped. `serve --ray` passes its launcher and how it
     connects to Ray (splitserve/ray_serve.py); `connect(cfg)` False: exit 2."""
     launcher = launcher or Launcher
+    problem = machine_problem(cfg)
+    if problem:
+        print(f"splitserve serve: {problem}", file=sys.stderr)
+        return 2
     try:
         model_dir = resolve_model(cfg.engine.model)
+        model_cfg = ModelConfig.from_dir(model_dir)           # an unsupported quantization is refused here
+        weights = quantization_name(resolve_quantization(model_cfg.quantization, cfg.engine.quantization))
+        check_pools_tp(cfg, model_cfg)
     except InvalidRequest as e:
         print(f"splitserve serve: {e.message}", file=sys.stderr)
         return 2
-    from kvstore.movers.transfer import nixl_available
-    if cfg.prefill_workers and not nixl_available():
-        print("splitserve serve: NIXL is not installed (pip install 'splitserve[nixl]'); serving aggregated",
-              file=sys.stderr)
-        cfg = dataclasses.replace(cfg, prefill_workers=0)
+    cfg, aggregated_why = serving_mode(cfg)
+    if aggregated_why:
+        print(f"splitserve serve: {aggregated_why}: serving aggregated, {cfg.decode_workers} worker(s) that "
+              "prefill their own prompts", file=sys.stderr)
+    try:
+        placement = None if connect is not None else plan_placement(cfg)    # Ray places its actors itself
+    except InvalidRequest as e:
+        print(f"splitserve serve: {e.message}", file=sys.stderr)
+        return 2
+    if placement is not None and cfg.planner.enabled and cfg.planner.gpu_budget is None:
+        cfg = dataclasses.replace(cfg, planner=dataclasses.replace(cfg.planner,
+                                                                   gpu_budget=placement.allocator.num_gpus))
     profile = None
     if cfg.planner.enabled:
         try:
             from planner.live import check_sla
-            profile = check_sla(cfg.planner)
+            profile = check_sla(cfg.planner, weights, (pool_tp(cfg, "prefill"), pool_tp(cfg, "decode")))
         except (InvalidRequest, ValueError, OSError) as e:
             print(f"splitserve serve: --planner: {getattr(e, 'message', e)}", file=sys.stderr)
             return 2
+    if cfg.frontends < 1:
+        print("splitserve serve: --frontends must be at least 1", file=sys.stderr)
+        return 2
     try:
-        book = pool_book(cfg)
+        book = pool_book(cfg, aggregated_why)
+        ports = WorkerPorts.parse(cfg.worker_ports, cfg.decode_workers + cfg.prefill_workers)
     except InvalidRequest as e:
         print(f"splitserve serve: {e.message}", file=sys.stderr)
         return 2
     if connect is not None and not connect(cfg):
         return 2
+    ensure_cluster_token()       # this process's (its controller asks the workers) and every child's
     runner = launcher(cfg, model_dir, book)
-    runner.planner_profile = profile
+    runner.aggregated_why, runner.worker_ports = aggregated_why, ports
+    runner.planner_profile, runner.placement = profile, placement
     return run_component(runner.run())
-
-
-def pool_book(cfg: ServeConfig) -> PoolBook:
-    """The pools' start sizes and limits; aggregated serving (--prefill-workers 0) fixes the prefill pool at 0."""
-    c = cfg.controller
-    decode = PoolSpec(cfg.decode_workers, c.min_decode_workers, c.max_decode_workers)
-    if cfg.prefill_workers:
-        prefill = PoolSpec(cfg.prefill_workers, c.min_prefill_workers, c.max_prefill_workers)
-    else:
-        prefill = PoolSpec(0, 0, 0, fixed="this cluster serves aggregated (started with --prefill-workers 0): "
-                                          "every worker prefills its own prompts")
-    for name, spec, n in (("decode", decode, cfg.decode_workers), ("prefill", prefill, cfg.prefill_workers)):
-        if not spec.min <= n <= spec.max:
-            raise InvalidRequest(f"--{name}-workers {n} lies outside the {name} pool's limits "
-                                 f"(--min-{name}-workers {spec.min}, --max-{name}-workers {spec.max})")
-    return PoolBook({PoolName.DECODE: decode, PoolName.PREFILL: prefill})
 
 
 class Launcher:
@@ -176,19 +190,24 @@ class Launcher:
         self.stop = asyncio.Event()
         self.kill_now = asyncio.Event()
         self.redis: EmbeddedRedis | None = None
-        self.frontend: subprocess.Popen | None = None
-        self.frontend_started = 0.0
-        self.frontend_history = CrashHistory(RestartPolicy(backoff_s=cfg.controller.restart_backoff_s,
-                                                           crash_loop_restarts=cfg.controller.crash_loop_restarts))
+        policy = RestartPolicy(backoff_s=cfg.controller.restart_backoff_s,
+                               crash_loop_restarts=cfg.controller.crash_loop_restarts)
+        # --frontends N: N processes on the same ports, each restarted on its own when it dies
+        self.fronts = [FrontendSlot(i, history=CrashHistory(policy)) for i in range(cfg.frontends)]
+        self.frontend_history = self.fronts[0].history
         self.connector: LocalProcessConnector | None = None
         self.controller: PoolController | None = None
         self.planner = None                           # with --planner: a planner.live.PlannerLoop (an actor on Ray)
         self.planner_profile = None
+        self.aggregated_why = ""                      # serving_mode's: why no prefill pool although asked
+        self.worker_ports = WorkerPorts()             # --worker-ports (serve() parses it)
+        self.placement = None                         # pools.gpus.Placement: each worker's GPUs (None: none placed)
         self.admin = None
         self.admin_token = ""                         # in memory only; a planner actor gets it by environment
         self.token_path: Path | None = None
         self.admin_address = ""
-        self.env: dict[str, str] = {}
+        self.env: dict[str, str] = {}                 # every child's environment: no secret in it
+        self.frontend_env: dict[str, str] = {}        # the frontend's: that and the API key
 
     # ---- the run ----------------------------------------------------------------------------
     async def run(self) -> int:
@@ -211,16 +230,24 @@ class Launcher:
     async def _run(self) -> int:
         cfg = self.cfg
         if not cfg.frontend.redis.url:
-            self.redis = EmbeddedRedis(own_group=True, host=self.redis_host())
+            try:
+                self.redis = EmbeddedRedis(port=cfg.redis_port or None, own_group=True, host=self.redis_host())
+            except RuntimeError as e:
+                print(f"splitserve serve: the embedded Redis did not start on {self.redis_host()}:"
+                      f"{cfg.redis_port or 'a free port'} ({str(e).strip().splitlines()[-1] if str(e).strip() else e}); "
+                      "choose another --redis-port (0 picks a free one)", file=sys.stderr)
+                return 2
             cfg = self.cfg = dataclasses.replace(cfg, frontend=dataclasses.replace(
                 cfg.frontend, redis=dataclasses.replace(cfg.frontend.redis, url=self.redis.url)))
         self.env = {k: v for k, v in os.environ.items() if k not in SECRETS_ENV}
         self.env["PYTHONUNBUFFERED"] = "1"
-        if cfg.frontend.api_key:
-            self.env["SPLITSERVE_API_KEY"] = cfg.frontend.api_key    # by environment, never argv or a file
+        self.frontend_env = dict(self.env)
+        if cfg.frontend.api_key:       # the frontend's alone: by environment, never argv or a file
+            self.frontend_env["SPLITSERVE_API_KEY"] = cfg.frontend.api_key
         if not await self._start_controller():
             return 2
-        self._start_frontend()
+        for slot in self.fronts:
+            self._start_frontend(slot.index)
         self.controller.start()
         if not await self._wait_ready():
             return 0 if self.stop.is_set() else 1     # stopped on request while starting: not a failure
@@ -244,7 +271,8 @@ class Launcher:
         self.connector.restart_crashed = False        # during start-up a crash fails serve
         self.controller = PoolController(self.book, self.connector, self.roles, cfg.frontend.redis.url,
                                          cfg.frontend.redis.namespace, self.metrics,
-                                         metrics_url=f"http://{mhost}:{mport}/metrics")
+                                         metrics_url=f"http://{mhost}:{mport}/metrics",
+                                         lease_ttl_s=cfg.frontend.redis.lease_ttl_s)
         try:
             self.admin, port = await start_admin_server(self.controller, c.admin_host, c.admin_port, token)
         except OSError as e:
@@ -265,19 +293,37 @@ class Launcher:
         return LocalProcessConnector(
             self._spawn_worker, self.roles, policy,
             on_restart=lambda pool: self.metrics.restarts.labels(pool).inc(),
-            on_crash_loop=lambda pool: self.metrics.crash_loops.labels(pool).inc())
+            on_crash_loop=lambda pool: self.metrics.crash_loops.labels(pool).inc(), placement=self.placement)
 
-    def _spawn_worker(self, pool: PoolName, name: str) -> subprocess.Popen:
+    def _spawn_worker(self, pool: PoolName, name: str, gpus=None) -> subprocess.Popen:
+        """Worker `name` of `pool`, on its GPUs (a pools.gpus.GpuLease) where the connector placed it."""
         role = self.roles[pool]
         command = "prefill-worker" if role == "prefill" else "decode-worker"
         index = name.rsplit("-", 1)[1]
-        return self.cluster.spawn_component(command, name, worker_config(self.cfg, self.model_dir, role, index),
-                                            self.env)
+        env = self.env if gpus is None else {**self.env, **worker_env(gpus.gpus)}
+        wcfg = worker_config(self.cfg, self.model_dir, role, index, self.ports_of(name),
+                             gpus.share if gpus is not None else 1.0)
+        return self.cluster.spawn_component(command, name, wcfg, env)
 
-    def _start_frontend(self) -> None:
-        self.frontend = self.cluster.spawn_component("frontend", "frontend", frontend_config(self.cfg, self.model_dir),
-                                                     self.env)
-        self.frontend_started = time.monotonic()
+    def ports_of(self, name: str) -> tuple[int, int]:
+        """Worker `name`'s gRPC and metrics ports (--worker-ports; 0: free ones). ConnectorError
+        when the range has no free pair."""
+        try:
+            return self.worker_ports.assign(name, {h.name for h in self.connector.list()})
+        except ValueError as e:
+            raise ConnectorError(str(e)) from None
+
+    @property
+    def frontend(self):
+        """The first frontend process (the only one without --frontends)."""
+        return self.fronts[0].proc
+
+    def _start_frontend(self, index: int = 0) -> None:
+        name = "frontend" if len(self.fronts) == 1 else f"frontend-{index}"
+        slot = self.fronts[index]
+        slot.proc = self.cluster.spawn_component("frontend", name, frontend_config(self.cfg, self.model_dir),
+                                                 self.frontend_env)
+        slot.started = time.monotonic()
 
     async def _wait_ready(self) -> bool:
         """Until the frontend's /health counts every worker (False: a child died, time ran out or a stop)."""
@@ -290,8 +336,9 @@ class Launcher:
                 if failed:
                     log.error("%s exited during start-up (%s)", failed[0].name, failed[0].detail)
                     return False
-                if self.frontend.poll() is not None:
-                    log.error("the frontend exited during start-up (%s)", describe_exit(self.frontend.returncode))
+                dead = next((f.proc for f in self.fronts if f.proc.poll() is not None), None)
+                if dead is not None:
+                    log.error("a frontend exited during start-up (%s)", describe_exit(dead.returncode))
                     return False
                 try:
                     r = await client.get(url)
@@ -318,13 +365,14 @@ class Launcher:
                          self.redis.port)
             except RuntimeError as e:
                 log.warning("restarting Redis failed (%s); trying again", e)
-        f = self.frontend
-        if f is not None and f.poll() is not None:
-            self.frontend = None
-            if not self._restart_later("frontend", f.returncode, self.frontend_started, self.frontend_history,
-                                       self._start_frontend, "the workers keep running"):
-                log.error("the frontend keeps crashing (%s); stopping", describe_exit(f.returncode))
-                return False
+        for slot in self.fronts:
+            f = slot.proc
+            if f is not None and f.poll() is not None:
+                slot.proc = None
+                if not self._restart_later("frontend", f.returncode, slot.started, slot.history,
+                                           lambda i=slot.index: self._start_frontend(i), "the workers keep running"):
+                    log.error("the frontend keeps crashing (%s); stopping", describe_exit(f.returncode))
+                    return False
         return True
 
     def _restart_later(self, component: str, returncode: int, started: float, history: CrashHistory,
@@ -365,8 +413,9 @@ class Launcher:
             await bounded("closing the planner", self.planner.close(), CLOSE_TIMEOUT_S)
         if self.controller is not None:
             await bounded("closing the pool controller", self.controller.close(), CLOSE_TIMEOUT_S)
-        if self.frontend is not None and self.frontend.poll() is None:
-            self.frontend.send_signal(signal.SIGTERM)
+        for f in self.fronts:
+            if f.proc is not None and f.proc.poll() is None:
+                f.proc.send_signal(signal.SIGTERM)
         if self.connector is not None:
             for h in self.connector.list():
                 try:
@@ -396,14 +445,18 @@ class Launcher:
         url = f"http://{cfg.frontend.host}:{cfg.frontend.http_port}"
         pools = (f"{cfg.prefill_workers} prefill + {cfg.decode_workers} decode worker(s)" if cfg.prefill_workers
                  else f"{cfg.decode_workers} aggregated worker(s)")
+        if self.aggregated_why:
+            pools += f" ({self.aggregated_why})"
         token = (f"token in {self.token_path}" if self.token_path
                  else "token: --admin-token / SPLITSERVE_ADMIN_TOKEN")
+        # the key itself is never printed: a placeholder the shell fills from the environment
+        auth = " -H \"Authorization: Bearer $SPLITSERVE_API_KEY\"" if cfg.frontend.api_key else ""
         return (f"\nSplitserve is ready: model {model_name!r}, {pools}\n"
                 f"  OpenAI HTTP  {url}/v1   (health {url}/health, metrics {url}/metrics)\n"
                 f"  gRPC         {cfg.frontend.host}:{cfg.frontend.grpc_port}   (splitserve.v1.Generation)\n"
                 f"  Admin        {self.admin_address}   (splitserve pools status --admin-url "
                 f"{self.admin_address}; {token})\n"
-                f"  try: curl {url}/v1/completions -H 'Content-Type: application/json' "
+                f"  try: curl {url}/v1/completions{auth} -H 'Content-Type: application/json' "
                 f"-d '{{\"model\": \"{model_name}\", \"prompt\": \"def hello\", \"max_tokens\": 16}}'\n"
                 f"Ctrl-C drains and stops everything.\n")
 
@@ -413,34 +466,6 @@ async def _wait(event: asyncio.Event, timeout_s: float) -> None:
         await asyncio.wait_for(event.wait(), timeout_s)
     except asyncio.TimeoutError:
         pass
-
-
-def connect_host(host: str) -> str:
-    """Where a process on this node reaches a server bound to `host` (a wildcard: loopback)."""
-    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-
-
-def worker_config(cfg: ServeConfig, model_dir: str, role: str, index: int | str) -> WorkerConfig:
-    """Worker ROLE-INDEX's: the cluster's engine, Redis, host and drain timeout; metrics on a free port.
-    With the planner, prefill workers order their queues by its TTFT target (unless it sizes for FIFO ones)."""
-    deadline_ordered = cfg.planner.enabled and cfg.planner.deadline_ordered
-    deadline = cfg.planner.ttft_ms if role == "prefill" and deadline_ordered else None
-    return WorkerConfig(engine=dataclasses.replace(cfg.engine, model=model_dir), redis=cfg.frontend.redis,
-                        role=role, host=cfg.frontend.host, metrics_port=0, worker_id=f"{role}-{index}",
-                        drain_timeout_s=cfg.frontend.drain_timeout_s, prefill_lease_s=cfg.prefill_lease_s,
-                        prefill_deadline_ms=deadline)
-
-
-def frontend_config(cfg: ServeConfig, model_dir: str) -> FrontendConfig:
-    """The frontend's: the workers' model, named for clients; no key (it comes by environment)."""
-    spec = cfg.engine.model
-    model_name = cfg.frontend.model_name or (spec.split(":")[0] if spec.startswith("tiny") else Path(model_dir).name)
-    max_model_len = cfg.engine.max_model_len
-    if max_model_len is None and cfg.engine.mock:
-        from perf.profile import DEFAULT_MAX_MODEL_LEN
-        max_model_len = DEFAULT_MAX_MODEL_LEN
-    return dataclasses.replace(cfg.frontend, model=model_dir, model_name=model_name, api_key=None,
-                               max_model_len=max_model_len)
 
 
 def wait_ready(cluster: Cluster, health_url: str, num_decode: int, num_prefill: int, timeout_s: float,

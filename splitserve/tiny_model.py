@@ -1,7 +1,7 @@
 """A tiny, seeded, random-weight Llama or Qwen2 checkpoint in Hugging Face format, made offline.
 
 Owns: writing `config.json`, `model.safetensors`, `tokenizer.json`, `tokenizer_config.json` (with a
-ChatML chat template) and `generation_config.json` for a ~4-5 M parameter model of a fixed shape
+ChatML chat template; qwen2's renders tools as Qwen2.5's does) and `generation_config.json` for a ~4-5 M parameter model of a fixed shape
 that the engine, the frontend and the tests rely on. Does not know: how the model is served, and
 transformers (a test-only dependency); tensors are written with torch + safetensors under the exact
 HF parameter names, so `AutoModelForCausalLM.from_pretrained(dir)` loads them with nothing missing.
@@ -79,6 +79,44 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# qwen2: ChatML as above without tools (byte for byte); with tools, Qwen2.5's own rendering: a system
+# turn (the first message's, if it is one) that lists the tools in <tools></tools> and asks for
+# <tool_call>{"name", "arguments"}</tool_call> blocks, assistant calls as such blocks, and tool results
+# as <tool_response> blocks in a user turn. Qwen2.5's default system prompt is left out: the tiny
+# model has no persona, and prompts without tools stay what they were.
+QWEN2_CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if tools and loop.first and message.role == 'system' %}"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
 # Sorted, stable, pure-Python modules present in both 3.11 and 3.12 (~0.9 MB of code and English).
 _CORPUS_FILES = (
     "argparse.py", "bisect.py", "calendar.py", "collections/__init__.py", "dataclasses.py",
@@ -111,14 +149,17 @@ _LOGIT_STD = 16.0
 _BIAS_STD = 0.25  # larger q biases make every query favour the same keys: more loops
 
 
-def write_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0) -> Path:
-    """Write the tiny model for `arch` ("llama" or "qwen2") into `out_dir` and return its path."""
+def write_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, weights: bool = True) -> Path:
+    """Write the tiny model for `arch` ("llama" or "qwen2") into `out_dir` and return its path.
+    `weights` False leaves model.safetensors out: the rest (what a frontend reads: config, tokenizer,
+    chat template) needs no torch, so the control-plane image writes it."""
     assert arch in ARCHS, f"unknown arch {arch!r}; expected one of {ARCHS}"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "config.json", model_config(arch))
-    from safetensors.torch import save_file   # torch only here: the CLI imports this module to parse
-    save_file(init_weights(arch, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    if weights:
+        from safetensors.torch import save_file   # torch only here: the CLI imports this module to parse
+        save_file(init_weights(arch, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     build_tokenizer(arch).save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", tokenizer_config(arch))
     _write_json(out / "generation_config.json", {
@@ -232,7 +273,7 @@ def tokenizer_config(arch: str) -> dict:
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": SHAPE.max_position_embeddings,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": QWEN2_CHAT_TEMPLATE if arch == "qwen2" else CHAT_TEMPLATE,
         "added_tokens_decoder": {
             str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False,
                      "normalized": False, "single_word": False}
@@ -253,10 +294,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="directory to write the model into")
     parser.add_argument("--arch", choices=ARCHS, default="llama")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-weights", dest="weights", action="store_false",
+                        help="leave model.safetensors out: config, tokenizer and chat template only, what a "
+                             "frontend reads (no torch needed: the control-plane image writes it)")
 
 
 def main(args: argparse.Namespace) -> int:
-    print(write_tiny_model(args.out, arch=args.arch, seed=args.seed))
+    print(write_tiny_model(args.out, arch=args.arch, seed=args.seed, weights=args.weights))
     return 0
 
 

@@ -13,6 +13,13 @@ prefill_s (P), transfer_s (push start → D saw the notification), GB/s, the sha
 moving KV = transfer / (prefill + transfer + D's first decode step), and whether D's tokens equal
 P decoding the same prompt itself (the bytes moved are the right ones). A device-to-device copy
 of the same bytes is the ceiling. JSON lines on stdout.
+
+Two GPUs (`--prefill-gpu 0 --decode-gpu 1`): P runs on one, D on the other, each process seeing only
+its own GPU as `serve` places workers (CUDA_VISIBLE_DEVICES; `--visibility all`: both see both, P
+and D pick theirs), and the ceiling is a torch peer copy GPU to GPU (NVLink where the GPUs have it)
+of the same bytes, measured in this run by a process that sees both. Run with UCX_PROTO_INFO=y to
+have UCX print the protocol and transport it picks (cuda_ipc: a copy GPU to GPU; cuda_copy with
+host memory: staged through the host).
 """
 
 from __future__ import annotations
@@ -20,7 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +38,45 @@ from pathlib import Path
 import torch
 
 from common import git_sha  # noqa: E402  (sets sys.path)
+
+
+PEER_COPY = """
+import sys, time, torch
+n, reps = int(sys.argv[1]), 10
+src = torch.empty(n, dtype=torch.uint8, device="cuda:0"); dst = torch.empty(n, dtype=torch.uint8, device="cuda:1")
+dst.copy_(src); torch.cuda.synchronize(0); torch.cuda.synchronize(1)
+t = time.perf_counter()
+for _ in range(reps):
+    dst.copy_(src)
+torch.cuda.synchronize(0); torch.cuda.synchronize(1)
+print(n * reps / (time.perf_counter() - t) / 1e9)
+"""
+
+
+def peer_copy_gbps(src_gpu: int, dst_gpu: int, nbytes: int) -> float | None:
+    """GB/s of a torch copy of `nbytes` from GPU `src_gpu` to GPU `dst_gpu` (a process seeing both)."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": f"{src_gpu},{dst_gpu}", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    r = subprocess.run([sys.executable, "-c", PEER_COPY, str(nbytes)], env=env, capture_output=True, text=True,
+                       timeout=120)
+    return round(float(r.stdout.split()[-1]), 1) if r.returncode == 0 and r.stdout.strip() else None
+
+
+def pin_gpu(gpu: int | None, visibility: str) -> None:
+    """Put this process (and what it spawns next) on GPU `gpu`: alone (own) or among all (all)."""
+    if gpu is None:
+        return
+    if visibility == "own":
+        os.environ.update(CUDA_VISIBLE_DEVICES=str(gpu), CUDA_DEVICE_ORDER="PCI_BUS_ID")
+    else:
+        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        os.environ["SPLITSERVE_BENCH_GPU"] = str(gpu)
+
+
+def use_pinned_gpu() -> None:
+    """With --visibility all: make the GPU chosen by pin_gpu current before the engine allocates."""
+    gpu = os.environ.get("SPLITSERVE_BENCH_GPU")
+    if gpu is not None and torch.cuda.is_available():
+        torch.cuda.set_device(int(gpu))
 
 
 def make_engine(model_dir: str, num_blocks: int, budget: int, device: str = "cuda", load_format: str = "dummy"):
@@ -65,6 +114,7 @@ def decode_side(conn, model_dir: str, num_blocks: int, budget: int, decode_token
     """D: reserve blocks, receive the push, continue decoding."""
     from runtime.types import EngineRequest, SamplingParams
     from kvstore.movers.transfer import KvTransferAgent
+    use_pinned_gpu()
     engine = make_engine(model_dir, num_blocks, budget, device, load_format)
     agent = KvTransferAgent("decode", engine.runner.kv_cache)
     conn.send(agent.metadata())
@@ -109,6 +159,10 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="a real HF directory instead of --arch (e.g. for a CPU smoke run)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--prefill-gpu", type=int, default=None, help="P's GPU (default: the one GPU P and D share)")
+    ap.add_argument("--decode-gpu", type=int, default=None, help="D's GPU")
+    ap.add_argument("--visibility", default="own", choices=["own", "all"],
+                    help="own: each process sees only its GPU (as serve places workers); all: both see both")
     args = ap.parse_args()
     dev = args.device
     from engine.loader import write_arch_dir
@@ -124,9 +178,13 @@ def main() -> int:
     num_blocks = max(lengths) // 16 + 64
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
+    two_gpus = args.decode_gpu is not None and args.prefill_gpu is not None and args.decode_gpu != args.prefill_gpu
+    pin_gpu(args.decode_gpu, args.visibility)             # the child inherits this environment ...
     dproc = ctx.Process(target=decode_side, args=(child, model_dir, num_blocks, args.budget, args.decode_tokens,
                                                          dev, load_format))
     dproc.start()
+    pin_gpu(args.prefill_gpu, args.visibility)            # ... and this process uses its own GPU
+    use_pinned_gpu()
     engine = make_engine(model_dir, num_blocks, args.budget, dev, load_format)
     agent = KvTransferAgent("prefill", engine.runner.kv_cache)
     peer = agent.add_peer(parent.recv())
@@ -179,6 +237,7 @@ def main() -> int:
             dst.copy_(src)
         sync(dev)
         memcpy_gbps = nbytes * 5 / (time.perf_counter() - t) / 1e9
+        peer_gbps = peer_copy_gbps(args.prefill_gpu, args.decode_gpu, nbytes) if two_gpus else None
         prefill = statistics.median(r[0] for r in rows)
         transfer = statistics.median(r[1] for r in rows)
         first_step = statistics.median(r[2] for r in rows)
@@ -186,12 +245,17 @@ def main() -> int:
             "bench": "disagg_handoff", "git_sha": sha, "device": device, "model": args.model or args.arch + " (random bf16)",
             "prompt_tokens": length, "kv_bytes": nbytes, "prefill_s": round(prefill, 5),
             "prefill_tok_s": round(length / prefill), "transfer_s": round(transfer, 6),
-            "transfer_gbps": round(nbytes / transfer / 1e9, 1), "memcpy_gbps": round(memcpy_gbps, 1),
+            "transfer_gbps": round(nbytes / transfer / 1e9, 3), "memcpy_gbps": round(memcpy_gbps, 1),
+            "prefill_gpu": args.prefill_gpu, "decode_gpu": args.decode_gpu, "visibility": args.visibility,
+            "peer_copy_gbps": peer_gbps,
+            "transfer_vs_peer_copy": round(nbytes / transfer / 1e9 / peer_gbps, 3) if peer_gbps else None,
             "decode_first_step_s": round(first_step, 5),
             "ttft_s": round(prefill + transfer + first_step, 5),
             "kv_share_of_ttft": round(transfer / (prefill + transfer + first_step), 4),
             "kv_bytes_match": all(r[5] for r in rows), "tokens_match": all(r[4] for r in rows), "reps": args.reps, "prefill_chunk": args.budget,
-            "transport": "NIXL UCX WRITE, two processes" + (", one GPU (VRAM->VRAM)" if dev == "cuda" else " (DRAM)")}), flush=True)
+            "transport": "NIXL UCX WRITE, two processes" + (
+                (", GPU to GPU (VRAM->VRAM)" if two_gpus else ", one GPU (VRAM->VRAM)") if dev == "cuda"
+                else " (DRAM)")}), flush=True)
     parent.send(None)
     dproc.join(timeout=60)
     agent.close()

@@ -12,11 +12,16 @@ kernel, eager and inside a CUDA graph), and HF transformers `generate` on the sa
 the baseline. --no-fused-rope-kv runs the model without the fused kernel (field fused_rope_kv);
 --no-fused-kernels and --no-input-major-weights turn off the other two (EngineConfig fields all).
 `--kv-cache-dtypes auto,fp8` repeats every section with each KV cache dtype, `--decode-kernels
-flashinfer,xqa` with each decode attention kernel. Not in the default --only: section
+flashinfer,xqa` with each decode attention kernel, `--quantizations auto,fp8` with bf16 weights and
+with the same random weights quantized to FP8 at load (EngineConfig.quantization; section `fp8_gemm`:
+the FP8 kernels' measured choice per shape and row count beside the bf16 GEMM's time). Not in the default --only: section
 `offline`, the 1k/1k serving workload inside the engine, no HTTP — a closed loop of 128 requests
 (InferenceMAX lengths: input and output uniform in [0.8 × 1024, 1024]), output tok/s, with the GPU's
 time per step (and `--offline-profile N`: kernel families of N profiled steps); section
 `decode_profile`, the same kernel families for steady decode batches, to compare.
+`--tensor-parallel-size N` runs the model split over N GPUs (rank 0 here, the others in their own
+processes; `--tp-all-reduce flashinfer` for FlashInfer's all-reduce): sizes and rooflines are then
+per GPU (rank 0's share), batch 1 runs graphs + async scheduling only.
 """
 
 from __future__ import annotations
@@ -30,9 +35,11 @@ import time
 import torch
 
 from common import Emitter, cuda_time_ms, graph_us, measure_ceilings  # noqa: E402  (sets sys.path)
+from fp8_gemms import fp8_gemm_table  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.loader import write_arch_dir  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
+from engine.parallel.runner import TpRunner  # noqa: E402
 from runtime.types import EngineRequest, SamplingParams  # noqa: E402
 from runtime.cli_args import add_config_args, flag_values  # noqa: E402
 from runtime.config import EngineConfig  # noqa: E402
@@ -40,7 +47,8 @@ from runtime.config import EngineConfig  # noqa: E402
 _uid = iter(range(1 << 30))
 # EngineConfig fields this bench takes as flags (as the workers do): --decode-tensor-cores auto|on|off,
 # --no-fused-kernels, --no-fused-rope-kv, --no-input-major-weights
-ENGINE_KNOBS = ("decode_tensor_cores", "fused_kernels", "fused_rope_kv", "input_major_weights")
+ENGINE_KNOBS = ("decode_tensor_cores", "fused_kernels", "fused_rope_kv", "input_major_weights",
+                "tensor_parallel_size", "tp_all_reduce")
 
 
 def _req(prompt_len: int, max_tokens: int, gen: torch.Generator, vocab: int) -> EngineRequest:
@@ -60,12 +68,15 @@ def _steps(engine: Engine, n: int) -> tuple[float, list[float]]:
 
 
 def model_sizes(runner: ModelRunner) -> dict:
+    """Parameter counts, and the bytes a decode step reads: every weight as stored (bf16, or e4m3 and
+    its scales), the embedding table only when it is also the lm_head (a lookup reads one row)."""
     m, mc = runner.model, runner.model_config
     unique = {id(p): p for p in m.parameters()}
     total = sum(p.numel() for p in unique.values())
-    embed = m.embed_tokens.weight.numel()
-    layer = sum(p.numel() for p in m.layers.parameters())
-    decode_bytes = 2 * (total - (0 if mc.tie_word_embeddings else embed))   # lookup reads one row
+    embed = m.embed_tokens.weight
+    layer = sum(p.numel() for p in m.layers.parameters() if p.dtype != torch.float32 or p.dim() > 1)
+    stored = sum(p.numel() * p.element_size() for p in unique.values())
+    decode_bytes = stored - (0 if mc.tie_word_embeddings else embed.numel() * embed.element_size())
     return {"params": total, "layer_params": layer, "decode_weight_bytes": decode_bytes,
             "kv_bytes_per_token": runner.block_bytes // runner.cfg.block_size}
 
@@ -76,6 +87,9 @@ def bench_decode_b1(emit, runner, sizes, ceil, common, steps=128, prompt_len=128
     can_reuse = getattr(runner.backend, "reuse_decode_plans", False)
     modes = [(True, can_reuse, True), (True, can_reuse, False), (True, False, True), (False, False, True)] \
         if runner.graphs else [(False, False, True)]
+    split = runner.cfg.tensor_parallel_size > 1
+    if split:                       # the other ranks run as they were built: graphs, reused plans
+        modes = modes[:1]
     modes = list(dict.fromkeys(modes))
     for graphs, reuse, overlap in modes:
         runner.use_cuda_graphs = graphs
@@ -94,7 +108,7 @@ def bench_decode_b1(emit, runner, sizes, ceil, common, steps=128, prompt_len=128
                    step_ms=round(wall / steps * 1e3, 3), host_prepare_ms=round(statistics.mean(prep) * 1e3, 3),
                    bytes_per_step=int(read), roofline_tok_s=round(roof, 1),
                    frac_of_roofline=round(steps / wall / roof, 3))
-        if graphs and reuse == can_reuse and overlap:
+        if graphs and reuse == can_reuse and overlap and not split:   # a lone rank's replay would wait for the others
             gpu_ms = cuda_time_ms(lambda: runner.graphs.graphs[1].replay(), iters=50)
             rec.update(graph_replay_ms=round(gpu_ms, 3), gpu_only_tok_s=round(1e3 / gpu_ms, 1),
                        gpu_frac_of_roofline=round(1e3 / gpu_ms / roof, 3))
@@ -105,11 +119,12 @@ def bench_decode_b1(emit, runner, sizes, ceil, common, steps=128, prompt_len=128
         runner.backend.reuse_decode_plans = can_reuse
 
 
-def bench_decode_batches(emit, runner, common, batches=(8, 16, 32, 64, 128), ctx=1000, steps=24) -> None:
+def bench_decode_batches(emit, runner, common, batches=(8, 16, 32, 64, 128), ctx=1000, steps=24,
+                         modes=(True, False)) -> None:
     g = torch.Generator().manual_seed(2)
     vocab = runner.model_config.vocab_size
     # each batch sync and async at ~1k context; batch 128 also at 1,536, the mean context of 1k/1k serving
-    for b, overlap, c in [(b, o, ctx) for b in batches for o in (True, False)] + [(128, True, 1536)]:
+    for b, overlap, c in [(b, o, ctx) for b in batches for o in modes] + [(128, True, 1536)]:
         eng = Engine(dataclasses.replace(runner.cfg, async_scheduling=overlap), runner)
         reqs = _steady_batch(eng, b, c, steps, g, vocab)
         before = sum(r.num_output_tokens for r in reqs)
@@ -505,6 +520,10 @@ def bench_hf(emit, model_dir, common, decode_tokens=32, prompt_len=128, prefill_
     torch.cuda.empty_cache()
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="llama-3.1-8b,llama-3.2-1b")
@@ -514,6 +533,10 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int, default=16000)   # 32 GB for the 8B: batch 128 at 1.5k context
     ap.add_argument("--kv-cache-dtypes", default="auto", help="comma list of auto|fp8: each runs every section")
     ap.add_argument("--decode-kernels", default="auto", help="comma list of auto|flashinfer|xqa: each runs every section")
+    ap.add_argument("--quantizations", default="auto", help="comma list of auto|fp8 (the weights: bf16, or FP8 "
+                    "quantized at load): each runs every section")
+    ap.add_argument("--batches", default="8,16,32,64,128", help="section batches: the decode batch sizes")
+    ap.add_argument("--async-only", action="store_true", help="section batches: async scheduling only")
     ap.add_argument("--offline-budget", type=int, default=2048, help="offline: max_num_batched_tokens per step")
     ap.add_argument("--offline-profile", type=int, default=0,
                     help="offline: then rerun with the torch profiler over this many steps (kernel families, GPU idle)")
@@ -526,28 +549,35 @@ def main() -> None:
     ceil = measure_ceilings()
     emit(metric="ceilings", **ceil)
     only = set(args.only.split(","))
-    cases = [(a, k, d) for a in args.models.split(",") for k in args.kv_cache_dtypes.split(",")
-             for d in args.decode_kernels.split(",")]
-    for arch, kv_dtype, decode_kernel in cases:
+    cases = [(a, k, d, q) for a in args.models.split(",") for k in args.kv_cache_dtypes.split(",")
+             for d in args.decode_kernels.split(",") for q in args.quantizations.split(",")]
+    for arch, kv_dtype, decode_kernel, quant in cases:
         model_dir = write_arch_dir(arch, f"/tmp/splitserve-models/{arch}")
         cfg = EngineConfig(model=str(model_dir), load_format="dummy", num_blocks=args.num_blocks,
                            max_model_len=8192, max_num_seqs=256, max_num_batched_tokens=8192,
-                           enable_prefix_caching=False, kv_cache_dtype=kv_dtype, decode_kernel=decode_kernel, **knobs)
+                           enable_prefix_caching=False, kv_cache_dtype=kv_dtype, decode_kernel=decode_kernel,
+                           quantization=quant, **knobs)
         t0 = time.perf_counter()
-        runner = ModelRunner(cfg)
+        runner = TpRunner(cfg) if cfg.tensor_parallel_size > 1 else ModelRunner(cfg)
         sizes = model_sizes(runner)
-        common = {"model": arch, "weights": "dummy-bf16", "attention": runner.backend.name,
+        common = {"model": arch, "weights": "dummy-fp8-online" if runner.quantization else "dummy-bf16",
+                  "quantization": quant, "attention": runner.backend.name,
                   "decode_tensor_cores": getattr(runner.backend, "decode_tensor_cores", None),
                   "decode_kernel": getattr(runner.backend, "decode_kernel", None),
                   "fused_rope_kv": runner.model.layers[0].self_attn.rope_kv is not None,
                   "fused_kernels": cfg.fused_kernels, "input_major_weights": cfg.input_major_weights,
                   "kv_cache_dtype": str(runner.kv_cache.dtype).removeprefix("torch."),
-                  "block_size": cfg.block_size, "num_blocks": cfg.num_blocks}
+                  "block_size": cfg.block_size, "num_blocks": cfg.num_blocks,
+                  "tensor_parallel_size": cfg.tensor_parallel_size, "tp_all_reduce": cfg.tp_all_reduce,
+                  "custom_all_reduce": getattr(runner, "tp", None) is not None and runner.tp.custom_all_reduce is not None}
         emit(**common, metric="model", load_and_capture_s=round(time.perf_counter() - t0, 2),
+             startup_s=runner.startup_s,
              graph_capture_s=round(runner.graphs.capture_s, 2) if runner.graphs else None,
              graph_sizes=runner.graphs.sizes if runner.graphs else None, **sizes)
         steps = [("b1", lambda: bench_decode_b1(emit, runner, sizes, ceil, common)),
-                 ("batches", lambda: bench_decode_batches(emit, runner, common)),
+                 ("batches", lambda: bench_decode_batches(emit, runner, common, _ints(args.batches),
+                                                          modes=(True,) if args.async_only else (True, False))),
+                 ("fp8_gemm", lambda: fp8_gemm_table(emit, runner, common)),
                  ("prefill", lambda: bench_prefill(emit, runner, sizes, ceil, common)),
                  ("kv", lambda: bench_kv_write(emit, runner, common)),
                  ("profile", lambda: bench_profile(emit, runner, common)),
@@ -562,10 +592,12 @@ def main() -> None:
                     fn()
                 except Exception as e:  # one failed section must not lose the others
                     emit(**common, metric=name, error=repr(e)[:500])
+        if hasattr(runner, "close"):
+            runner.close()              # the other ranks
         del runner
         gc.collect()
         torch.cuda.empty_cache()
-        if "hf" in only and not args.skip_hf and (kv_dtype, decode_kernel) == cases[0][1:]:
+        if "hf" in only and not args.skip_hf and (kv_dtype, decode_kernel, quant) == cases[0][1:]:
             try:
                 bench_hf(emit, str(model_dir), {"model": arch, "weights": "dummy-bf16", "impl": "hf-transformers"})
             except Exception as e:

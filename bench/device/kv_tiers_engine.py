@@ -162,7 +162,7 @@ def bench_ttft(emit, cfg: EngineConfig, lengths: list[int], common: dict, disk_d
 
 def _offloaded(eng: Engine) -> int:
     from kvstore.pools.tier_policy import TierPath
-    return eng.tiers.stats().path_bytes[TierPath.G1_TO_G2] if eng.scheduler.tiers is not None else 0
+    return eng.tiers.stats().path_bytes[TierPath.G1_TO_G2] if eng.scheduler.onboarding is not None else 0
 
 
 def _steady(eng: Engine, batch: int, ctx: int, steps: int, vocab: int, seed: int) -> tuple[list[float], int]:
@@ -193,15 +193,15 @@ def bench_itl(emit, cfg: EngineConfig, common: dict, batch: int, ctx: int, steps
     vocab = eng.runner.model_config.vocab_size
     io = eng.tier_io
     _steady(eng, batch, ctx, 16, vocab, 1)                       # warm-up
-    eng.tier_io, eng.scheduler.tiers = None, None                # tiers off: the same engine, no tier work
+    eng.tier_io, eng.scheduler.onboarding = None, None          # tiers off: the same engine, no tier work
     off, _ = _steady(eng, batch, ctx, steps, vocab, 2)           # ... leaving its blocks cached, not in G2
-    eng.tier_io, eng.scheduler.tiers = io, io.tiers
+    eng.tier_io, eng.scheduler.onboarding = io, io.onboarding
     on, on_bytes = _steady(eng, batch, ctx, steps, vocab, 3)     # allocations evict those: copied ahead
     eng.pool.reset_cache()                                       # nothing cached at risk: room in G1
     eng.pool.take_events()
     room, room_bytes = _steady(eng, batch, ctx, steps, vocab, 4)
     emit(**common, metric="itl", batch=batch, context=ctx, steps=steps, policy="ahead_of_eviction",
-         offload_window_blocks=eng.scheduler.offload_window, block_bytes=eng.tiers.fmt.block_bytes,
+         offload_window_blocks=eng.tier_io.onboarding.offload_window, block_bytes=eng.tiers.fmt.block_bytes,
          off_p50_ms=round(q(off, 0.5) * 1e3, 3), off_p90_ms=round(q(off, 0.9) * 1e3, 3),
          on_p50_ms=round(q(on, 0.5) * 1e3, 3), on_p90_ms=round(q(on, 0.9) * 1e3, 3),
          p50_ratio=round(q(on, 0.5) / q(off, 0.5), 4), offloaded_bytes=on_bytes,
@@ -214,7 +214,7 @@ def bench_itl(emit, cfg: EngineConfig, common: dict, batch: int, ctx: int, steps
 
 def bench_replay(emit, cfg: EngineConfig, common: dict, trace: str | None, limit: int, max_input: int,
                  concurrency: int, max_output: int) -> None:
-    from splitserve.bench.serve import load_trace, trace_prompt
+    from splitserve.bench.workloads import load_trace, trace_prompt
     for tiers_on in (False, True):
         c = cfg if tiers_on else dataclasses.replace(cfg, kv_host_gib=0.0, kv_disk_gib=0.0, kv_disk_dir=None)
         eng = Engine(c)

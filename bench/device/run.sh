@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command on the GPU machine, from the repository root there:
-#   bench/device/run.sh [jit] [pytest] [bench] [bench_cc] [kernels] [correctness] [serve] [gemv] [compare] [startup] [profile] [tiers] [tiers_engine] [sampling] ...
+#   bench/device/run.sh [jit] [pytest] [pytest_fp8] [bench] [bench_cc] [kernels] [correctness] [fp8acc] [serve] [goodput] [gemv] [compare] [startup] [profile] [tiers] [tiers_engine] [sampling] ...
 # (jit: FlashInfer's JIT modules built in the background, all at once, for the stages after it;
 #  bench: the engine's defaults; bench_cc: the same with the CUDA-core decode kernel, to compare)
 # Installs the wheels from $WHL_DIRS (default: .whl .whl_web, carried beside the tree) into .site once,
@@ -34,6 +34,11 @@ for stage in "$@"; do
   case "$stage" in
     jit) timeout "$(left 0 "${T_JIT:-420}")" python3 bench/device/jit_warm.py ${JIT_ARGS:-} > "$OUT/jit_warm.log" 2>&1 &   # builds while the next stage loads or trains
          ;;
+    pytest_fp8) timeout "$(left 0 "${T_PYTEST:-300}")" python3 -m pytest tests/gpu/test_fp8.py -q -p no:cacheprovider \
+              -o asyncio_mode=strict --tb=short ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu_fp8.log" | tail -30 ;;
+    fp8acc) # FP8 against bf16 weights: the trained subject's held-out loss and top-1 agreement, the 8B's logits
+            timeout "$(left 0 "${T_FP8ACC:-330}")" python3 bench/device/fp8_accuracy.py --out "$OUT/fp8_accuracy.jsonl" \
+              ${FP8ACC_ARGS:-} 2>&1 | tee "$OUT/fp8_accuracy.log" | grep -v Warning | tail -30 ;;
     pytest) timeout "$(left 0 "${T_PYTEST:-420}")" python3 -m pytest tests/gpu -q -p no:cacheprovider -o asyncio_mode=strict \
               --tb=short ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -30 ;;
     bench) timeout "$(left 0 "${T_BENCH:-330}")" python3 bench/device/engine_bench.py --out "$OUT/engine_bench.jsonl" ${BENCH_ARGS:-} \
@@ -45,6 +50,10 @@ for stage in "$@"; do
                    ${CORR_ARGS:-} 2>&1 | tee "$OUT/correctness.log" | grep -v Warning | tail -40 ;;
     serve) timeout "$(left 0 "${T_SERVE:-560}")" python3 bench/device/serve_e2e.py --out "$OUT" \
              ${SERVE_ARGS:---arch llama-3.1-8b --scenario 1k1k --concurrency 4,16,64,128} 2>&1 | tail -40 | tee "$OUT/serve.log" ;;
+    goodput) # bench goodput per configuration (aggN, every xPyD), workload and target pair (docs/benchmarking.md)
+             timeout "$(left 0 "${T_GOODPUT:-560}")" python3 bench/device/goodput_study.py --out "$OUT" \
+               --budget-s "$(left 20 "${T_GOODPUT:-540}")" ${GOODPUT_ARGS:---gpus 2 --configs all --workloads 8k256 --targets tight} \
+               2>&1 | tee "$OUT/goodput_study.log" | grep -v '"goodput_probe"' | tail -40 ;;
     kernels) timeout "$(left 0 "${T_KERNELS:-300}")" python3 bench/device/decode_kernels.py --out "$OUT/decode_kernels.jsonl" \
                ${KERNELS_ARGS:-} 2>&1 | tee "$OUT/decode_kernels.log" | grep -v Warning ;;
     compare) # HEAD against the baseline tree carried in .base (git archive of the commit before a change),

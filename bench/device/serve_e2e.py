@@ -47,6 +47,7 @@ def bench_serve_args(args: argparse.Namespace) -> list[str]:
     """The `splitserve bench serve` flags, checked by bench serve itself before the cluster starts
     (minutes of GPU time), so that a bad flag fails at once."""
     from splitserve.bench import serve as bench_serve
+    from splitserve.bench.workloads import BenchInputError
 
     ratio, out = args.random_range_ratio, Path(args.out)
     tag = f"{args.arch}_{args.scenario}" + ("" if ratio is None else f"_r{ratio:g}") + \
@@ -62,13 +63,14 @@ def bench_serve_args(args: argparse.Namespace) -> list[str]:
     bench_serve.add_arguments(parser)
     try:
         bench_serve.make_plan(parser.parse_args(flags))
-    except bench_serve.BenchInputError as e:
+    except BenchInputError as e:
         raise SystemExit(f"bench serve: {e}") from None
     return flags
 
 
 MODES = ("agg", "disagg")
-COUNTED = ("splitserve_prefill_remote_total", "splitserve_prefill_local_total", "splitserve_prefill_fallback_total",
+COUNTED = ("splitserve_prefill_remote_total", "splitserve_prefill_local_total", "splitserve_prefill_held_for_itl_total",
+           "splitserve_prefill_fallback_total",
            "splitserve_prefill_timeouts_total", "splitserve_prefill_refused_total", "splitserve_kv_handoffs_total",
            "splitserve_request_migrations_total", "splitserve_request_errors_total")
 

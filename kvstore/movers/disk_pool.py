@@ -13,6 +13,12 @@ with the reason: the directory exists, is a directory and is writable; no other 
 its index (if any) was written for this BlockFormat; the filesystem has room for the capacity
 (free space plus our existing slabs). Slab files without an index are refused (not ours).
 
+A damaged index (disk_index.py: SQLite cannot read it, its pages or its format rows fail their
+checks) never keeps a worker down: it and its slabs are set aside, renamed into
+``damaged-<unix time>/`` in the directory (the one such set kept: an older one is removed), logged
+once, counted (reason ``index_damaged``), and the tier starts empty. Damaged slabs under an intact
+index are misses block by block, as below.
+
 Writing a batch (``write``), in this order, so that a crash at any point leaves no indexed block
 whose bytes are not the ones its checksum was taken from:
   1. remove the rows of slots about to be overwritten (one transaction, committed);
@@ -44,6 +50,7 @@ import errno
 import fcntl
 import logging
 import os
+import shutil
 import sqlite3
 import time
 from collections import Counter
@@ -56,7 +63,7 @@ from pathlib import Path
 import xxhash
 
 from kvstore.block_format import BlockFormat
-from kvstore.movers.disk_index import DiskIndex, DiskTierError, IndexRow
+from kvstore.movers.disk_index import DiskIndex, DiskIndexDamaged, DiskTierError, IndexRow
 from kvstore.events import Tier
 from kvstore.movers.file_io import FileIo, FileIoError, make_file_io
 from kvstore.movers.host_pool import PAGE_BYTES, HostPool
@@ -77,6 +84,7 @@ class DiskError(Enum):
     WRITE_ERROR = "write_error"
     DISK_FULL = "disk_full"
     MISSING = "missing"          # the index no longer has it (dropped meanwhile)
+    INDEX_DAMAGED = "index_damaged"   # the index could not be read at start-up: set aside with its slabs
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +141,12 @@ class DiskPool:
             raise DiskTierError(f"{self.dir} has slab files but no index.sqlite: not a directory this "
                                 "worker wrote; use another --kv-disk-dir or empty this one")
         slab_slots = max(1, self.cfg.slab_bytes // self.block_bytes)
-        self.index = DiskIndex(index_path, fmt, slab_slots)
+        try:
+            self.index = DiskIndex(index_path, fmt, slab_slots)
+            self.index.rows()                     # every row readable, before any slab is trusted
+        except DiskIndexDamaged as e:
+            self._set_aside(e)
+            self.index = DiskIndex(index_path, fmt, slab_slots)
         self.slab_slots = self.index.slab_slots
         self.num_slabs = -(-self.num_slots // self.slab_slots)
         self.direct = self.cfg.direct_io and self.block_bytes % PAGE_BYTES == 0
@@ -152,11 +165,35 @@ class DiskPool:
                  self.dir, self.num_slots, self.block_bytes, self.num_slabs,
                  "direct" if self.direct else "buffered", self.file_io.name, len(rows))
 
+    def _set_aside(self, why: DiskIndexDamaged) -> None:
+        """Move the damaged index and its slabs into damaged-<time>/ (replacing an older such set)."""
+        if getattr(self, "index", None) is not None:
+            self.index.close()
+            self.index = None  # type: ignore[assignment]
+        for old in self.dir.glob("damaged-*"):
+            shutil.rmtree(old, ignore_errors=True)
+        aside = self.dir / f"damaged-{int(time.time())}"
+        aside.mkdir()
+        moved = [p for p in self.dir.iterdir() if p.name.startswith("index.sqlite") or p.match("slab-*.kv")]
+        for p in moved:
+            p.rename(aside / p.name)
+        self.errors[DiskError.INDEX_DAMAGED] += 1
+        log.warning("disk KV tier %s: %s; set it aside with its slabs in %s (%d files, safe to delete) and "
+                    "starting with an empty tier", self.dir, why, aside, len(moved))
+
     def _check_space(self) -> None:
         ours = sum(self._existing_slabs().values())
         need = self.num_slots * self.block_bytes - ours + INDEX_HEADROOM_BYTES + 64 * self.num_slots
         st = os.statvfs(self.dir)
         free = st.f_bavail * st.f_frsize
+        aside = list(self.dir.glob("damaged-*"))
+        if need > free and aside:          # a damaged set kept for inspection never costs the tier its room
+            for d in aside:
+                shutil.rmtree(d, ignore_errors=True)
+            log.warning("disk KV tier %s: removed the damaged files set aside (%s) to make room", self.dir,
+                        ", ".join(d.name for d in aside))
+            st = os.statvfs(self.dir)
+            free = st.f_bavail * st.f_frsize
         if need > free:
             raise DiskTierError(f"{self.dir} is too small for the disk KV tier: "
                                 f"{_size(self.num_slots * self.block_bytes)} asked, {_size(free + ours)} "

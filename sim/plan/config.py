@@ -15,7 +15,8 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from planner import Decision
-from runtime.config import PLANNER_INTERVAL_S, FrontendConfig, WorkerConfig
+from runtime.config import FrontendConfig, WorkerConfig
+from runtime.config_planner import PLANNER_INTERVAL_S
 from perf.profile import DEFAULT_STARTUP_S
 
 

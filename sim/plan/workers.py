@@ -49,7 +49,7 @@ class PrefillWorker(Worker):
     """One prompt at a time, for the profile's time. Queued prompts go in arrival order, or with a
     `deadline_s` (the TTFT target) in deadline order: the oldest prompt that can still finish
     within its deadline, and the ones that cannot only when none can (as the engine's prefill
-    workers do with `prefill_deadline_s`, engine/scheduler.py)."""
+    workers do with a TTFT target, engine/sched/order.py)."""
     __slots__ = ("free_at", "in_flight", "cache", "cache_blocks", "seq", "deadline_s", "queue", "late", "queued_s",
                  "queued_tokens")
 

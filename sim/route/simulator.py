@@ -4,11 +4,18 @@ workers on a virtual clock.
 `bench replay` runs real processes in real time (~4 min a policy); this runs the same workloads in
 seconds, so that routing policies can be compared, instrumented and scaled to 1,000 workers. What
 is real: the `Router` (index, cost, selection, load book) fed by KV event batches and load reports
-exactly as the frontend feeds it, and each worker's `BlockPool` (the LRU and its events). What is
-modelled: the worker's scheduler and its step time (simworker.py, the mock engine's timing model).
+exactly as the frontend feeds it, and each worker's engine (worker.py: the real `Engine`, scheduler
+and `BlockPool`, with the mock runner's timing model on the simulator's clock), so a simulated worker
+schedules, caches, evicts and emits events exactly as a `serve --mock` worker does.
 The network is instant: a decision, a step's KV events and a request's end reach the router when
-they happen (``--event-delay-s`` delays the events); load reports come every 0.5 s as the
-frontend's poll does.
+they happen (``--event-delay-s`` delays the events); load reports (blocks, queued prompt tokens,
+decoding requests) come every ``--report-interval-s`` (the workers push theirs every 50 ms while they
+run; the frontend's poll comes every 0.5 s). With ``--frontends N`` there are N routers, as N
+frontend processes each have one: requests arrive at them in turn, each router learns only its own
+requests' first tokens and ends, and every router gets every KV event and every load report, so
+the cost of routing from N partial views (and of stale reports) shows; ``--own-load-only`` drops
+the decoding counts from the reports (each router then sees the others' decodes only through
+blocks and queued prompts).
 
 Beside each policy's figures it prints the pooled-cache oracle (oracle.py) for the same requests
 and capacity, and where the reuse the oracle found went missing (`miss_*`, in prompt tokens, each
@@ -38,8 +45,9 @@ import numpy as np
 from kvstore.events import KvEventBatch
 from perf.profile import DEFAULT_KV_TOKENS, StepTiming
 from router import Router, RouterConfig, WorkerRole
+from runtime.config import EngineConfig
 from sim.oracle import PooledCacheOracle
-from sim.route.worker import Seq, SimRequest, SimWorker
+from sim.route.worker import Seq, SimRequest, SimWorker, sim_model_config
 
 _ARRIVAL, _STEP_END, _REPORT, _EVENTS = range(4)
 
@@ -55,7 +63,16 @@ class SimConfig:
     max_model_len: int = 131_072
     report_interval_s: float = 0.5
     event_delay_s: float = 0.0
+    frontends: int = 1              # routers, each taking every N-th request (frontend processes)
+    report_running: bool = True     # reports carry the worker's decoding count (the others' decodes)
     attribute: bool = True          # miss attribution (one extra index lookup per decision)
+    vocab_size: int = 4096          # the mock's output tokens are drawn below this
+
+    def engine_config(self) -> EngineConfig:
+        """Each simulated worker's engine: a mock worker's (`serve --mock`, async scheduling)."""
+        return EngineConfig(model="", block_size=self.block_size, num_blocks=self.num_blocks,
+                            max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+                            max_num_batched_tokens=self.max_num_batched_tokens, mock=True, device="cpu")
 
 
 @dataclass(slots=True)
@@ -100,16 +117,23 @@ class RouterClock:
 
 class Simulation:
     def __init__(self, cfg: SimConfig, router_config: RouterConfig, requests: Sequence[SimRequest],
-                 timing: StepTiming, seed: int = 0) -> None:
+                 timing: StepTiming, seed: int = 0, prompt_of=None) -> None:
+        """`prompt_of(req)` builds a request's token ids at its arrival where `req.prompt` is None
+        (so a long trace's prompts are in memory only while they run)."""
+        self.prompt_of = prompt_of
         self.cfg = cfg
         self.timing = timing
         self.now = 0.0
-        self.router = Router(router_config, cfg.block_size, seed=seed, clock=lambda: self.now)
-        self.workers = {f"w{i}": SimWorker(f"w{i}", cfg.num_blocks, cfg.block_size, timing,
-                                           cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        self.routers = [Router(router_config, cfg.block_size, seed=seed + i, clock=lambda: self.now)
+                        for i in range(cfg.frontends)]
+        self.router = self.routers[0]
+        self._router_of: dict[str, Router] = {}     # request id -> the router (frontend) that took it
+        engine_cfg, model_cfg = cfg.engine_config(), sim_model_config(cfg.vocab_size)
+        self.workers = {f"w{i}": SimWorker(f"w{i}", engine_cfg, timing, model_cfg, lambda: self.now)
                         for i in range(cfg.workers)}
         for wid in self.workers:
-            self.router.add_worker(wid, WorkerRole.DECODE)
+            for r in self.routers:
+                r.add_worker(wid, WorkerRole.DECODE)
         self.requests = list(requests)
         self.oracle = PooledCacheOracle.for_fleet(cfg.block_size, cfg.workers, cfg.num_blocks)
         self.ledger = MissLedger()
@@ -138,7 +162,7 @@ class Simulation:
                 pending -= 1
                 self._arrive(payload)
             elif kind == _STEP_END:
-                self._end_step(payload)
+                self._step(payload)
             elif kind == _EVENTS:
                 self._deliver(payload)
             else:
@@ -156,9 +180,10 @@ class Simulation:
         oracle_tokens = sum(self.oracle.observe(req.block_hashes, req.prompt_len))
         self._oracle_tokens[req.index] = oracle_tokens
         held = self.router.index.overlaps(req.block_hashes) if self.cfg.attribute else {}
+        router = self._router_of[req.request_id] = self.routers[req.index % len(self.routers)]
         t0 = time.perf_counter()
-        d = self.router.route(req.request_id, req.block_hashes, req.prompt_len, WorkerRole.DECODE,
-                              hint=req.cache_key)
+        d = router.route(req.request_id, req.block_hashes, req.prompt_len, WorkerRole.DECODE,
+                         hint=req.cache_key)
         self.clock.route_s += time.perf_counter() - t0
         self.clock.decisions += 1
         if self.cfg.attribute:
@@ -169,14 +194,13 @@ class Simulation:
                 oracle_tokens, min(best * bs, oracle_tokens), min(held.get(d.worker_id, 0) * bs, oracle_tokens),
                 nxt in self._ever_stored)
         worker = self.workers[d.worker_id]
-        self._seqs.append(worker.add(req))
+        self._seqs.append(worker.add(req, req.prompt if req.prompt is not None else self.prompt_of(req)))
         if not worker.busy:
-            self._start_step(worker)
+            self._step(worker)
 
-    def _start_step(self, worker: SimWorker) -> None:
-        step_s = worker.start_step()
-        self._push(self.now + step_s, _STEP_END, worker)
-        events = worker.pool.take_events()
+    def _step(self, worker: SimWorker) -> None:
+        """The worker's engine steps at `now`: the step that ended is collected, the next launched."""
+        first, done, events = worker.step(self.now)
         if events:
             wid = worker.worker_id
             batch = KvEventBatch(wid, self._next_seq[wid], events)
@@ -185,18 +209,15 @@ class Simulation:
                 self._push(self.now + self.cfg.event_delay_s, _EVENTS, batch)
             else:
                 self._deliver(batch)
-
-    def _end_step(self, worker: SimWorker) -> None:
-        first, done = worker.end_step(self.now)
         for seq in first:
-            self.router.first_token(seq.req.request_id)
+            self._router_of[seq.req.request_id].first_token(seq.req.request_id)
             self._account(seq)
         for seq in done:
             t0 = time.perf_counter()
-            self.router.finished(seq.req.request_id)
+            self._router_of.pop(seq.req.request_id).finished(seq.req.request_id)
             self.clock.finish_s += time.perf_counter() - t0
-        if worker.has_work:
-            self._start_step(worker)
+        if worker.ready_at_s is not None:
+            self._push(worker.ready_at_s, _STEP_END, worker)
 
     def _deliver(self, batch: KvEventBatch) -> None:
         if self.cfg.attribute:
@@ -204,7 +225,8 @@ class Simulation:
                 if hasattr(ev, "parent_hash"):
                     self._ever_stored.update(ev.block_hashes)
         t0 = time.perf_counter()
-        self.router.apply_events(batch)
+        for r in self.routers:
+            r.apply_events(batch)
         self.clock.ingest_s += time.perf_counter() - t0
         self.clock.ingest_batches += 1
         self.clock.ingest_blocks += sum(len(getattr(ev, "block_hashes", ())) for ev in batch.events)
@@ -212,7 +234,10 @@ class Simulation:
     def _report(self) -> None:
         t0 = time.perf_counter()
         for wid, w in self.workers.items():
-            self.router.update_worker_load(wid, w.active_blocks(), w.waiting_prefill_tokens())
+            blocks, queued = w.active_blocks(), w.waiting_prefill_tokens()
+            decoding = w.num_decoding() if self.cfg.report_running else None
+            for r in self.routers:
+                r.update_worker_load(wid, blocks, queued, decoding)
         self.clock.report_s += time.perf_counter() - t0
         self._push(self.now + self.cfg.report_interval_s, _REPORT, None)
 

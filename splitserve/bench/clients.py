@@ -156,6 +156,12 @@ def tally_events(events: Sequence[bytes]) -> EventTally:
     return tally
 
 
+# An idle connection is dropped before the server's keep-alive timeout (uvicorn's: 5 s) can close it:
+# with equal timeouts a request sent on a connection the server was closing failed with ReadError
+# (1-2 of 1,500 requests in an open-loop replay).
+KEEPALIVE_EXPIRY_S = 4.0
+
+
 class HttpClient:
     """OpenAI `/v1/completions` streaming over httpx, one keep-alive connection per in-flight request.
 
@@ -172,6 +178,7 @@ class HttpClient:
         self.model = model
         self.timeout_s = timeout_s
         self.headers = {"content-type": "application/json", "accept-encoding": "identity"}
+        self.extra_body: dict | None = None       # merged into every body (--extra-body)
         if api_key:
             self.headers["authorization"] = f"Bearer {api_key}"
         self._all: list = []
@@ -185,7 +192,8 @@ class HttpClient:
         httpx = self._httpx
         client = httpx.AsyncClient(
             base_url=self.url, verify=self._verify,
-            limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
+            limits=httpx.Limits(max_connections=1, max_keepalive_connections=1,
+                                keepalive_expiry=KEEPALIVE_EXPIRY_S),
             timeout=httpx.Timeout(self.timeout_s, connect=min(self.timeout_s, 30.0)))
         self._all.append(client)
         return client
@@ -209,6 +217,8 @@ class HttpClient:
         }
         if spec.cache_key is not None:
             body["prompt_cache_key"] = spec.cache_key
+        if self.extra_body:
+            body.update(self.extra_body)
         return json.dumps(body).encode()
 
     async def send(self, spec: RequestSpec) -> RequestResult:

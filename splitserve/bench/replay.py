@@ -48,13 +48,16 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from runtime.config import LOWER_TIER_WEIGHT, RoutingPolicy
 from sim.oracle import PooledCacheOracle
 from splitserve.bench.sessions import SessionsConfig, load_azure, session_specs
-from splitserve.bench.serve import (BenchInputError, RequestSpec, _event_loop_factory, emit, git_sha,
-                                    load_trace, random_prompt, run_level, summarize_level, trace_specs)
+from splitserve.bench.clients import RequestSpec
+from splitserve.bench.serve import emit, event_loop_factory, git_sha, run_level_in_process
+from splitserve.bench.stats import summarize_level
+from splitserve.bench.workloads import BenchInputError, load_trace, random_prompt, trace_specs
 
 MODEL_NAME = "mock"
-POLICIES = ("kv", "kv_blocks", "round_robin", "random", "least_loaded")
+POLICIES = tuple(p.value for p in RoutingPolicy)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offered-util", type=float, default=None,
                    help="set --speedup so that the offered prefill utilisation is this")
     p.add_argument("--workers", type=int, default=8, help="mock workers")
+    p.add_argument("--frontends", default="1", help="frontend processes behind the one address (serve "
+                   "--frontends), or a comma list to compare (e.g. 1,4): each routes on its own, with the "
+                   "fleet's load and the same KV events")
     p.add_argument("--policy", default="kv", help=f"router policy, or a comma list of {', '.join(POLICIES)}")
     p.add_argument("--limit", type=int, default=None, help="replay only the first K requests")
     p.add_argument("--skip", type=int, default=0,
@@ -93,8 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-disk-dir", default=None,
                    help="an existing directory; each policy's cluster gets a fresh subdirectory of it, "
                         "removed after (its workers one each below that)")
-    p.add_argument("--lower-tier-weight", type=float, default=0.5,
-                   help="the router's weight of a block held only in a lower tier (0: tier-unaware)")
+    p.add_argument("--lower-tier-weight", type=float, default=LOWER_TIER_WEIGHT,
+                   help="the router's weight of a block held only in a lower tier (0: tier-unaware; the "
+                        "frontend's --router-lower-tier-weight, and routesim's router)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--vocab-size", type=int, default=4000, help="prompt ids are drawn below this")
     # shared-prefix workload
@@ -237,14 +244,14 @@ def disk_dir_for(args: argparse.Namespace, policy: str) -> contextlib.AbstractCo
 
 
 def serve_argv(args: argparse.Namespace, policy: str, redis_url: str, namespace: str,
-               http_port: int, grpc_port: int, disk_dir: str | None = None) -> list[str]:
+               http_port: int, grpc_port: int, disk_dir: str | None = None, frontends: int = 1) -> list[str]:
     argv = ["serve", "--mock", "--model", args.model, "--model-name", MODEL_NAME, "--decode-workers", str(args.workers),
             "--prefill-workers", "0",
             "--redis-url", redis_url, "--namespace", namespace, "--router-policy", policy,
             "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--admin-port", "0",
             "--block-size", str(args.block_size), "--max-model-len", str(args.max_model_len),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--startup-timeout-s", str(args.startup_timeout_s)]
+            "--startup-timeout-s", str(args.startup_timeout_s), "--frontends", str(frontends)]
     if args.mock_profile:
         argv += ["--mock-profile", args.mock_profile]
     if args.num_blocks:
@@ -258,11 +265,11 @@ def serve_argv(args: argparse.Namespace, policy: str, redis_url: str, namespace:
 
 
 async def worker_statuses(redis_url: str, namespace: str) -> list:
-    import grpc
     import redis.asyncio as aioredis
 
     from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
     from runtime.discovery import list_workers
+    from runtime.grpc_links import cluster_metadata, worker_channel
 
     client = aioredis.Redis.from_url(redis_url)
     try:
@@ -271,9 +278,9 @@ async def worker_statuses(redis_url: str, namespace: str) -> list:
         await client.aclose()
     out = []
     for info in infos:
-        async with grpc.aio.insecure_channel(info.address) as channel:
+        async with worker_channel(info.address) as channel:
             out.append(await worker_pb2_grpc.WorkerStub(channel).GetStatus(
-                worker_pb2.WorkerStatusRequest(), timeout=5.0))
+                worker_pb2.WorkerStatusRequest(), timeout=5.0, metadata=cluster_metadata()))
     return out
 
 
@@ -290,12 +297,13 @@ def load_fields(statuses: list) -> dict:
 async def replay(args: argparse.Namespace, specs: list[RequestSpec], url: str, desc: str,
                  redis_url: str, namespace: str):
     client_args = SimpleNamespace(url=url, timeout_s=args.timeout_s, api_key=None,
-                                  no_progress=args.no_progress)
-    run = await run_level(client_args, MODEL_NAME, specs, None, desc)
+                                  no_progress=args.no_progress, extra_body=None)
+    run = await run_level_in_process(client_args, MODEL_NAME, specs, None, desc)
     return run, await worker_statuses(redis_url, namespace)
 
 
-def run_policy(args: argparse.Namespace, policy: str, specs: list[RequestSpec]) -> tuple[dict, list[float]]:
+def run_policy(args: argparse.Namespace, policy: str, specs: list[RequestSpec],
+               frontends: int = 1) -> tuple[dict, list[float]]:
     from runtime.redis_embedded import EmbeddedRedis, free_port
     from splitserve.serve import Cluster, wait_ready
 
@@ -303,15 +311,17 @@ def run_policy(args: argparse.Namespace, policy: str, specs: list[RequestSpec]) 
     http_port, grpc_port = free_port(), free_port()
     with EmbeddedRedis() as redis, disk_dir_for(args, policy) as disk_dir:
         cluster = Cluster()
+        from runtime.grpc_links import ensure_cluster_token
+        ensure_cluster_token()          # the cluster's, so that worker_statuses may ask its workers
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         # the banner goes to stderr: this command's stdout carries only JSON
-        cluster.spawn("serve", serve_argv(args, policy, redis.url, namespace, http_port, grpc_port, disk_dir),
-                      env, stdout=sys.stderr)
+        cluster.spawn("serve", serve_argv(args, policy, redis.url, namespace, http_port, grpc_port, disk_dir,
+                                          frontends), env, stdout=sys.stderr)
         try:
             if not wait_ready(cluster, f"http://127.0.0.1:{http_port}/health", args.workers, 0,
                               args.startup_timeout_s, {"sig": None}):
                 raise RuntimeError(f"the {policy} cluster did not start")
-            with asyncio.Runner(loop_factory=_event_loop_factory("http://")) as runner:
+            with asyncio.Runner(loop_factory=event_loop_factory("http://")) as runner:
                 run, statuses = runner.run(replay(args, specs, f"http://127.0.0.1:{http_port}", policy,
                                                   redis.url, namespace))
         finally:
@@ -319,7 +329,7 @@ def run_policy(args: argparse.Namespace, policy: str, specs: list[RequestSpec]) 
     ok = [r for r in run.results if r.error is None]
     prompt = sum(r.prompt_len for r in ok)
     cached = sum(r.cached_tokens or 0 for r in ok)
-    record = {"policy": policy, **summarize_level(run.results, run.duration_s),
+    record = {"policy": policy, "frontends": frontends, **summarize_level(run.results, run.duration_s),
               "host_load_avg_1m": round(os.getloadavg()[0], 2),
               "prefix_hit_rate": round(cached / prompt, 4) if prompt else None,
               "cached_tokens": cached, "max_in_flight": run.max_in_flight,
@@ -355,8 +365,19 @@ SUMMARY_KEYS = ("requests", "errors", "prefix_hit_rate", "oracle_share", "ttft_p
                 "itl_p50_s", "output_tok_s", "max_over_mean_load")
 
 
+def frontend_counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise BenchInputError(f"--frontends wants counts >= 1 (e.g. 1 or 1,4), got {text!r}")
+    return counts
+
+
 def main(args: argparse.Namespace) -> int:
     try:
+        frontend_counts(args.frontends)
         policies = [p.strip() for p in args.policy.split(",") if p.strip()]
         if not policies or any(p not in POLICIES for p in policies):
             raise BenchInputError(f"--policy wants a comma list of {', '.join(POLICIES)}")
@@ -375,8 +396,8 @@ def main(args: argparse.Namespace) -> int:
               "max_num_batched_tokens": args.max_num_batched_tokens, **workload,
               "offered_prefill_util": offered_prefill_util(specs, args), **oracle_fields(specs, args)}
     records, ttfts = [], {}
-    for policy in policies:
-        record, ttfts[policy] = run_policy(args, policy, specs)
+    for policy, frontends in [(p, f) for p in policies for f in frontend_counts(args.frontends)]:
+        record, ttfts[policy] = run_policy(args, policy, specs, frontends)
         record["oracle_share"] = share_of_oracle(record["prefix_hit_rate"], header["oracle_hit_rate"])
         records.append(header | record)
         emit(records[-1], args.output)
@@ -386,6 +407,7 @@ def main(args: argparse.Namespace) -> int:
                       f"{workload.get('speedup', '-')} ({header['git_sha']})")
     if len(records) > 1:
         summary = header | {"bench": "replay_summary", "policy": policies, "plot": args.plot}
-        summary |= {k: {r["policy"]: r[k] for r in records} for k in SUMMARY_KEYS}
+        summary |= {k: {f'{r["policy"]}/{r["frontends"]}': r[k] for r in records} for k in SUMMARY_KEYS} \
+            if len(frontend_counts(args.frontends)) > 1 else {k: {r["policy"]: r[k] for r in records} for k in SUMMARY_KEYS}
         emit(summary, args.output)
     return 0

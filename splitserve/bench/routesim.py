@@ -5,6 +5,7 @@ fleet flags as `bench replay`, one JSON record per routing policy, then a summar
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import resource
@@ -14,14 +15,15 @@ from typing import Sequence
 from kvstore.hashing import block_hashes
 from perf.profile import DEFAULT_KV_TOKENS, load_timing
 from router import RouterConfig, RoutingPolicy
-from sim.route.simulator import SimConfig, Simulation, offered_prefill_util
-from sim.route.worker import SimRequest
 from splitserve.bench.clients import RequestSpec
 
 
-def requests_from_specs(specs: Sequence[RequestSpec], block_size: int) -> list[SimRequest]:
-    """The bench's request specs as simulated requests: prompts built and hashed as the frontend
-    hashes them, so the simulator sees exactly the prefix sharing a replay sends."""
+def requests_from_specs(specs: Sequence[RequestSpec], block_size: int) -> list:
+    """The bench's request specs as simulated requests (sim.route.worker.SimRequest): prompts built
+    and hashed as the frontend hashes them, so the simulator sees exactly the prefix sharing a replay
+    sends. The prompts themselves are built again at arrival (Simulation's prompt_of)."""
+    from sim.route.worker import SimRequest
+
     out = []
     for i, s in enumerate(specs):
         prompt = s.make_prompt()
@@ -65,6 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     replay.add_arguments(p)      # the same workloads and fleet flags as `bench replay`
     p.set_defaults(policy="kv,kv_blocks,least_loaded,round_robin")
     p.add_argument("--event-delay-s", type=float, default=0.0, help="KV events reach the router this late")
+    p.add_argument("--report-interval-s", type=float, default=0.05,
+                   help="workers' load reports reach the routers this often (their push while they run: "
+                        "0.05; the frontend's poll: 0.5)")
+    p.add_argument("--own-load-only", action="store_true",
+                   help="reports without the workers' decoding counts (the routers count only their own decodes)")
     p.add_argument("--no-attribute", action="store_true",
                    help="skip the miss attribution (faster; for scale runs)")
     p.add_argument("--list-variants", action="store_true", help="print the policy variants and exit")
@@ -73,8 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import sys
 
+    from sim.route.simulator import SimConfig, Simulation, offered_prefill_util
     from splitserve.bench import replay
-    from splitserve.bench.serve import BenchInputError, emit, git_sha
+    from splitserve.bench.serve import emit, git_sha
+    from splitserve.bench.workloads import BenchInputError
 
     if args.list_variants:
         for name, (_, what) in VARIANTS.items():
@@ -84,8 +93,9 @@ def main(args: argparse.Namespace) -> int:
         policies = [p.strip() for p in args.policy.split(",") if p.strip()]
         if not policies or any(p not in VARIANTS for p in policies):
             raise BenchInputError(f"--policy wants a comma list of {', '.join(VARIANTS)}")
-        if args.event_delay_s < 0:
-            raise BenchInputError("--event-delay-s must be >= 0")
+        if args.event_delay_s < 0 or args.report_interval_s <= 0:
+            raise BenchInputError("--event-delay-s must be >= 0 and --report-interval-s > 0")
+        frontends = replay.frontend_counts(args.frontends)
         specs, workload = replay.make_specs(args)
     except BenchInputError as e:
         print(f"bench routesim: {e}", file=sys.stderr)
@@ -94,22 +104,27 @@ def main(args: argparse.Namespace) -> int:
     cfg = SimConfig(workers=args.workers, block_size=args.block_size,
                     num_blocks=args.num_blocks or DEFAULT_KV_TOKENS // args.block_size,
                     max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                    event_delay_s=args.event_delay_s, attribute=not args.no_attribute)
+                    event_delay_s=args.event_delay_s, attribute=not args.no_attribute,
+                    report_interval_s=args.report_interval_s, report_running=not args.own_load_only)
     t0 = time.perf_counter()
     requests = requests_from_specs(specs, cfg.block_size)
     header = {"bench": "routesim", "git_sha": git_sha(), "machine": machine(), "label": args.label,
               "workers": cfg.workers, "block_size": cfg.block_size, "num_blocks": cfg.num_blocks,
               "seed": args.seed, "mock_profile": args.mock_profile or "h100-8b-curve",
               "max_num_batched_tokens": cfg.max_num_batched_tokens, "event_delay_s": cfg.event_delay_s,
+              "report_interval_s": cfg.report_interval_s, "report_running": cfg.report_running,
+              "lower_tier_weight": args.lower_tier_weight,
               **workload, "offered_prefill_util": round(offered_prefill_util(
                   requests, timing, cfg.max_num_batched_tokens, cfg.workers), 3),
               "workload_build_s": round(time.perf_counter() - t0, 2)}
     records = []
-    for name in policies:
+    for name, n in [(p, n) for p in policies for n in frontends]:
         fields, _ = VARIANTS[name]
-        sim = Simulation(cfg, RouterConfig(**fields, timing=timing, chunk_tokens=cfg.max_num_batched_tokens),
-                         requests, timing, seed=args.seed)
-        records.append(header | {"policy": name, **sim.run(), "max_rss_mib": round(max_rss_mib())})
+        router_cfg = RouterConfig(**fields, timing=timing, chunk_tokens=cfg.max_num_batched_tokens,
+                                  lower_tier_weight=args.lower_tier_weight)
+        sim = Simulation(dataclasses.replace(cfg, frontends=n), router_cfg, requests, timing, seed=args.seed,
+                         prompt_of=lambda r: specs[r.index].make_prompt())
+        records.append(header | {"policy": name, "frontends": n, **sim.run(), "max_rss_mib": round(max_rss_mib())})
         emit(records[-1], args.output)
     if len(records) > 1:
         rr = next((r for r in records if r["policy"] == "round_robin"), None)

@@ -47,282 +47,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
-import math
 import os
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from splitserve.bench.clients import RequestResult, RequestSpec, make_client
 from splitserve.bench.records import git_sha
-
-SCENARIOS = {"1k1k": (1024, 1024), "1k8k": (1024, 8192), "8k1k": (8192, 1024)}
-DEFAULT_CONCURRENCY = "1,4,16,64,256"
-TRACE_BLOCK_TOKENS = 512
-DEFAULT_REQUESTS_CAP = 1024
-SCENARIO_RANGE_RATIO = 0.8  # InferenceMAX's --random-range-ratio for its scenarios
-
-
-class BenchInputError(ValueError):
-    """Bad flags or a bad trace file; reported to the user, exit status 2."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Workload: what to send
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRow:
-    """One Mooncake trace line, already scaled and capped."""
-
-    timestamp_ms: float
-    input_len: int
-    output_len: int
-    hash_ids: tuple[int, ...]
-
-
-def parse_scenario(name: str) -> tuple[int, int]:
-    """'1k8k' -> (1024, 8192). Accepts the InferenceMAX names and any '<a>k<b>k'."""
-    name = name.strip().lower()
-    if name in SCENARIOS:
-        return SCENARIOS[name]
-    parts = name.split("k")
-    if len(parts) == 3 and parts[2] == "" and parts[0].isdigit() and parts[1].isdigit():
-        return int(parts[0]) * 1024, int(parts[1]) * 1024
-    raise BenchInputError(f"unknown scenario {name!r}; use one of {', '.join(SCENARIOS)}")
-
-
-def parse_concurrency(text: str) -> list[int]:
-    try:
-        levels = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise BenchInputError(f"--concurrency wants comma-separated integers, got {text!r}") from None
-    if not levels or min(levels) < 1:
-        raise BenchInputError(f"--concurrency levels must be >= 1, got {text!r}")
-    return levels
-
-
-def default_num_requests(concurrency: int) -> int:
-    return min(max(4 * concurrency, 16), DEFAULT_REQUESTS_CAP)
-
-
-def random_prompt(seed: Sequence[int], length: int, vocab_size: int) -> np.ndarray:
-    """`length` token ids uniform in [0, vocab_size), a pure function of `seed`."""
-    return np.random.default_rng(list(seed)).integers(0, vocab_size, length, dtype=np.int32)
-
-
-@functools.lru_cache(maxsize=8192)
-def block_tokens(seed: tuple[int, ...], hash_id: int, block_size: int, vocab_size: int) -> np.ndarray:
-    """The fixed token ids of one trace prefix block; equal (seed, hash_id) give equal tokens."""
-    tokens = random_prompt((*seed, hash_id), block_size, vocab_size)
-    tokens.flags.writeable = False  # shared through the cache
-    return tokens
-
-
-def trace_prompt(hash_ids: Sequence[int], input_len: int, block_size: int, vocab_size: int,
-                 seed: tuple[int, ...]) -> np.ndarray:
-    """A prompt of exactly `input_len` tokens: the hash ids' blocks concatenated.
-
-    Every block but the last is `block_size` tokens; the last is what remains
-    (`input_len - block_size * (len(hash_ids) - 1)`), a prefix of that id's block, so requests that
-    share leading ids share leading tokens. If the lengths disagree with the ids (scaling, capping),
-    trailing blocks are dropped, or the last block is extended with tokens of its own.
-    """
-    if not hash_ids:
-        return random_prompt((*seed, 1 << 62), input_len, vocab_size)
-    parts: list[np.ndarray] = []
-    remaining = input_len
-    for i, hash_id in enumerate(hash_ids):
-        if remaining <= 0:
-            break
-        block = block_tokens(seed, hash_id, block_size, vocab_size)
-        if i == len(hash_ids) - 1 and remaining > block_size:
-            extra = random_prompt((*seed, hash_id, 1), remaining - block_size, vocab_size)
-            block = np.concatenate([block, extra])
-        parts.append(block[:remaining])
-        remaining -= len(parts[-1])
-    return np.concatenate(parts)
-
-
-def load_trace(path: str, scale: float = 1.0, max_input_len: int | None = None,
-               limit: int | None = None) -> tuple[list[TraceRow], int]:
-    """Read a Mooncake JSONL trace; returns the rows and the (scaled) block size in tokens.
-
-    Lengths and the block size are multiplied by `scale` together (at least 1 token each);
-    `max_input_len` then caps the input length.
-    """
-    if scale <= 0:
-        raise BenchInputError(f"--trace-scale must be > 0, got {scale}")
-    block_size = max(1, round(TRACE_BLOCK_TOKENS * scale))
-    rows: list[TraceRow] = []
-    try:
-        with open(path) as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                if limit is not None and len(rows) >= limit:
-                    break
-                try:
-                    obj = json.loads(line)
-                    input_len = max(1, round(obj["input_length"] * scale))
-                    if max_input_len is not None:
-                        input_len = min(input_len, max_input_len)
-                    rows.append(TraceRow(float(obj["timestamp"]), input_len,
-                                         max(1, round(obj["output_length"] * scale)),
-                                         tuple(int(h) for h in obj.get("hash_ids", ()))))
-                except (ValueError, KeyError, TypeError) as e:
-                    raise BenchInputError(f"{path}:{line_no}: bad trace line ({e})") from None
-    except OSError as e:
-        raise BenchInputError(f"cannot read trace {path}: {e}") from None
-    if not rows:
-        raise BenchInputError(f"trace {path} has no requests")
-    return rows, block_size
-
-
-def random_lengths(seed: Sequence[int], isl: int, osl: int, range_ratio: float) -> tuple[int, int]:
-    """(input, output) lengths drawn independently, each uniform over the integers
-    [floor(range_ratio * N), N] for N = isl, osl (at least 1): vLLM benchmark_serving's random
-    dataset as InferenceMAX runs it. A pure function of `seed`; ratio 1 gives exactly (isl, osl)."""
-    if range_ratio == 1.0:
-        return isl, osl
-    rng = np.random.default_rng(list(seed))
-    low_in, low_out = (max(1, math.floor(range_ratio * n)) for n in (isl, osl))
-    return int(rng.integers(low_in, isl, endpoint=True)), int(rng.integers(low_out, osl, endpoint=True))
-
-
-class TextCorpus:
-    """Text prompts as aiperf builds them: the corpus is tokenized once with the model's tokenizer,
-    and a prompt of N tokens is a window of N corpus tokens at a seeded random offset, decoded back
-    to text. The server tokenizes that text again, inside the measured time."""
-
-    SUFFIXES = (".txt", ".md", ".py", ".rst")
-
-    def __init__(self, path: str, tokenizer: str) -> None:
-        from tokenizers import Tokenizer       # the client needs no model: only its tokenizer.json
-        root = Path(path)
-        files = sorted(f for f in root.rglob("*") if f.suffix in self.SUFFIXES) if root.is_dir() else [root]
-        texts = []
-        for f in files:
-            try:
-                texts.append(f.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError) as e:
-                if not root.is_dir():
-                    raise BenchInputError(f"cannot read corpus {f}: {e}") from None
-        if not texts:
-            raise BenchInputError(f"corpus {path} holds no text ({', '.join(self.SUFFIXES)} files)")
-        tok_path = Path(tokenizer)
-        if tokenizer.startswith("tiny"):
-            from splitserve.models import resolve_model
-            tok_path = Path(resolve_model(tokenizer))
-        if tok_path.is_dir():
-            tok_path = tok_path / "tokenizer.json"
-        if not tok_path.is_file():
-            raise BenchInputError(f"--tokenizer {tokenizer}: no tokenizer.json there")
-        self.tokenizer = Tokenizer.from_file(str(tok_path))
-        self.ids = np.array([t for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)
-                             for t in e.ids], dtype=np.int64)
-        if len(self.ids) < 16:
-            raise BenchInputError(f"corpus {path} is too short ({len(self.ids)} tokens)")
-
-    def prompt(self, seed: Sequence[int], length: int) -> str:
-        rng = np.random.default_rng(list(seed))
-        reps = -(-length // len(self.ids))          # a corpus shorter than the prompt wraps around
-        ids = np.tile(self.ids, reps + 1) if reps else self.ids
-        start = int(rng.integers(0, len(ids) - length + 1))
-        return self.tokenizer.decode(ids[start:start + length].tolist(), skip_special_tokens=True)
-
-
-def synthetic_specs(isl: int, osl: int, num_requests: int, vocab_size: int,
-                    seed: tuple[int, ...], range_ratio: float = 1.0,
-                    corpus: TextCorpus | None = None) -> list[RequestSpec]:
-    """Random prompts; request i's lengths (see random_lengths) and prompt depend on (seed, i) only.
-    The lengths have a seed of their own, so ratio 1 sends the same prompts as fixed lengths did.
-    With a corpus the prompts are text windows of it (TextCorpus), else random token ids."""
-    specs = []
-    for i in range(num_requests):
-        input_len, output_len = random_lengths((*seed, i, 1), isl, osl, range_ratio)
-        make = functools.partial(corpus.prompt, (*seed, i), input_len) if corpus is not None else \
-            functools.partial(random_prompt, (*seed, i), input_len, vocab_size)
-        specs.append(RequestSpec(input_len, output_len, make))
-    return specs
-
-
-def trace_specs(rows: Sequence[TraceRow], block_size: int, vocab_size: int, seed: tuple[int, ...],
-                speedup: float = 1.0) -> list[RequestSpec]:
-    """One spec per trace row, arrival times relative to the first row and divided by `speedup`."""
-    t0 = rows[0].timestamp_ms
-    return [RequestSpec(r.input_len, r.output_len,
-                        functools.partial(trace_prompt, r.hash_ids, r.input_len, block_size,
-                                          vocab_size, seed),
-                        (r.timestamp_ms - t0) / 1000.0 / speedup)
-            for r in rows]
-
-
-# ---------------------------------------------------------------------------------------------
-# Measurement: what came back
-
-
-def itl_samples(chunk_times: Sequence[float], chunk_tokens: Sequence[int]) -> np.ndarray:
-    """Inter-token latencies: each later chunk's gap split evenly over its tokens."""
-    if len(chunk_times) < 2:
-        return np.empty(0)
-    counts = np.asarray(chunk_tokens[1:], dtype=np.float64)
-    gaps = np.diff(np.asarray(chunk_times, dtype=np.float64)) / counts
-    return np.repeat(gaps, counts.astype(np.int64))
-
-
-def percentile(values: np.ndarray, q: float) -> float | None:
-    return round(float(np.percentile(values, q)), 6) if len(values) else None
-
-
-def rounded_mean(values: Sequence[float]) -> float | None:
-    return round(float(np.mean(values)), 1) if len(values) else None
-
-
-def summarize_level(results: Sequence[RequestResult], duration_s: float, gpus: int = 1) -> dict:
-    """Reduce one level's results to the fields of its JSON line (see the module docstring)."""
-    ok = [r for r in results if r.error is None]
-    ttft = np.array([r.ttft_s for r in ok])
-    e2e = np.array([r.e2e_s for r in ok])
-    itl = np.concatenate([itl_samples(r.chunk_times, r.chunk_tokens) for r in ok] or [np.empty(0)])
-    per_user = np.array([(r.num_output_tokens - 1) / (r.e2e_s - r.ttft_s) for r in ok
-                         if r.num_output_tokens > 1 and r.e2e_s > r.ttft_s])
-    output_tokens = sum(r.num_output_tokens for r in ok)
-    input_tokens = sum(r.prompt_len if r.usage_prompt_tokens is None else r.usage_prompt_tokens for r in ok)
-    mismatches = sum(1 for r in ok if r.num_output_tokens != r.expected_tokens
-                     or (r.usage_completion_tokens is not None
-                         and r.usage_completion_tokens != r.num_output_tokens))
-    output_tok_s = output_tokens / duration_s if duration_s > 0 else 0.0
-    input_tok_s = input_tokens / duration_s if duration_s > 0 else 0.0
-    return {
-        "requests": len(results),
-        "errors": len(results) - len(ok),
-        "error_kinds": dict(Counter(r.error for r in results if r.error is not None)),
-        "token_mismatches": mismatches,
-        "duration_s": round(duration_s, 6),
-        "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),
-        "ttft_p99_s": percentile(ttft, 99),
-        "itl_p50_s": percentile(itl, 50), "itl_p90_s": percentile(itl, 90),
-        "itl_p99_s": percentile(itl, 99),
-        "e2e_p50_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99),
-        "output_tokens": output_tokens,
-        "input_tokens": input_tokens,
-        "mean_input_len": rounded_mean([r.prompt_len for r in results]),
-        "mean_output_len": rounded_mean([r.expected_tokens for r in results]),
-        "output_tok_s": round(output_tok_s, 3),
-        "output_tok_s_per_user": round(float(np.median(per_user)), 3) if len(per_user) else None,
-        "output_tok_s_per_gpu": round(output_tok_s / gpus, 3),
-        "input_tok_s": round(input_tok_s, 3),
-        "total_tok_s_per_gpu": round((output_tok_s + input_tok_s) / gpus, 3),
-    }
-
+from splitserve.bench.stats import percentile, summarize_level
+from splitserve.bench.workloads import (DEFAULT_CONCURRENCY, DEFAULT_REQUESTS_CAP, SCENARIO_RANGE_RATIO,
+                                        TRACE_BLOCK_TOKENS, BenchInputError, TextCorpus, TraceRow,
+                                        default_num_requests, load_trace, parse_concurrency, parse_scenario,
+                                        synthetic_specs, trace_specs)
 
 # ---------------------------------------------------------------------------------------------
 # Load patterns: when to send
@@ -390,10 +130,32 @@ async def run_replay(send, specs: Sequence[RequestSpec],
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_target_arguments(parser)
+    add_workload_arguments(parser)
     p = parser
+    p.add_argument("--speedup", type=float, default=1.0,
+                   help="trace replay: divide arrival times by this")
+    p.add_argument("--concurrency", default=None,
+                   help=f"comma-separated closed-loop levels (default {DEFAULT_CONCURRENCY}); "
+                        "with --trace, given = closed loop over the trace, absent = replay arrivals")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help=f"requests per level (default max(4*concurrency, 16), at most "
+                        f"{DEFAULT_REQUESTS_CAP}; replay: the whole trace)")
+    add_report_arguments(parser, "the Pareto plot")
+
+
+def add_target_arguments(p: argparse.ArgumentParser) -> None:
+    """The server and how to reach it (shared with `bench goodput`)."""
     p.add_argument("--url", default="http://127.0.0.1:8000",
                    help="http://host:port (OpenAI API) or grpc://host:port (gRPC API)")
     p.add_argument("--model", default=None, help="model id (default: the first the server lists)")
+    p.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"),
+                   help="bearer token (default: $SPLITSERVE_API_KEY)")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="per-request limit, whole stream")
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """What each request asks for (shared with `bench goodput`)."""
     p.add_argument("--isl", type=int, default=None,
                    help="input tokens per request (random ids; the maximum if --random-range-ratio < 1)")
     p.add_argument("--osl", type=int, default=None,
@@ -406,12 +168,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "benchmark_serving --random-range-ratio that InferenceMAX runs; default "
                         f"{SCENARIO_RANGE_RATIO} with --scenario (InferenceMAX's value), 1 (exact "
                         "lengths) with --isl/--osl; not with --trace")
-    p.add_argument("--trace", default=None, help="Mooncake JSONL trace (timestamp, lengths, hash_ids)")
+    p.add_argument("--trace", default=None,
+                   help="Mooncake JSONL trace (timestamp, lengths, hash_ids) or Azure LLM CSV "
+                        "(TIMESTAMP, ContextTokens, GeneratedTokens)")
     p.add_argument("--trace-scale", type=float, default=1.0,
                    help="multiply trace lengths and the 512-token block size by this")
     p.add_argument("--max-input-len", type=int, default=None, help="cap trace input lengths")
-    p.add_argument("--speedup", type=float, default=1.0,
-                   help="trace replay: divide arrival times by this")
     p.add_argument("--corpus", default=None, metavar="PATH",
                    help="send text prompts: windows of the input length cut from this text file (or the "
                         ".txt/.md/.py/.rst files under this directory), so that the server tokenizes them "
@@ -420,22 +182,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --corpus: the served model's directory (its tokenizer.json), or tiny")
     p.add_argument("--vocab-size", type=int, default=4000,
                    help="prompt token ids are drawn from [0, vocab-size), below the special tokens")
-    p.add_argument("--concurrency", default=None,
-                   help=f"comma-separated closed-loop levels (default {DEFAULT_CONCURRENCY}); "
-                        "with --trace, given = closed loop over the trace, absent = replay arrivals")
-    p.add_argument("--num-requests", type=int, default=None,
-                   help=f"requests per level (default max(4*concurrency, 16), at most "
-                        f"{DEFAULT_REQUESTS_CAP}; replay: the whole trace)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def add_report_arguments(p: argparse.ArgumentParser, plot: str) -> None:
+    """Warm-up, GPUs, where results go (shared with `bench goodput`)."""
     p.add_argument("--warmup", type=int, default=2, help="requests sent before the sweep, not measured")
     p.add_argument("--gpus", type=int, default=1, help="GPUs serving; divides throughput per GPU")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout-s", type=float, default=600.0, help="per-request limit, whole stream")
     p.add_argument("--output", default=None, help="append the JSON lines to this file")
-    p.add_argument("--plot", default=None, help="write the Pareto plot to this PNG")
+    p.add_argument("--plot", default=None, help=f"write {plot} to this PNG")
     p.add_argument("--label", default="", help="device label for the plot title and the JSON")
-    p.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"),
-                   help="bearer token (default: $SPLITSERVE_API_KEY)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--extra-body", type=_json_object, default=None,
+                   help='HTTP only: a JSON object merged into every request body, e.g. \'{"echo": true, "logprobs": 1}\'')
+    p.add_argument("--processes", type=int, default=1,
+                   help="split each level's clients over this many processes (procs.py) and merge their "
+                        "records, so that the load generator never sets the pace")
 
 
 @dataclass(frozen=True, slots=True)
@@ -471,6 +233,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise BenchInputError("--speedup and --timeout-s must be > 0")
     if args.num_requests is not None and args.num_requests < 1:
         raise BenchInputError("--num-requests must be >= 1")
+    if getattr(args, "processes", 1) < 1:
+        raise BenchInputError("--processes must be >= 1")
     ratio = args.random_range_ratio
     if ratio is not None and not 0 < ratio <= 1:  # NaN fails too
         raise BenchInputError(f"--random-range-ratio must be in (0, 1], got {ratio}")
@@ -540,12 +304,16 @@ async def discover_model(args: argparse.Namespace) -> tuple[str, int | None]:
     return chosen["id"], chosen["max_model_len"]
 
 
-async def run_level(args: argparse.Namespace, model: str, specs: list[RequestSpec],
-                    concurrency: int | None, desc: str) -> LevelRun:
+async def run_level_in_process(args: argparse.Namespace, model: str, specs: list[RequestSpec],
+                               concurrency: int | None, desc: str) -> LevelRun:
     from tqdm import tqdm
 
     pool = concurrency if concurrency is not None else min(len(specs), 4096)
     client = make_client(args.url, model, pool, args.timeout_s, args.api_key)
+    if args.extra_body:
+        if not hasattr(client, "extra_body"):
+            raise SystemExit("--extra-body is for the HTTP API only")
+        client.extra_body = args.extra_body
     bar = tqdm(total=len(specs), desc=desc, unit="req", file=sys.stderr, mininterval=0.5,
                disable=args.no_progress, leave=False)
     lag: list[float] = []
@@ -563,6 +331,56 @@ async def run_level(args: argparse.Namespace, model: str, specs: list[RequestSpe
         await client.aclose()
 
 
+async def run_level(args: argparse.Namespace, plan: Plan, model: str, concurrency: int | None,
+                    salt: int) -> LevelRun:
+    """One level, in this process or split over --processes (procs.py)."""
+    n = getattr(args, "processes", 1)
+    if n <= 1:
+        specs = level_specs(plan, args, concurrency, salt)
+        return await run_level_in_process(args, model, specs, concurrency,
+                                          f"c={concurrency}" if concurrency else "replay")
+    from splitserve.bench.procs import run_level_processes
+    results, duration_s, max_in_flight, lag = await asyncio.to_thread(
+        run_level_processes, level_share, args, model, concurrency, salt, n)
+    return LevelRun(results, duration_s, max_in_flight, lag)
+
+
+def level_share(conn, args: argparse.Namespace, model: str, concurrency: int | None, salt: int, k: int,
+                n: int) -> None:
+    """In client process k of n (procs.py): build the level's requests, take every n-th from the
+    k-th and a share of the concurrency, say ready, wait for go, run, send the results back."""
+    from splitserve.bench.procs import shares
+
+    plan = make_plan(args)
+    specs = level_specs(plan, args, concurrency, salt)[k::n]
+    mine = None if concurrency is None else shares(concurrency, n)[k]
+    conn.send("ready")
+    conn.recv()                                     # go
+    with asyncio.Runner(loop_factory=event_loop_factory(args.url)) as runner:
+        start = time.perf_counter()
+        run = runner.run(run_level_in_process(args, model, specs, mine, f"p{k}")) if specs and mine != 0 \
+            else None
+        end = time.perf_counter()
+    conn.send((start, end, run.results if run else [], run.loop_lag_s if run else [],
+               run.max_in_flight if run else 0))
+    conn.close()
+
+
+# The client's loop lag (p99) beyond this share of the ITL p50 stamps chunks late enough to distort ITL.
+LAG_WARN_SHARE_OF_ITL = 0.2
+
+
+def warn_client_lag(record: dict) -> None:
+    """Mark (and say on stderr) a level whose client lagged enough to distort its ITL figures."""
+    lag, itl = record.get("client_lag_p99_s"), record.get("itl_p50_s")
+    record["client_lag_distorts_itl"] = bool(lag and itl and lag > LAG_WARN_SHARE_OF_ITL * itl)
+    if record["client_lag_distorts_itl"]:
+        print(f"bench serve: warning: at concurrency {record.get('concurrency')} the client's event loop lagged "
+              f"{lag * 1e3:.1f} ms at p99 against an ITL p50 of {itl * 1e3:.1f} ms: the load generator, not "
+              f"the server, shapes ITL; use more --processes (now {record.get('processes', 1)})",
+              file=sys.stderr)
+
+
 WARMUP_SALT = 1 << 31
 
 
@@ -574,7 +392,7 @@ async def warm_up(args: argparse.Namespace, plan: Plan, model: str) -> None:
         specs = trace_specs(plan.trace_rows[:args.warmup], plan.block_size, args.vocab_size, seed)
     else:
         specs = synthetic_specs(plan.isl, plan.osl, args.warmup, args.vocab_size, seed, plan.range_ratio)
-    await run_level(args, model, specs, concurrency, "warmup")
+    await run_level_in_process(args, model, specs, concurrency, "warmup")
 
 
 async def run_sweep(args: argparse.Namespace, plan: Plan) -> int:
@@ -592,14 +410,14 @@ async def run_sweep(args: argparse.Namespace, plan: Plan) -> int:
         await warm_up(args, plan, model)
     levels = []
     for i, concurrency in enumerate(plan.levels):
-        specs = level_specs(plan, args, concurrency, salt=i)
-        run = await run_level(args, model, specs, concurrency,
-                              f"c={concurrency}" if concurrency else "replay")
+        run = await run_level(args, plan, model, concurrency, i)
         mode = {"concurrency": concurrency} if concurrency else \
             {"concurrency": None, "mode": "replay", "speedup": args.speedup,
              "max_in_flight": run.max_in_flight}
         record = header | mode | summarize_level(run.results, run.duration_s, args.gpus)
         record["client_lag_p99_s"] = percentile(np.array(run.loop_lag_s), 99)
+        record["processes"] = getattr(args, "processes", 1)
+        warn_client_lag(record)
         emit(record, args.output)
         levels.append(record)
     return finish_sweep(args, header, levels)
@@ -629,7 +447,7 @@ def finish_sweep(args: argparse.Namespace, header: dict, levels: list[dict]) -> 
     return 0
 
 
-def _event_loop_factory(url: str):
+def event_loop_factory(url: str):
     if url.startswith("grpc://"):
         return None  # grpc.aio is only supported on the standard asyncio loop
     try:
@@ -643,7 +461,7 @@ def main(args: argparse.Namespace) -> int:
     """Run the sweep; 0 when it ran (failed requests are reported, not fatal), 2 on bad input."""
     try:
         plan = make_plan(args)
-        with asyncio.Runner(loop_factory=_event_loop_factory(args.url)) as runner:
+        with asyncio.Runner(loop_factory=event_loop_factory(args.url)) as runner:
             return runner.run(run_sweep(args, plan))
     except BenchInputError as e:
         print(f"bench serve: {e}", file=sys.stderr)
@@ -654,3 +472,13 @@ if __name__ == "__main__":
     _parser = argparse.ArgumentParser(prog="splitserve bench serve", description=__doc__.split("\n")[0])
     add_arguments(_parser)
     sys.exit(main(_parser.parse_args()))
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value

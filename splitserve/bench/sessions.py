@@ -34,7 +34,7 @@ from datetime import datetime
 import numpy as np
 
 from splitserve.bench.clients import RequestSpec
-from splitserve.bench.serve import BenchInputError, random_prompt
+from splitserve.bench.workloads import BenchInputError, random_prompt
 
 
 @dataclass(frozen=True, slots=True)

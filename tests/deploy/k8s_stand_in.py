@@ -6,10 +6,11 @@ served over HTTP on loopback so that the real `kubernetes` client talks to it.
     GET   /api/v1/namespaces/NS/pods?labelSelector=k=v,...           PodList
     PATCH /api/v1/namespaces/NS/pods/NAME                            a merge patch of metadata
 
-It plays the ReplicaSet too: a higher replica count creates pods (at once, or when `release_pods()`
-is called with `hold_pods` set), a lower one marks the pods with the lowest
-controller.kubernetes.io/pod-deletion-cost terminating (ties: the newest), and `finish_terminations()`
-removes them (their preStop drain is over). Every request is recorded as (method, path, query) in
+It plays the ReplicaSet and the kubelet too: a higher replica count creates pods (at once, or when
+`release_pods()` is called with `hold_pods` set), a lower one marks terminating the pods a
+ReplicaSet removes first — not ready before ready, then the lowest
+controller.kubernetes.io/pod-deletion-cost, then the newest — and `finish_terminations()` removes
+them (their preStop drain is over); `set_ready(pod, False)` is a failing readiness probe. Every request is recorded as (method, path, query) in
 `calls`; anything else is a 404, a request without the bearer token a 401.
 """
 
@@ -105,6 +106,14 @@ class StandInApi:
             for d in self.deployments.values():
                 d.pods = [p for p in d.pods if "deletionTimestamp" not in p["metadata"]]
 
+    def set_ready(self, pod_name: str, ready: bool) -> None:
+        with self._lock:
+            for d in self.deployments.values():
+                for p in d.pods:
+                    if p["metadata"]["name"] == pod_name:
+                        p["status"]["containerStatuses"][0]["ready"] = ready
+                        p["status"]["conditions"] = [{"type": "Ready", "status": str(ready)}]
+
     def crash_loop(self, pod_name: str) -> None:
         with self._lock:
             for d in self.deployments.values():
@@ -113,6 +122,7 @@ class StandInApi:
                         cs = p["status"]["containerStatuses"][0]
                         cs.update(ready=False, restartCount=6,
                                   state={"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 5m0s"}})
+                        p["status"]["conditions"] = [{"type": "Ready", "status": "False"}]
 
     # ---- the REST side -------------------------------------------------------------------
     def _serve(self, h: BaseHTTPRequestHandler, method: str) -> None:
@@ -169,9 +179,10 @@ class StandInApi:
             live.append(pod)
         surplus = len(live) - d.replicas
         if surplus > 0:
-            def cost(p):
-                return int(p["metadata"].get("annotations", {}).get(DELETION_COST, "0"))
-            victims = sorted(live, key=lambda p: (cost(p), -p["serial"]))[:surplus]
+            def rank(p):          # a ReplicaSet's order of removal (controller.ActivePodsWithRanks)
+                ready = p["status"]["containerStatuses"][0]["ready"]
+                return ready, int(p["metadata"].get("annotations", {}).get(DELETION_COST, "0")), -p["serial"]
+            victims = sorted(live, key=rank)[:surplus]
             for p in victims:
                 p["metadata"]["deletionTimestamp"] = _now()
 
@@ -181,7 +192,7 @@ class StandInApi:
                 "metadata": {"name": f"{d.name}-7d9f8-{n:05d}", "namespace": self.namespace, "labels": dict(d.labels),
                              "creationTimestamp": _now(), "annotations": {}},
                 "spec": {"containers": [{"name": "worker", "image": "splitserve-worker"}]},
-                "status": {"phase": "Running", "startTime": _now(),
+                "status": {"phase": "Running", "startTime": _now(), "conditions": [{"type": "Ready", "status": "True"}],
                            "containerStatuses": [{"name": "worker", "image": "splitserve-worker", "imageID": "",
                                                   "ready": True, "restartCount": 0,
                                                   "state": {"running": {"startedAt": _now()}}}]}}

@@ -14,7 +14,7 @@ import yaml
 from tests.deploy.chart import (CHART, ROOT, VALUE_SETS, by_kind, component_configs, containers, manifests,
                                 pod_specs, render_values, values_of)
 
-SECRET_ENV = {"SPLITSERVE_API_KEY", "SPLITSERVE_ADMIN_TOKEN"}
+SECRET_ENV = {"SPLITSERVE_API_KEY", "SPLITSERVE_ADMIN_TOKEN", "SPLITSERVE_CLUSTER_TOKEN"}
 
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)
@@ -61,15 +61,77 @@ def test_secrets_come_only_from_secret_references(value_set):
         assert "url" not in cfg["redis"], component
 
 
-def test_the_generated_secret_has_both_keys_and_is_used():
+def test_the_generated_secret_has_its_three_keys_and_each_reaches_only_its_users():
     objs = manifests("default-values.yaml")
     (secret,) = by_kind(objs, "Secret").values()
-    assert set(secret["data"]) == {"api-key", "admin-token"}
+    assert set(secret["data"]) == {"api-key", "admin-token", "cluster-token"}
     assert all(len(base64.b64decode(v)) >= 32 for v in secret["data"].values())
-    refs = {(e["name"], e["valueFrom"]["secretKeyRef"]["name"]) for pod in pod_specs(objs).values()
-            for c in pod["containers"] for e in c.get("env", []) if "valueFrom" in e and "secretKeyRef" in e["valueFrom"]}
-    assert refs == {("SPLITSERVE_API_KEY", secret["metadata"]["name"]),
-                    ("SPLITSERVE_ADMIN_TOKEN", secret["metadata"]["name"])}
+    users: dict[str, set[str]] = {}
+    for name, pod in pod_specs(objs).items():
+        for c in pod["containers"]:
+            for e in c.get("env", []):
+                ref = e.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    assert ref["name"] == secret["metadata"]["name"]
+                    users.setdefault(e["name"], set()).add(f"{name}/{c['name']}")
+    assert users == {
+        "SPLITSERVE_API_KEY": {"splitserve-frontend/frontend"},
+        "SPLITSERVE_ADMIN_TOKEN": {"splitserve-planner/planner", "splitserve-planner/controller"},
+        # every caller of a worker (frontends, the controller, decode workers) and every worker
+        "SPLITSERVE_CLUSTER_TOKEN": {"splitserve-frontend/frontend", "splitserve-planner/controller",
+                                     "splitserve-prefill/worker", "splitserve-decode/worker"}}
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_worker_ingress_admits_only_the_releases_frontends_planner_and_peer_workers(value_set):
+    objs = manifests(value_set)
+    values = values_of(value_set)
+    workers = values.get("workers", {})
+    grpc_port, metrics_port = workers.get("grpcPort", 50061), workers.get("metricsPort", 9090)
+    policy = by_kind(objs, "NetworkPolicy")["splitserve-workers"]
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    assert spec["podSelector"]["matchLabels"]["splitserve.io/worker"] == "true"
+    for d in by_kind(objs, "Deployment").values():       # it selects every worker pod and no other
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        selected = all(labels.get(k) == v for k, v in spec["podSelector"]["matchLabels"].items())
+        assert selected == d["metadata"]["name"].endswith(("-prefill", "-decode")), d["metadata"]["name"]
+    peers, callers = spec["ingress"][:2]
+    assert "ports" not in peers and [p["podSelector"]["matchLabels"]["splitserve.io/worker"]
+                                     for p in peers["from"]] == ["true"]          # NIXL: any port
+    assert sorted(p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in callers["from"]) == \
+        ["frontend", "planner"]
+    assert all(p["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == "splitserve"
+               for rule in (peers, callers) for p in rule["from"])
+    assert sorted(p["port"] for p in callers["ports"]) == sorted([grpc_port, metrics_port])
+    assert len(spec["ingress"]) == 2          # no metricsFrom in these value sets: nothing else gets in
+    off = render_values({"workers": {"networkPolicy": {"enabled": False}}})
+    assert "splitserve-workers" not in by_kind(off, "NetworkPolicy")
+    scraped = render_values({"workers": {"networkPolicy": {"enabled": True, "metricsFrom": [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]}}})
+    extra = by_kind(scraped, "NetworkPolicy")["splitserve-workers"]["spec"]["ingress"][2]
+    assert extra["ports"] == [{"port": 9090, "protocol": "TCP"}]
+
+
+def test_frontends_write_the_tiny_model_with_the_control_plane_image():
+    objs = manifests("default-values.yaml")
+    pods = pod_specs(objs)
+    (init,) = pods["splitserve-frontend"]["initContainers"]
+    assert init["image"].startswith("ghcr.io/splitserve/splitserve-control-plane:")
+    assert init["command"][-1] == "--no-weights"
+    for pool in ("prefill", "decode"):                      # workers need the weights: their own image
+        (init,) = pods[f"splitserve-{pool}"]["initContainers"]
+        assert init["image"].startswith("ghcr.io/splitserve/splitserve-worker:") and "--no-weights" not in init["command"]
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_every_planner_pod_container_has_a_readiness_probe(value_set):
+    pod = pod_specs(manifests(value_set)).get("splitserve-planner")
+    if pod is None:
+        return
+    probes = {c["name"]: c.get("readinessProbe") for c in pod["containers"]}
+    assert probes["planner"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+    assert probes["controller"]["tcpSocket"] == {"port": "admin"}
 
 
 def test_an_existing_secret_replaces_the_generated_one():
@@ -176,7 +238,7 @@ def test_planner_rbac_is_limited_to_scaling_the_worker_deployments(value_set):
     scale["resourceNames"].sort()
     assert [scale, pods] == [
         {"apiGroups": ["apps"], "resources": ["deployments/scale"], "resourceNames": workers, "verbs": ["get", "patch"]},
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "patch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},           # it writes to no pod
     ]
     (binding,) = bindings.values()
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "splitserve-planner", "namespace": "serving"}]

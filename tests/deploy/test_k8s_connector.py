@@ -3,8 +3,9 @@ against a stand-in API server (tests/deploy/k8s_stand_in.py) set up from the ren
 namespace, the Deployment names in the planner's config, their pod selectors.
 
 - scale-up patches replicas through the scale subresource; a replica without a pod is a placeholder;
-- scale-down drains the chosen pod first (Worker.Drain), marks it the cheapest to delete, then
-  lowers replicas: Kubernetes removes that pod and no other;
+- scale-down drains the chosen pod first (Worker.Drain), waits for it to be reported not ready
+  (its readiness probe), then lowers replicas: Kubernetes removes that pod and no other, and the
+  connector wrote to no pod;
 - a CrashLoopBackOff pod is `failed`; `stop` removes it the same way, without a drain;
 - refusals and an unreachable API are ConnectorError;
 - the chart's planner Role allows exactly the calls the connector made, and nothing more.
@@ -19,7 +20,8 @@ import pytest
 pytest.importorskip("kubernetes")
 
 from pools.connector import ConnectorError, HandleState  # noqa: E402
-from pools.k8s_connector import DELETION_COST, DRAINED_COST, KubernetesConnector  # noqa: E402
+from pools import k8s_connector  # noqa: E402
+from pools.k8s_connector import KubernetesConnector  # noqa: E402
 from pools.book import PoolName  # noqa: E402
 from tests.deploy.chart import by_kind, component_configs, manifests  # noqa: E402
 from tests.deploy.k8s_stand_in import StandInApi, rbac_request  # noqa: E402
@@ -46,6 +48,8 @@ def setup():
     async def drain_rpc(name: str) -> bool:
         api.calls.append(("DRAIN-RPC", name, ""))      # in order with the API calls
         drained.append(name)
+        # the worker answers NOT_SERVING now; its readiness probe fails a moment later
+        asyncio.get_running_loop().call_later(0.3, api.set_ready, name, False)
         return True
 
     conn = KubernetesConnector(ns, deployments, drain_rpc, api_client=api.client())
@@ -92,12 +96,11 @@ def test_scale_down_drains_the_chosen_pod_first_and_kubernetes_removes_that_one(
         del api.calls[:]
         await conn.drain(chosen)
         assert drained == [chosen]
-        # first the drain, then the deletion cost, then one replica less
+        # first the drain, then (once it is not ready) one replica less; no pod is written to
         steps = [(m, p.rsplit("/", 1)[-1]) for m, p, _ in api.calls if m != "GET"]
-        assert steps == [("DRAIN-RPC", chosen), ("PATCH", chosen), ("PATCH", "scale")], steps
+        assert steps == [("DRAIN-RPC", chosen), ("PATCH", "scale")], steps
         assert api.deployments[decode].replicas == 2
         pod = {p["metadata"]["name"]: p for p in api.pods(decode)}
-        assert pod[chosen]["metadata"]["annotations"][DELETION_COST] == DRAINED_COST
         terminating = [n for n, p in pod.items() if "deletionTimestamp" in p["metadata"]]
         assert terminating == [chosen]            # the drained pod goes, no other
         await conn.refresh()
@@ -106,6 +109,28 @@ def test_scale_down_drains_the_chosen_pod_first_and_kubernetes_removes_that_one(
         api.finish_terminations()                 # its preStop drain is over, the pod is gone
         await conn.refresh()
         assert chosen not in names(conn) and len(names(conn, PoolName.DECODE)) == 2
+    asyncio.run(go())
+
+
+def test_a_drained_pod_still_ready_after_the_wait_is_scaled_down_anyway(setup, monkeypatch):
+    """A readiness probe that never fails (a worker that took the drain but answers SERVING): the
+    connector does not wait forever; Kubernetes then removes its own pick and the pool keeps its size."""
+    api, conn, deployments, drained, _ = setup
+    decode = deployments[PoolName.DECODE]
+    monkeypatch.setattr(k8s_connector, "NOT_READY_WAIT_S", 1.0)
+
+    async def go():
+        await conn.start(PoolName.DECODE)
+        await conn.refresh()
+        pods = [p["metadata"]["name"] for p in api.pods(decode)]
+
+        async def drain_but_stay_ready(name: str) -> bool:
+            drained.append(name)
+            return True
+        conn._drain_rpc = drain_but_stay_ready
+        await conn.drain(pods[0])
+        assert drained == [pods[0]] and api.deployments[decode].replicas == 1
+        assert len([p for p in api.pods(decode) if "deletionTimestamp" in p["metadata"]]) == 1
     asyncio.run(go())
 
 
@@ -218,7 +243,7 @@ def test_splitserve_controller_scales_the_chart_deployments_through_pools_scale(
             until(lambda: api.deployments[decode].replicas == 1, 15, 0.1, "decode scaled to 1")
             gone = [p for p in api.pods(decode) if "deletionTimestamp" in p["metadata"]]
             assert len(gone) == 3
-            assert all(p["metadata"]["annotations"].get(DELETION_COST) == DRAINED_COST for p in gone)
+            assert not [c for c in api.calls if c[0] == "PATCH" and "/pods/" in c[1]]     # no pod written to
             assert api.deployments[deployments[PoolName.PREFILL]].replicas == 2        # untouched
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(20) == 0

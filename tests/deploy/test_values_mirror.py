@@ -16,18 +16,23 @@ from runtime import config as config_module
 from runtime.config import EngineConfig, FrontendConfig, RedisConfig, WorkerConfig
 from runtime.config_fields import settings
 from runtime.config_file import config_from_dict
+from runtime.config_planner import HARD_MAX_WORKERS, PoolLimitsConfig, PredictorKind, PrefillOrder, SlaConfig
 from splitserve.cli import build_parser
-from tests.deploy.chart import CHART, VALUE_SETS, component_configs, manifests, pod_specs
+from tests.deploy.chart import CHART, VALUE_SETS, component_configs, manifests, pod_specs, render_values
 
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 VALUES = yaml.safe_load((CHART / "values.yaml").read_text())
 TYPES = {int: "integer", float: "number", str: "string", bool: "boolean"}
 
+
+def json_type(t: type) -> str:
+    return TYPES.get(t) or "string"          # a StrEnum is spelled as its values
+
 # Fields the chart sets itself, so that pods, Services and probes agree (or that come by environment).
 CHART_OWNED = {
-    EngineConfig: {"model"},
+    EngineConfig: {"model", "tensor_parallel_size"},         # the pool's `gpus`
     FrontendConfig: {"model", "redis.url", "host", "http_port", "grpc_port", "api_key"},
-    WorkerConfig: {"engine.model", "redis.url", "role", "host", "advertise_host", "port", "metrics_port", "worker_id"},
+    WorkerConfig: {"engine.model", "engine.tensor_parallel_size", "redis.url", "role", "host", "advertise_host", "port", "metrics_port", "worker_id"},
     RedisConfig: {"url"},
 }
 # Fields the chart renders that runtime/config.py does not declare yet, by the work that adds them
@@ -76,9 +81,9 @@ def check_mirror(cls, schema_node: dict, values_node: dict, owned: set[str], pre
     assert set(value_leaves(values_node)) == set(in_schema), "values.yaml and values.schema.json differ"
     for path, s in declared.items():
         node = in_schema[path]
-        want = [TYPES[s.type], "null"] if s.optional else TYPES[s.type]
+        want = [json_type(s.type), "null"] if s.optional else json_type(s.type)
         assert node["type"] == want, path
-        assert node.get("enum") == (None if not s.meta.choices else [*s.meta.choices, *([None] if s.optional else [])]), path
+        assert node.get("enum") == (None if not s.choices else [*s.choices, *([None] if s.optional else [])]), path
         assert value_leaves(values_node)[path] == s.default, f"values.yaml {path}: default differs from {cls.__name__}'s"
 
 
@@ -111,6 +116,32 @@ def test_worker_values_mirror_worker_config(pool):
     assert set(values) == in_schema
 
 
+def test_planner_values_mirror_the_declared_planner_settings():
+    """planner.config holds every SlaConfig field with its declared default, type and choices, and
+    planner.config.controller every PoolLimitsConfig field, bounded by HARD_MAX_WORKERS."""
+    node = SCHEMA["properties"]["planner"]["properties"]["config"]
+    sla_node = {**node, "properties": {k: v for k, v in node["properties"].items() if k != "controller"}}
+    sla_values = {k: v for k, v in VALUES["planner"]["config"].items() if k != "controller"}
+    check_mirror(SlaConfig, sla_node, sla_values, set())
+    check_mirror(PoolLimitsConfig, node["properties"]["controller"], VALUES["planner"]["config"]["controller"], set())
+    assert {n["maximum"] for n in node["properties"]["controller"]["properties"].values()} == {HARD_MAX_WORKERS}
+    pattern = node["properties"]["predictor"]["pattern"]
+    assert pattern.startswith(f"^({'|'.join(PredictorKind)})")
+
+
+def test_the_planner_settings_reach_the_planner_and_fifo_leaves_prefill_queues_in_arrival_order():
+    """Every planner value the chart is given lands in the planner's config; with prefill_order fifo
+    the prefill workers start without a deadline (the order the planner then sizes them for)."""
+    given = {"prefill_order": "fifo", "predictor": "ewma(0.3)", "hysteresis": 0.2, "decode_down_delay_s": 40.0,
+             "gpu_budget": 12, "num_samples": 1000, "controller": {"max_decode_workers": 12}}
+    configs = component_configs(render_values({"planner": {"config": given}}))
+    planner = config_from_dict(config_module.PlannerComponentConfig, configs["planner"], "planner.json")
+    assert (planner.prefill_order, planner.predictor, planner.hysteresis, planner.decode_down_delay_s,
+            planner.gpu_budget, planner.num_samples) == (PrefillOrder.FIFO, "ewma(0.3)", 0.2, 40.0, 12, 1000)
+    assert "prefill_deadline_ms" not in configs["prefill"]
+    assert configs["controller"]["controller"]["max_decode_workers"] == 12
+
+
 def drop_pending(cls, data: dict) -> dict:
     names = {f.name for f in fields(cls)}
     return {k: v for k, v in data.items() if k in names or k not in PENDING.get(cls, set())}
@@ -127,8 +158,13 @@ def test_rendered_configs_build_the_component_configs(value_set):
             assert w.host == "0.0.0.0" and w.engine.model == fe.model and w.redis == fe.redis
             assert w.metrics_port and w.port
     if "prefill" in configs:       # the planner's TTFT target orders the prefill queues; none without it
-        want = configs["planner"]["ttft_ms"] if "planner" in configs else None
+        deadline = "planner" in configs and configs["planner"]["prefill_order"] == PrefillOrder.DEADLINE
+        want = configs["planner"]["ttft_ms"] if deadline else None
         assert configs["prefill"].get("prefill_deadline_ms") == want
+    if "planner" in configs:
+        config_from_dict(config_module.PlannerComponentConfig, configs["planner"], "planner.json")
+    # the planner's ITL target keeps long prefills off the decode workers; none without it
+    assert fe.itl_target_ms == (configs["planner"]["itl_ms"] if "planner" in configs else None)
 
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)
@@ -150,3 +186,16 @@ def test_the_planner_pod_runs_splitserve_planner_with_its_targets():
     assert build_parser().parse_args(args).command == "planner"
     sla = {k for k in VALUES["planner"]["config"] if k != "controller"}
     assert sla and sla <= {f.name for f in fields(config_module.PlannerComponentConfig)}
+
+
+def test_a_pools_gpus_are_its_workers_tensor_parallel_size():
+    """`gpus: 2` gives each pod of the pool two GPUs and splits its workers' model over them; a CPU
+    pool (gpus 0) runs unsplit."""
+    objs = render_values({"decode": {"gpus": 2}, "prefill": {"gpus": 0}})
+    configs = component_configs(objs)
+    assert configs["decode"]["engine"]["tensor_parallel_size"] == 2
+    assert configs["prefill"]["engine"]["tensor_parallel_size"] == 1
+    decode = pod_specs(objs)["splitserve-decode"]["containers"][0]["resources"]
+    assert decode["limits"]["nvidia.com/gpu"] == 2 and decode["requests"]["nvidia.com/gpu"] == 2
+    w = config_from_dict(WorkerConfig, configs["decode"], "decode.json")
+    assert w.engine.tensor_parallel_size == 2

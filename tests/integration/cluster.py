@@ -6,7 +6,8 @@ launcher's ready banner and /health, and `Cluster.stop` ends it with SIGTERM. Wi
 their status over gRPC and find their pids, as an operator would. `own_cluster` does all of that
 with a Redis of its own. Every cluster gets a free admin port; `Cluster.cli(...)` runs
 `splitserve pools|workers ...` against it, as an operator would (the token comes from the file
-serve wrote). Used by the integration tests and by bench/cpu_serving_bench.py.
+serve wrote). Every cluster gets its cluster token from the test (SPLITSERVE_CLUSTER_TOKEN), so
+that tests may call its workers as its frontend does (`worker_metadata`). Used by the integration tests and by bench/cpu_serving_bench.py.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -29,6 +31,7 @@ import redis.asyncio as aioredis
 
 from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
 from runtime.discovery import WorkerInfo, list_workers
+from runtime.grpc_links import TOKEN_ENV, TOKEN_METADATA
 from runtime.redis_embedded import EmbeddedRedis, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,6 +92,12 @@ class Cluster:
     namespace: str = "splitserve"
     argv: list[str] = field(default_factory=list)
     admin_port: int = 0
+    cluster_token: str = ""
+
+    @property
+    def worker_metadata(self) -> tuple[tuple[str, str], ...]:
+        """What a call to one of this cluster's workers must carry (runtime/grpc_links.py)."""
+        return ((TOKEN_METADATA, self.cluster_token),)
 
     @property
     def url(self) -> str:
@@ -154,7 +163,8 @@ class Cluster:
         out = []
         for w in self.workers():
             with grpc.insecure_channel(w.address) as ch:
-                out.append(worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.WorkerStatusRequest(), timeout=5))
+                out.append(worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.WorkerStatusRequest(), timeout=5,
+                                                                    metadata=self.worker_metadata))
         return out
 
     def wait_idle(self, timeout_s: float = 20.0) -> list[worker_pb2.WorkerStatus]:
@@ -196,10 +206,11 @@ def start_cluster(tmp_dir: Path, *args: str, redis_url: str | None = None, env: 
         argv += ["--redis-url", redis_url]
     tmp_dir.mkdir(parents=True, exist_ok=True)
     log_path = tmp_dir / f"serve-{http_port}.log"
+    env = dict(os.environ if env is None else env)
+    env.setdefault(TOKEN_ENV, secrets.token_urlsafe(16))
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(os.environ if env is None else env))
-    cluster = Cluster(proc, http_port, grpc_port, log_path, redis_url, argv=argv)
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    cluster = Cluster(proc, http_port, grpc_port, log_path, redis_url, argv=argv, cluster_token=env[TOKEN_ENV])
 
     def healthy():
         if proc.poll() is not None:

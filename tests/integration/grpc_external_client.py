@@ -23,7 +23,9 @@ def stream(stub, **kw):
         out.append({"request_id": msg.request_id, "token_ids": list(msg.token_ids), "text": msg.text,
                     "finish_reason": pb.FinishReason.Name(msg.finish_reason),
                     "has_usage": msg.HasField("usage"),
-                    "usage": [msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_tokens]})
+                    "usage": [msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_tokens],
+                    "prompt_logprobs": [[p.token_id, p.logprob, list(p.top_token_ids), p.rank]
+                                        for p in msg.prompt_logprobs]})
     return out
 
 
@@ -48,6 +50,10 @@ def main():
         results["text"] = stream(stub, model=name, text="def hello():", sampling=greedy)
         results["chat"] = stream(stub, model=name, chat=pb.ChatMessages(messages=[
             pb.ChatMessage(role="user", content="Say hello.")]), sampling=greedy)
+        results["prompt_logprobs"] = stream(stub, model=name, token_ids=pb.TokenIds(ids=[0, 400, 500, 600, 700]),
+                                            sampling=pb.SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2))
+        results["named_chat"] = stream(stub, model=name, chat=pb.ChatMessages(messages=[
+            pb.ChatMessage(role="user", content="Say hello.", name="alice")]), sampling=greedy)
         results["no_model_field"] = stream(stub, text="x", sampling=pb.SamplingParams(max_tokens=2))
         results["stop_token"] = stream(stub, model=name, token_ids=pb.TokenIds(ids=[0, 400, 500, 600, 700]),
                                        sampling=pb.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,

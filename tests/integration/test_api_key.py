@@ -5,6 +5,7 @@ it reaches no child at all (argv, environment) and no file."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -117,13 +118,26 @@ def test_the_key_is_in_no_log_and_no_child_command_line(keyed):
     completion(keyed, {"Authorization": f"Bearer {KEY}"})
     kids = descendants(keyed.proc.pid)
     assert len(kids) >= 3                        # redis-server, a worker, the frontend
+    holders = []
     for pid in kids:
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
         except OSError:
             continue
         assert KEY not in argv, argv
+        if KEY.encode() in environ:
+            holders.append(argv)
+    # the frontend alone holds the key (by environment); no worker, no Redis
+    assert len(holders) == 1 and " frontend " in holders[0], holders
     assert KEY not in keyed.log()
+
+
+def test_the_ready_banner_shows_a_curl_that_sends_the_key_by_placeholder(keyed):
+    banner = keyed.log()[keyed.log().index("Splitserve is ready"):]
+    curl = next(line for line in banner.splitlines() if "curl " in line)
+    assert '-H "Authorization: Bearer $SPLITSERVE_API_KEY"' in curl, curl
+    assert KEY not in banner
 
 
 def test_the_admin_api_needs_the_admin_token_which_reaches_no_child(keyed):
@@ -150,3 +164,31 @@ def test_the_admin_api_needs_the_admin_token_which_reaches_no_child(keyed):
             continue
         assert ADMIN.encode() not in argv and ADMIN.encode() not in environ, argv
     assert ADMIN not in keyed.log()
+
+
+def test_a_worker_refuses_calls_without_the_cluster_token(keyed):
+    """With the API key set, a process that reaches a worker's port can neither drain it nor
+    generate without the key: worker RPCs need the cluster token, which no log and no command line
+    shows. The cluster itself (frontend, controller) uses it: the key tests above were served."""
+    from proto.splitserve.v1 import worker_pb2, worker_pb2_grpc
+    workers = json.loads(keyed.cli("workers", "list", "--json", "--admin-token", ADMIN).stdout)
+    assert workers and all(w["address"] for w in workers)
+    for w in workers:
+        with grpc.insecure_channel(w["address"]) as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            for call in (lambda: stub.Drain(worker_pb2.DrainRequest(), timeout=10),
+                         lambda: stub.GetStatus(worker_pb2.WorkerStatusRequest(), timeout=10),
+                         lambda: list(stub.Session(iter([]), timeout=10))):
+                with pytest.raises(grpc.RpcError) as e:
+                    call()
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert stub.GetStatus(worker_pb2.WorkerStatusRequest(), timeout=10,
+                                  metadata=keyed.worker_metadata).worker_id == w["worker_id"]
+    assert completion(keyed, {"Authorization": f"Bearer {KEY}"}).status_code == 200    # nothing was drained
+    assert keyed.cluster_token not in keyed.log()
+    for pid in descendants(keyed.proc.pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        assert keyed.cluster_token.encode() not in argv

@@ -30,7 +30,7 @@ from splitserve.serve import Cluster
 
 pytestmark = pytest.mark.slow
 
-# mock workers serve aggregated (they hold no KV to move), as under `serve --mock`
+# the decode pool's mock workers prefill their own prompts: what the controller does does not depend on KV moving
 ROLES = {PoolName.DECODE: "aggregated", PoolName.PREFILL: "prefill"}
 COMMANDS = {"aggregated": "decode-worker", "prefill": "prefill-worker"}
 TOKEN = "admin-test-token-5d1e"
@@ -50,16 +50,17 @@ def cluster():
     c.stop(timeout_s=5)
 
 
-def make(redis_url: str, cluster: Cluster, broken: frozenset[str] = frozenset(), decode=2, prefill=0):
+def make(redis_url: str, cluster: Cluster, broken: frozenset[str] = frozenset(), decode=2, prefill=0,
+         lease_ttl_s: float = 5.0):
     """A controller over real mock workers; the workers named in `broken` get a model that does not
     exist, so they exit with an error at every start."""
     model_dir = resolve_model("tiny")
 
-    def spawn(pool, name):
+    def spawn(pool, name, gpus=None):
         role = ROLES[pool]
         engine = EngineConfig(model="/nonexistent/model" if name in broken else model_dir, mock=True, device="cpu")
-        cfg = WorkerConfig(engine=engine, redis=RedisConfig(url=redis_url), role=role, host="127.0.0.1",
-                           worker_id=name, drain_timeout_s=5.0)
+        cfg = WorkerConfig(engine=engine, redis=RedisConfig(url=redis_url, lease_ttl_s=lease_ttl_s), role=role,
+                           host="127.0.0.1", worker_id=name, drain_timeout_s=5.0)
         return cluster.spawn_component(COMMANDS[role], name, cfg, dict(os.environ))
 
     metrics = PoolMetrics()
@@ -67,7 +68,8 @@ def make(redis_url: str, cluster: Cluster, broken: frozenset[str] = frozenset(),
                                       on_restart=lambda p: metrics.restarts.labels(p).inc(),
                                       on_crash_loop=lambda p: metrics.crash_loops.labels(p).inc())
     book = PoolBook({PoolName.DECODE: PoolSpec(decode, 1, 3), PoolName.PREFILL: PoolSpec(prefill, 0, 2)})
-    return PoolController(book, connector, ROLES, redis_url, "splitserve", metrics, tick_s=0.1), connector
+    return PoolController(book, connector, ROLES, redis_url, "splitserve", metrics, tick_s=0.1,
+                          lease_ttl_s=lease_ttl_s), connector
 
 
 async def until(cond, timeout_s: float = START_S, what: str = ""):
@@ -178,3 +180,28 @@ async def test_close_returns_promptly_when_the_loops_cancel_is_swallowed(redis_u
         assert connector.swallowed == 1 and c._task.done() and time.monotonic() - t0 < 2.0
     finally:
         connector.kill_all()
+
+
+async def test_after_a_redis_restart_the_pools_show_their_workers_as_they_last_were(cluster):
+    """Redis comes back empty until the workers renew their leases: meanwhile `pools status` keeps
+    showing them ready (it showed "0 ready, 2 starting" for seconds while both served)."""
+    with EmbeddedRedis() as redis:
+        c, connector = make(redis.url, cluster, decode=2, lease_ttl_s=2.0)
+        c.start()
+        try:
+            await until(lambda: states(c) == ["ready", "ready"], what="two ready workers")
+            await asyncio.to_thread(redis.restart)
+            seen = set()
+            deadline = time.monotonic() + 3.0           # beyond the workers' renewal (a third of 2 s)
+            while time.monotonic() < deadline:
+                seen.add(tuple(states(c)))
+                await asyncio.sleep(0.01)
+            assert seen == {("ready", "ready")}, seen
+            from runtime.discovery import list_workers
+            deadline = time.monotonic() + START_S
+            while len(await list_workers(c.redis, "splitserve")) < 2:      # they do re-register
+                assert time.monotonic() < deadline, "the workers did not re-register"
+                await asyncio.sleep(0.1)
+        finally:
+            await c.close()
+            connector.kill_all()

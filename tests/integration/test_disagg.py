@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("nixl")
 
 from runtime.pool_record import read_prefill_timings  # noqa: E402
-from tests.integration.cluster import metric, own_cluster, until  # noqa: E402
+from tests.integration.cluster import assert_clean_log, metric, own_cluster, until  # noqa: E402
 from tests.integration.streams import complete_all, complete_each  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -59,6 +59,27 @@ def test_disaggregated_matches_aggregated(reference, prefill, decode, scheduling
         c.wait_idle()
 
 
+def test_saturated_prefill_queue_keeps_prompts_off_the_decode_worker_under_an_itl_target(reference):
+    """With a prefill queue counted saturated at any queued token, the frontend used to compute every
+    prompt that found one queued on the decode worker. Under an ITL target that a local prefill step
+    exceeds (1 ms: any step of the shipped profile), those prompts wait in the prefill worker's queue
+    instead: none goes local as `saturated`, the guard counts each it held, and the tokens are an
+    aggregated run's."""
+    with own_cluster("--prefill-workers", "1", "--decode-workers", "1", "--remote-prefill-min-tokens", "1",
+                     "--max-num-batched-tokens", "64", "--max-prefill-queue-tokens", "0",
+                     "--itl-target-ms", "1") as c:
+        got = asyncio.run(complete_all(c.url, parity_prompts(), 32))
+        assert got == reference
+        assert metric(c.url, "splitserve_prefill_local_total", reason="saturated") == 0
+        held = metric(c.url, "splitserve_prefill_held_for_itl_total")
+        assert held >= 4, "the prefill queue was never saturated: the test tested nothing"
+        assert metric(c.url, "splitserve_prefill_remote_total") == len(parity_prompts())
+        assert metric(c.url, "splitserve_kv_handoffs_total") + metric(c.url, "splitserve_prefill_fallback_total") \
+            == len(parity_prompts())
+        c.wait_idle()
+        assert_clean_log(c.log())
+
+
 def prefill_timings(c) -> list[tuple[int, int, float, float]]:
     """(prompt tokens, cached, wait s, compute s) of every prompt the prefill workers published;
     empty until the remote prefills (at least 8) are all there."""
@@ -79,5 +100,20 @@ def test_fp8_kv_cache_disaggregated_matches_aggregated(reference):
     with own_cluster("--prefill-workers", "1", "--decode-workers", "1", "--remote-prefill-min-tokens", "1",
                      *fp8) as c:
         assert asyncio.run(complete_each(c.url, parity_prompts(), 32)) == want
+        assert metric(c.url, "splitserve_kv_handoffs_total") >= 8
+        c.wait_idle()
+
+
+def test_fp8_weights_disaggregated_match_aggregated(reference):
+    """--quantization fp8 (per-channel FP8 weights, dequantized on the CPU) moves the same KV as
+    before: prefill and decode workers both quantizing at load give the tokens of one aggregated
+    FP8 worker, which differ from float32's somewhere (the flag reached the workers)."""
+    fp8 = ("--quantization", "fp8", "--max-num-batched-tokens", "64")
+    with own_cluster("--prefill-workers", "0", *fp8) as c:
+        want = asyncio.run(complete_all(c.url, parity_prompts(), 32))
+    assert want != reference
+    with own_cluster("--prefill-workers", "1", "--decode-workers", "1", "--remote-prefill-min-tokens", "1",
+                     *fp8) as c:
+        assert asyncio.run(complete_all(c.url, parity_prompts(), 32)) == want
         assert metric(c.url, "splitserve_kv_handoffs_total") >= 8
         c.wait_idle()

@@ -87,6 +87,8 @@ def test_a_killed_redis_is_restarted_and_the_cluster_recovers_under_load(cluster
     assert failures(streams, MAX_TOKENS) == [] and [s.tokens for s in streams] == reference
     until(lambda: f"the embedded Redis exited (killed by SIGKILL); starting a new one on port {port}"
           in cluster.log()[mark:], 10, what="serve to restart Redis")
+    # the new server answers once serve says so (this test's own discovery reads need it up)
+    until(lambda: f"Redis is back on port {port}" in cluster.log()[mark:], 10, what="the new Redis to listen")
     # the workers re-register in the new server, and the frontend's KV-event reader resyncs
     until(lambda: sorted(w.state for w in cluster.workers()) == ["ready", "ready"], 10, 0.2, "re-registration")
     until(lambda: "Redis restarted: reading KV events from the start of its new stream" in cluster.log()[mark:],

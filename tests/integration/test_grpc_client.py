@@ -65,6 +65,20 @@ def test_generate_streams_token_ids_text_finish_reason_and_usage(seen, cluster, 
     assert r["choices"][0]["text"] == "".join(m["text"] for m in msgs)
 
 
+def test_prompt_logprobs_come_with_the_first_message(seen, cluster, model_name):
+    first, *rest = seen["prompt_logprobs"]
+    lps = first["prompt_logprobs"]
+    assert [p[0] for p in lps] == [400, 500, 600, 700]       # one per prompt token from the second on
+    assert all(len(p[2]) == 2 and p[3] >= 1 for p in lps)   # the 2 best, and the token's rank
+    assert all(not m["prompt_logprobs"] for m in rest)
+    r = httpx.post(f"{cluster.url}/v1/completions", json={
+        "model": model_name, "prompt": [0, 400, 500, 600, 700], "max_tokens": 0, "echo": True, "logprobs": 1},
+        timeout=60).json()
+    http = r["choices"][0]["logprobs"]["token_logprobs"]
+    assert http[0] is None and http[1:] == pytest.approx([p[1] for p in lps], abs=1e-5)
+    assert seen["named_chat"][-1]["finish_reason"] == "FINISH_REASON_LENGTH"
+
+
 def test_text_and_chat_prompts(seen):
     for kind in ("text", "chat"):
         msgs = seen[kind]

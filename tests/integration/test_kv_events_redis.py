@@ -47,7 +47,8 @@ async def until(cond, timeout_s: float = 5.0) -> None:
 
 
 def make_router() -> Router:
-    r = Router(RouterConfig(gap_max_buffered=4, gap_timeout_s=0.2), block_size=BS)
+    # overlaps count GPU blocks only (weight 0), so a block moved to the host tier leaves the prefix
+    r = Router(RouterConfig(gap_max_buffered=4, gap_timeout_s=0.2, lower_tier_weight=0.0), block_size=BS)
     for w in ("w0", "w1"):
         r.add_worker(w, WorkerRole.DECODE)
     return r

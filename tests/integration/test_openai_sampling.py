@@ -165,10 +165,16 @@ def test_forced_tool_calls_are_valid(client, model_name, choice):
     streamed = list(client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=512,
                                                    temperature=1.0, seed=2, tools=tools, tool_choice=choice,
                                                    stream=True))
+    # streamed as OpenAI does: a call's first delta names it, its arguments follow in pieces
     calls = [tc for ch in streamed if ch.choices and ch.choices[0].delta.tool_calls
              for tc in ch.choices[0].delta.tool_calls]
-    assert [(x.function.name, x.function.arguments) for x in calls] == \
-        [(x.function.name, x.function.arguments) for x in c.message.tool_calls]
+    firsts = [x for x in calls if x.id]
+    assert [(x.index, x.function.name) for x in firsts] == [(k, x.function.name)
+                                                            for k, x in enumerate(c.message.tool_calls)]
+    assert len(calls) > len(firsts)
+    for k, whole in enumerate(c.message.tool_calls):
+        args = "".join(x.function.arguments or "" for x in calls if x.index == k)
+        assert json.loads(args) == json.loads(whole.function.arguments)
     assert streamed[-1].choices[0].finish_reason == "tool_calls"
 
 

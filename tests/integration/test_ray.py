@@ -20,6 +20,7 @@ About a minute on the 2-core CI machine (Ray's head starts in ~10 s).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -72,6 +73,7 @@ def ray_head(tmp_path_factory):
     try:
         until(lambda: head.poll() is not None or "Ray runtime started" in log.read_text(), 90, 0.2, "Ray's head")
         assert head.poll() is None, log.read_text()[-3000:]
+        RAY_ROOTS.add(head.pid)             # its processes (and no other cluster's) are the tests' to find
         yield f"127.0.0.1:{port}", env
     finally:
         head.send_signal(signal.SIGTERM)         # --block: stops the processes it started (no `ray stop`)
@@ -120,9 +122,9 @@ def settled(cluster, n: int) -> bool:
             and httpx.get(f"{cluster.url}/health", timeout=10).json().get("decode") == n)
 
 
-def load(address: str) -> worker_pb2.WorkerStatus:
+def load(address: str, metadata) -> worker_pb2.WorkerStatus:
     with grpc.insecure_channel(address) as ch:
-        return worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.WorkerStatusRequest(), timeout=5)
+        return worker_pb2_grpc.WorkerStub(ch).GetStatus(worker_pb2.WorkerStatusRequest(), timeout=5, metadata=metadata)
 
 
 def _proc(pid: str) -> tuple[int, str]:
@@ -132,22 +134,27 @@ def _proc(pid: str) -> tuple[int, str]:
         return ppid, f.read().replace(b"\0", b" ").decode()
 
 
+RAY_ROOTS: set[int] = set()      # the Ray head this module started: what the tests look under (and kill)
+
+
 def component_pids(command: str, name: str = "") -> list[int]:
-    """Processes of `splitserve COMMAND` started by a Ray actor (their config file is named after
-    the worker's handle, or after the command)."""
+    """Processes of `splitserve COMMAND` started by an actor of this module's Ray head (their config
+    comes through a pipe; a worker's command line ends with its handle's name). Other Ray clusters
+    on the machine, another test's, run processes of the same names: they are not looked at."""
+    from tests.integration.test_api_key import descendants
     out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in [str(p) for root in RAY_ROOTS for p in descendants(root)]:
         try:
             _, cmd = _proc(pid)
         except (OSError, ValueError, IndexError):
             continue
-        if f"{command} --config" in cmd and "/splitserve-actor-" in cmd and f"/{name}" in cmd:
+        if f"{command} --config /dev/stdin" in cmd and (not name or cmd.rstrip().endswith(f"--worker-id {name}")):
             out.append(int(pid))
     return out
 
 
 def worker_pids(name: str = "") -> list[int]:
-    """Worker processes started by a Ray actor (their config file is named after the handle)."""
+    """Worker processes started by a Ray actor."""
     return component_pids("decode-worker", name)
 
 
@@ -156,15 +163,48 @@ def actor_of(pid: int) -> tuple[int, str]:
     return ppid, _proc(str(ppid))[1]
 
 
+def listening(pids: set[int]) -> list[str]:
+    """The addresses the processes `pids` listen on (TCP), from `ss`."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, timeout=10).stdout
+    return sorted(line.split()[3] for line in out.splitlines()
+                  if {int(p) for p in re.findall(r"pid=(\d+)", line)} & pids)
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="no ss here")
+def test_a_local_ray_run_binds_loopback_and_leaves_nothing_in_tmp(tmp_path):
+    """`serve --ray` alone: Ray, the embedded Redis (no password), the workers and the frontend
+    listen on loopback only, not on the machine's address; no config file is left in /tmp. It runs
+    first, before the module's Ray head starts (two Ray clusters would crowd 2 cores)."""
+    from tests.integration.test_api_key import descendants
+    before = set(Path("/tmp").glob("splitserve-actor-*"))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    t0 = time.monotonic()
+    c = start_cluster(tmp_path, "--ray", "--mock", "--prefill-workers", "0", "--decode-workers", "1",
+                      "--ray-local-cpus", "2", "--ray-worker-cpus", "0.5", "--ray-frontend-cpus", "0.5", env=env)
+    try:
+        print(f"local Ray cluster ready in {time.monotonic() - t0:.1f} s")
+        workers = json.loads(c.cli("workers", "list", "--json").stdout)
+        assert workers and all(w["address"].startswith("127.0.0.1:") for w in workers), workers
+        addresses = listening(set(descendants(c.proc.pid)) | {c.proc.pid})
+        assert len(addresses) >= 6, addresses           # Ray's own, Redis, a worker, the frontend, admin
+        assert all(a.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:")) for a in addresses), addresses
+        streams = asyncio.run(stream_all(c.url, PROMPTS[:4], 8))
+        assert failures(streams, 8) == []
+    finally:
+        assert c.stop(60) == 0, c.log()[-3000:]
+    assert set(Path("/tmp").glob("splitserve-actor-*")) - before == set()
+
+
 def test_completions_are_served_by_worker_actors(cluster):
     workers = ready(cluster)
     assert sorted(w.name for w in workers) == ["aggregated-0", "aggregated-1"]
     for w in workers:
-        [pid] = worker_pids(f"{w.name}.json")
+        [pid] = worker_pids(w.name)
         assert actor_of(pid)[1].startswith("ray::ComponentActor"), actor_of(pid)     # a Ray actor runs it
     streams = asyncio.run(stream_all(cluster.url, PROMPTS, 16))
     assert failures(streams, 16) == []
-    served = {w.name: load(w.address).num_prompt_tokens for w in workers}
+    served = {w.name: load(w.address, cluster.worker_metadata).num_prompt_tokens for w in workers}
     assert all(v > 0 for v in served.values()), served
     assert "On the Ray cluster at 127.0.0.1:" in cluster.log()
 
@@ -194,15 +234,16 @@ def test_pools_scale_adds_and_drains_actors_with_no_failed_request(cluster):
     until(lambda: settled(cluster, 3), 90, 0.2, "three ready decode workers")
     assert len(worker_pids()) == 3
     new = next(w for w in ready(cluster) if w.name == "aggregated-2")
-    before = load(new.address).num_prompt_tokens
+    md = cluster.worker_metadata
+    before = load(new.address, md).num_prompt_tokens
     streams = asyncio.run(stream_all(cluster.url, PROMPTS, 16))
-    assert failures(streams, 16) == [] and load(new.address).num_prompt_tokens > before    # it took traffic
+    assert failures(streams, 16) == [] and load(new.address, md).num_prompt_tokens > before    # it took traffic
 
     addresses = [w.address for w in ready(cluster)]
 
     async def scale_down_when_all_busy():
         deadline = time.monotonic() + 60
-        while not all(await asyncio.gather(*(asyncio.to_thread(lambda a=a: load(a).num_running) for a in addresses))):
+        while not all(await asyncio.gather(*(asyncio.to_thread(lambda a=a: load(a, md).num_running) for a in addresses))):
             assert time.monotonic() < deadline, "not every worker got work"
             await asyncio.sleep(0.02)
         await asyncio.to_thread(cluster.cli, "pools", "scale", "--decode", "1")
@@ -216,7 +257,7 @@ def test_pools_scale_adds_and_drains_actors_with_no_failed_request(cluster):
 
 def test_a_killed_actor_is_replaced(cluster):
     [survivor] = ready(cluster)
-    [pid] = worker_pids(f"{survivor.name}.json")
+    [pid] = worker_pids(survivor.name)
     actor_pid, cmd = actor_of(pid)
     assert cmd.startswith("ray::")
     os.kill(actor_pid, signal.SIGKILL)                       # the actor's process: Ray reports the actor dead
@@ -231,7 +272,7 @@ def test_a_killed_actor_is_replaced(cluster):
         raise AssertionError(f"{e}\n{cluster.log()[-6000:]}") from None
     print(f"killed actor replaced and ready in {time.monotonic() - t0:.1f} s")
     assert re.search(rf"{survivor.name} actor died \(ActorDiedError\) after [\d.]+ s; replacing its actor", cluster.log())
-    [new_pid] = worker_pids(f"{survivor.name}.json")
+    [new_pid] = worker_pids(survivor.name)
     assert new_pid != pid and actor_of(new_pid)[0] != actor_pid
     streams = asyncio.run(stream_all(cluster.url, PROMPTS[:8], 16))
     assert failures(streams, 16) == []

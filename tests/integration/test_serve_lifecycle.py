@@ -3,12 +3,16 @@ cleanly on SIGTERM (exit 0, no process left behind), and takes its children down
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import time
 
 import httpx
 import pytest
+
+from runtime.redis_embedded import free_port
 
 from .conftest import start_cluster, until
 from .test_api_key import descendants
@@ -36,11 +40,34 @@ def names(pids: list[int]) -> dict[int, str]:
     return out
 
 
+def free_range(n: int) -> int:
+    """The first of `n` consecutive free loopback ports (checked now; the test takes them at once)."""
+    while True:
+        base = free_port()
+        if base + n > 65535:
+            continue
+        try:
+            socks = [socket.create_server(("127.0.0.1", base + i)) for i in range(n)]
+        except OSError:
+            continue
+        for s in socks:
+            s.close()
+        return base
+
+
 def test_ready_in_time_prints_where_to_connect_and_sigterm_stops_everything(tmp_path):
+    """Also on the ports it is given: the embedded Redis on --redis-port, each worker's gRPC and
+    metrics ports from --worker-ports."""
     start = time.monotonic()
-    c = start_cluster(tmp_path, "--model", "tiny")
+    redis_port, base = free_port(), free_range(4)
+    c = start_cluster(tmp_path, "--model", "tiny", "--redis-port", str(redis_port), "--worker-ports",
+                      f"{base}-{base + 3}")
     try:
         assert time.monotonic() - start < READY_WITHIN_S
+        assert socket.create_connection(("127.0.0.1", redis_port), timeout=5)
+        workers = json.loads(c.cli("workers", "list", "--json").stdout)
+        ports = sorted(int(w["address"].rsplit(":", 1)[1]) for w in workers)
+        assert len(ports) == 2 and all(base <= p <= base + 3 for p in ports), (ports, base)
         banner = until(lambda: "Splitserve is ready" in c.log() and c.log(), 10, what="the ready banner")
         assert f"http://127.0.0.1:{c.http_port}/v1" in banner
         assert f"127.0.0.1:{c.grpc_port}" in banner

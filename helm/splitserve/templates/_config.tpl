@@ -10,6 +10,9 @@ SPLITSERVE_ADMIN_TOKEN).
 {{- define "splitserve.frontendConfig" -}}
 {{- $c := dict }}
 {{- range $k, $v := .Values.frontend.config }}{{ $_ := set $c $k $v }}{{ end }}
+{{- if and .Values.planner.enabled (eq (toString $c.itl_target_ms) "<nil>") }}
+{{- $_ := set $c "itl_target_ms" .Values.planner.config.itl_ms }}
+{{- end }}
 {{- $_ := set $c "model" (include "splitserve.modelDir" .) }}
 {{- $_ := set $c "host" "0.0.0.0" }}
 {{- $_ := set $c "http_port" .Values.frontend.httpPort }}
@@ -26,13 +29,16 @@ SPLITSERVE_ADMIN_TOKEN).
 {{- range $k, $v := $root.Values.engine }}{{ $_ := set $engine $k $v }}{{ end }}
 {{- range $k, $v := ($pool.config.engine | default dict) }}{{ $_ := set $engine $k $v }}{{ end }}
 {{- $_ := set $engine "model" (include "splitserve.modelDir" $root) }}
+{{- /* a worker spans its pool's GPUs: the model split over them (1 on the CPU) */}}
+{{- $_ := set $engine "tensor_parallel_size" (max 1 (int $pool.gpus)) }}
 {{- $c := dict }}
 {{- range $k, $v := $pool.config }}{{ if ne $k "engine" }}{{ $_ := set $c $k $v }}{{ end }}{{ end }}
 {{- $_ := set $c "engine" $engine }}
 {{- $_ := set $c "redis" (deepCopy $root.Values.redis.config) }}
 {{- if eq .pool "decode" }}
 {{- $_ := set $c "role" (ternary "decode" "aggregated" $root.Values.prefill.enabled) }}
-{{- else if and $root.Values.planner.enabled (eq (toString $c.prefill_deadline_ms) "<nil>") }}
+{{- else if and $root.Values.planner.enabled (eq (toString $c.prefill_deadline_ms) "<nil>") (eq (toString $root.Values.planner.config.prefill_order) "deadline") }}
+{{- /* the queue order the planner sizes prefill workers for: deadline order by its TTFT target */}}
 {{- $_ := set $c "prefill_deadline_ms" $root.Values.planner.config.ttft_ms }}
 {{- end }}
 {{- $_ := set $c "host" "0.0.0.0" }}
@@ -69,7 +75,8 @@ frontends merge its /metrics (it publishes the URL in Redis).
 {{- end }}
 
 {{/*
-The SLA planner's config: its targets; it drives the controller's admin API in the same pod.
+The SLA planner's config: its settings (planner.config but the controller's limits); it drives the
+controller's admin API in the same pod.
 */}}
 {{- define "splitserve.plannerConfig" -}}
 {{- $c := dict }}

@@ -79,6 +79,15 @@ capabilities:
 {{- end }}
 {{- end }}
 
+{{/* SPLITSERVE_CLUSTER_TOKEN: what every call to a worker carries and every worker requires. */}}
+{{- define "splitserve.clusterTokenEnv" -}}
+- name: SPLITSERVE_CLUSTER_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "splitserve.authSecret" . }}
+      key: {{ .Values.auth.clusterTokenKey }}
+{{- end }}
+
 {{/* Writable paths under a read-only root: caches (SPLITSERVE_CACHE, JIT caches under HOME) and /tmp. */}}
 {{- define "splitserve.cacheEnv" -}}
 - name: HOME
@@ -119,19 +128,23 @@ capabilities:
 {{- end }}
 
 {{/*
-The tiny model is written at pod start by the worker image (it needs torch), into the pod's model
-volume, so that frontends and workers of one release hold byte-identical tokenizers.
+The tiny model is written at pod start into the pod's model volume: by the worker image in worker
+pods (weights need torch), and without its weights by the control-plane image in frontend pods
+(a frontend reads the config, tokenizer and chat template only: no multi-GB CUDA image to pull).
+Both images run the same Python, so frontends and workers hold byte-identical tokenizers.
+(dict "root" $ "weights" true|false)
 */}}
 {{- define "splitserve.tinyModelInit" -}}
-{{- if eq .Values.model.source "tiny" }}
+{{- $root := .root }}
+{{- if eq $root.Values.model.source "tiny" }}
 - name: tiny-model
-  image: {{ include "splitserve.image" .Values.images.worker }}
-  imagePullPolicy: {{ .Values.images.pullPolicy }}
-  command: ["splitserve", "model", "tiny", "--out", "/models/tiny", "--arch", {{ .Values.model.tiny.arch | quote }}, "--seed", {{ .Values.model.tiny.seed | quote }}]
+  image: {{ include "splitserve.image" (ternary $root.Values.images.worker $root.Values.images.controlPlane .weights) }}
+  imagePullPolicy: {{ $root.Values.images.pullPolicy }}
+  command: ["splitserve", "model", "tiny", "--out", "/models/tiny", "--arch", {{ $root.Values.model.tiny.arch | quote }}, "--seed", {{ $root.Values.model.tiny.seed | quote }}{{ if not .weights }}, "--no-weights"{{ end }}]
   env:
-    {{- include "splitserve.cacheEnv" . | nindent 4 }}
+    {{- include "splitserve.cacheEnv" $root | nindent 4 }}
   securityContext:
-    {{- include "splitserve.containerSecurityContext" . | nindent 4 }}
+    {{- include "splitserve.containerSecurityContext" $root | nindent 4 }}
   resources:
     requests: {cpu: 500m, memory: 1Gi}
     limits: {memory: 2Gi}

@@ -24,47 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fproto/splitserve/v1/admin.proto\x12\rsplitserve.v1\"\xdc\x01\n\x0eLatencySummary\x12\x14\n\x0cnum_requests\x18\x01 \x01(\r\x12\x10\n\x08window_s\x18\x02 \x01(\x01\x12\x18\n\x0bttft_p50_ms\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x18\n\x0bttft_p90_ms\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x17\n\nitl_p50_ms\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x17\n\nitl_p90_ms\x18\x06 \x01(\x01H\x03\x88\x01\x01\x42\x0e\n\x0c_ttft_p50_msB\x0e\n\x0c_ttft_p90_msB\r\n\x0b_itl_p50_msB\r\n\x0b_itl_p90_ms\"\xdd\x02\n\nPoolStatus\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x65sired\x18\x03 \x01(\x05\x12\x0b\n\x03min\x18\x04 \x01(\x05\x12\x0b\n\x03max\x18\x05 \x01(\x05\x12\x15\n\x08override\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\r\n\x05ready\x18\x07 \x01(\x05\x12\x10\n\x08starting\x18\x08 \x01(\x05\x12\x10\n\x08\x64raining\x18\t \x01(\x05\x12\x0e\n\x06\x66\x61iled\x18\n \x01(\x05\x12\x13\n\x0bnum_running\x18\x0b \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x0c \x01(\x05\x12\x10\n\x08kv_usage\x18\r \x01(\x01\x12.\n\x07latency\x18\x0e \x01(\x0b\x32\x1d.splitserve.v1.LatencySummary\x12\x10\n\x08\x64\x65graded\x18\x0f \x01(\x08\x12\x15\n\rlast_decision\x18\x10 \x01(\t\x12\x0c\n\x04note\x18\x11 \x01(\tB\x0b\n\t_override\"\xa7\x02\n\nPoolWorker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04pool\x18\x03 \x01(\t\x12\x0c\n\x04role\x18\x04 \x01(\t\x12)\n\x05state\x18\x05 \x01(\x0e\x32\x1a.splitserve.v1.WorkerState\x12\x0f\n\x07\x61\x64\x64ress\x18\x06 \x01(\t\x12\x13\n\x0bnum_running\x18\x07 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\x05\x12\x17\n\x0fnum_used_blocks\x18\t \x01(\x05\x12\x18\n\x10num_total_blocks\x18\n \x01(\x05\x12\x10\n\x08uptime_s\x18\x0b \x01(\x01\x12\x10\n\x08restarts\x18\x0c \x01(\x05\x12\x0f\n\x07managed\x18\r \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x0e \x01(\t\"\x12\n\x10GetStatusRequest\"}\n\x11GetStatusResponse\x12(\n\x05pools\x18\x01 \x03(\x0b\x32\x19.splitserve.v1.PoolStatus\x12*\n\x07workers\x18\x02 \x03(\x0b\x32\x19.splitserve.v1.PoolWorker\x12\x12\n\ncontroller\x18\x03 \x01(\t\"T\n\x10ScalePoolRequest\x12\x14\n\x07prefill\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x06\x64\x65\x63ode\x18\x02 \x01(\x05H\x01\x88\x01\x01\x42\n\n\x08_prefillB\t\n\x07_decode\"=\n\x11ScalePoolResponse\x12(\n\x05pools\x18\x01 \x03(\x0b\x32\x19.splitserve.v1.PoolStatus\"$\n\x13ReleasePoolsRequest\x12\r\n\x05pools\x18\x01 \x03(\t\"@\n\x14ReleasePoolsResponse\x12(\n\x05pools\x18\x01 \x03(\x0b\x32\x19.splitserve.v1.PoolStatus\"X\n\x14SetPoolLimitsRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x10\n\x03min\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x10\n\x03max\x18\x03 \x01(\x05H\x01\x88\x01\x01\x42\x06\n\x04_minB\x06\n\x04_max\"@\n\x15SetPoolLimitsResponse\x12\'\n\x04pool\x18\x01 \x01(\x0b\x32\x19.splitserve.v1.PoolStatus\"\'\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"9\n\x13\x44rainWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"=\n\nPoolTarget\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65sired\x18\x02 \x01(\x05\x12\x10\n\x08\x64\x65\x63ision\x18\x03 \x01(\t\"C\n\x15SetPoolTargetsRequest\x12*\n\x07targets\x18\x01 \x03(\x0b\x32\x19.splitserve.v1.PoolTarget\"B\n\x16SetPoolTargetsResponse\x12(\n\x05pools\x18\x01 \x03(\x0b\x32\x19.splitserve.v1.PoolStatus*\xac\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_STATE_STARTING\x10\x01\x12\x16\n\x12WORKER_STATE_READY\x10\x02\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x03\x12\x18\n\x14WORKER_STATE_STOPPED\x10\x04\x12\x17\n\x13WORKER_STATE_FAILED\x10\x05\x32\x91\x04\n\x05\x41\x64min\x12N\n\tGetStatus\x12\x1f.splitserve.v1.GetStatusRequest\x1a .splitserve.v1.GetStatusResponse\x12N\n\tScalePool\x12\x1f.splitserve.v1.ScalePoolRequest\x1a .splitserve.v1.ScalePoolResponse\x12W\n\x0cReleasePools\x12\".splitserve.v1.ReleasePoolsRequest\x1a#.splitserve.v1.ReleasePoolsResponse\x12Z\n\rSetPoolLimits\x12#.splitserve.v1.SetPoolLimitsRequest\x1a$.splitserve.v1.SetPoolLimitsResponse\x12T\n\x0b\x44rainWorker\x12!.splitserve.v1.DrainWorkerRequest\x1a\".splitserve.v1.DrainWorkerResponse\x12]\n\x0eSetPoolTargets\x12$.splitserve.v1.SetPoolTargetsRequest\x1a%.splitserve.v1.SetPoolTargetsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fproto/splitserve/v1/admin.proto\x12\rsplitserve.v1\"\xdc\x01\n\x0eLatencySummary\x12\x14\n\x0cnum_requests\x18\x01 \x01(\r\x12\x10\n\x08window_s\x18\x02 \x01(\x01\x12\x18\n\x0bttft_p50_ms\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x18\n\x0bttft_p90_ms\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x17\n\nitl_p50_ms\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x17\n\nitl_p90_ms\x18\x06 \x01(\x01H\x03\x88\x01\x01\x42\x0e\n\x0c_ttft_p50_msB\x0e\n\x0c_ttft_p90_msB\r\n\x0b_itl_p50_msB\r\n\x0b_itl_p90_ms\"\xdd\x02\n\nPoolStatus\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x64\x65sired\x18\x03 \x01(\x05\x12\x0b\n\x03min\x18\x04 \x01(\x05\x12\x0b\n\x03max\x18\x05 \x01(\x05\x12\x15\n\x08override\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\r\n\x05ready\x18\x07 \x01(\x05\x12\x10\n\x08starting\x18\x08 \x01(\x05\x12\x10\n\x08\x64raining\x18\t \x01(\x05\x12\x0e\n\x06\x66\x61iled\x18\n \x01(\x05\x12\x13\n\x0bnum_running\x18\x0b \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x0c \x01(\x05\x12\x10\n\x08kv_usage\x18\r \x01(\x01\x12.\n\x07latency\x18\x0e \x01(\x0b\x32\x1d.splitserve.v1.LatencySummary\x12\x10\n\x08\x64\x65graded\x18\x0f \x01(\x08\x12\x15\n\rlast_decision\x18\x10 \x01(\t\x12\x0c\n\x04note\x18\x11 \x01(\tB\x0b\n\t_override\"\xd3\x02\n\nPoolWorker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04pool\x18\x03 \x01(\t\x12\x0c\n\x04role\x18\x04 \x01(\t\x12)\n\x05state\x18\x05 \x01(\x0e\x32\x1a.splitserve.v1.WorkerState\x12\x0f\n\x07\x61\x64\x64ress\x18\x06 \x01(\t\x12\x13\n\x0bnum_running\x18\x07 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\x05\x12\x17\n\x0fnum_used_blocks\x18\t \x01(\x05\x12\x18\n\x10num_total_blocks\x18\n \x01(\x05\x12\x10\n\x08uptime_s\x18\x0b \x01(\x01\x12\x10\n\x08restarts\x18\x0c \x01(\x05\x12\x0f\n\x07managed\x18\r \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x0e \x01(\t\x12\x0c\n\x04gpus\x18\x0f \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x10 \x01(\x05\"\x12\n\x10GetStatusRequest\"}\n\x11GetStatusResponse\x12(\n\x05pools\x18\x01 \x03(\x0b\x32\x19.splitserve.v1.PoolStatus\x12*\n\x07workers\x18\x02 \x03(\x0b\x32\x19.splitserve.v1.PoolWorker\x12\x12\n\ncontroller\x18\x03 \x01(\t\"T\n\x10ScalePoolRequest\x12\x14\n\x07prefill\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x06\x64\x65\x63ode\x18\x02 \x01(\x05H\x01\x88\x01\x01\x42\n\n\x08_prefillB\t\n\x07_decode\"=\n\x11ScalePoolResponse\x12(\n\x05pools\x18\x01 \x03(\x0b\x32\x19.splitserve.v1.PoolStatus\"$\n\x13ReleasePoolsRequest\x12\r\n\x05pools\x18\x01 \x03(\t\"@\n\x14ReleasePoolsResponse\x12(\n\x05pools\x18\x01 \x03(\x0b\x32\x19.splitserve.v1.PoolStatus\"X\n\x14SetPoolLimitsRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x10\n\x03min\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x10\n\x03max\x18\x03 \x01(\x05H\x01\x88\x01\x01\x42\x06\n\x04_minB\x06\n\x04_max\"@\n\x15SetPoolLimitsResponse\x12\'\n\x04pool\x18\x01 \x01(\x0b\x32\x19.splitserve.v1.PoolStatus\"\'\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"9\n\x13\x44rainWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"=\n\nPoolTarget\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65sired\x18\x02 \x01(\x05\x12\x10\n\x08\x64\x65\x63ision\x18\x03 \x01(\t\"C\n\x15SetPoolTargetsRequest\x12*\n\x07targets\x18\x01 \x03(\x0b\x32\x19.splitserve.v1.PoolTarget\"B\n\x16SetPoolTargetsResponse\x12(\n\x05pools\x18\x01 \x03(\x0b\x32\x19.splitserve.v1.PoolStatus*\xac\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_STATE_STARTING\x10\x01\x12\x16\n\x12WORKER_STATE_READY\x10\x02\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x03\x12\x18\n\x14WORKER_STATE_STOPPED\x10\x04\x12\x17\n\x13WORKER_STATE_FAILED\x10\x05\x32\x91\x04\n\x05\x41\x64min\x12N\n\tGetStatus\x12\x1f.splitserve.v1.GetStatusRequest\x1a .splitserve.v1.GetStatusResponse\x12N\n\tScalePool\x12\x1f.splitserve.v1.ScalePoolRequest\x1a .splitserve.v1.ScalePoolResponse\x12W\n\x0cReleasePools\x12\".splitserve.v1.ReleasePoolsRequest\x1a#.splitserve.v1.ReleasePoolsResponse\x12Z\n\rSetPoolLimits\x12#.splitserve.v1.SetPoolLimitsRequest\x1a$.splitserve.v1.SetPoolLimitsResponse\x12T\n\x0b\x44rainWorker\x12!.splitserve.v1.DrainWorkerRequest\x1a\".splitserve.v1.DrainWorkerResponse\x12]\n\x0eSetPoolTargets\x12$.splitserve.v1.SetPoolTargetsRequest\x1a%.splitserve.v1.SetPoolTargetsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.splitserve.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERSTATE']._serialized_start=1780
-  _globals['_WORKERSTATE']._serialized_end=1952
+  _globals['_WORKERSTATE']._serialized_start=1824
+  _globals['_WORKERSTATE']._serialized_end=1996
   _globals['_LATENCYSUMMARY']._serialized_start=51
   _globals['_LATENCYSUMMARY']._serialized_end=271
   _globals['_POOLSTATUS']._serialized_start=274
   _globals['_POOLSTATUS']._serialized_end=623
   _globals['_POOLWORKER']._serialized_start=626
-  _globals['_POOLWORKER']._serialized_end=921
-  _globals['_GETSTATUSREQUEST']._serialized_start=923
-  _globals['_GETSTATUSREQUEST']._serialized_end=941
-  _globals['_GETSTATUSRESPONSE']._serialized_start=943
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1068
-  _globals['_SCALEPOOLREQUEST']._serialized_start=1070
-  _globals['_SCALEPOOLREQUEST']._serialized_end=1154
-  _globals['_SCALEPOOLRESPONSE']._serialized_start=1156
-  _globals['_SCALEPOOLRESPONSE']._serialized_end=1217
-  _globals['_RELEASEPOOLSREQUEST']._serialized_start=1219
-  _globals['_RELEASEPOOLSREQUEST']._serialized_end=1255
-  _globals['_RELEASEPOOLSRESPONSE']._serialized_start=1257
-  _globals['_RELEASEPOOLSRESPONSE']._serialized_end=1321
-  _globals['_SETPOOLLIMITSREQUEST']._serialized_start=1323
-  _globals['_SETPOOLLIMITSREQUEST']._serialized_end=1411
-  _globals['_SETPOOLLIMITSRESPONSE']._serialized_start=1413
-  _globals['_SETPOOLLIMITSRESPONSE']._serialized_end=1477
-  _globals['_DRAINWORKERREQUEST']._serialized_start=1479
-  _globals['_DRAINWORKERREQUEST']._serialized_end=1518
-  _globals['_DRAINWORKERRESPONSE']._serialized_start=1520
-  _globals['_DRAINWORKERRESPONSE']._serialized_end=1577
-  _globals['_POOLTARGET']._serialized_start=1579
-  _globals['_POOLTARGET']._serialized_end=1640
-  _globals['_SETPOOLTARGETSREQUEST']._serialized_start=1642
-  _globals['_SETPOOLTARGETSREQUEST']._serialized_end=1709
-  _globals['_SETPOOLTARGETSRESPONSE']._serialized_start=1711
-  _globals['_SETPOOLTARGETSRESPONSE']._serialized_end=1777
-  _globals['_ADMIN']._serialized_start=1955
-  _globals['_ADMIN']._serialized_end=2484
+  _globals['_POOLWORKER']._serialized_end=965
+  _globals['_GETSTATUSREQUEST']._serialized_start=967
+  _globals['_GETSTATUSREQUEST']._serialized_end=985
+  _globals['_GETSTATUSRESPONSE']._serialized_start=987
+  _globals['_GETSTATUSRESPONSE']._serialized_end=1112
+  _globals['_SCALEPOOLREQUEST']._serialized_start=1114
+  _globals['_SCALEPOOLREQUEST']._serialized_end=1198
+  _globals['_SCALEPOOLRESPONSE']._serialized_start=1200
+  _globals['_SCALEPOOLRESPONSE']._serialized_end=1261
+  _globals['_RELEASEPOOLSREQUEST']._serialized_start=1263
+  _globals['_RELEASEPOOLSREQUEST']._serialized_end=1299
+  _globals['_RELEASEPOOLSRESPONSE']._serialized_start=1301
+  _globals['_RELEASEPOOLSRESPONSE']._serialized_end=1365
+  _globals['_SETPOOLLIMITSREQUEST']._serialized_start=1367
+  _globals['_SETPOOLLIMITSREQUEST']._serialized_end=1455
+  _globals['_SETPOOLLIMITSRESPONSE']._serialized_start=1457
+  _globals['_SETPOOLLIMITSRESPONSE']._serialized_end=1521
+  _globals['_DRAINWORKERREQUEST']._serialized_start=1523
+  _globals['_DRAINWORKERREQUEST']._serialized_end=1562
+  _globals['_DRAINWORKERRESPONSE']._serialized_start=1564
+  _globals['_DRAINWORKERRESPONSE']._serialized_end=1621
+  _globals['_POOLTARGET']._serialized_start=1623
+  _globals['_POOLTARGET']._serialized_end=1684
+  _globals['_SETPOOLTARGETSREQUEST']._serialized_start=1686
+  _globals['_SETPOOLTARGETSREQUEST']._serialized_end=1753
+  _globals['_SETPOOLTARGETSRESPONSE']._serialized_start=1755
+  _globals['_SETPOOLTARGETSRESPONSE']._serialized_end=1821
+  _globals['_ADMIN']._serialized_start=1999
+  _globals['_ADMIN']._serialized_end=2528
 # @@protoc_insertion_point(module_scope)

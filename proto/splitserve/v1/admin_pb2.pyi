@@ -77,7 +77,7 @@ class PoolStatus(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., role: _Optional[str] = ..., desired: _Optional[int] = ..., min: _Optional[int] = ..., max: _Optional[int] = ..., override: _Optional[int] = ..., ready: _Optional[int] = ..., starting: _Optional[int] = ..., draining: _Optional[int] = ..., failed: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., latency: _Optional[_Union[LatencySummary, _Mapping]] = ..., degraded: _Optional[bool] = ..., last_decision: _Optional[str] = ..., note: _Optional[str] = ...) -> None: ...
 
 class PoolWorker(_message.Message):
-    __slots__ = ("worker_id", "name", "pool", "role", "state", "address", "num_running", "num_waiting", "num_used_blocks", "num_total_blocks", "uptime_s", "restarts", "managed", "detail")
+    __slots__ = ("worker_id", "name", "pool", "role", "state", "address", "num_running", "num_waiting", "num_used_blocks", "num_total_blocks", "uptime_s", "restarts", "managed", "detail", "gpus", "tensor_parallel_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,8 @@ class PoolWorker(_message.Message):
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     MANAGED_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     name: str
     pool: str
@@ -106,7 +108,9 @@ class PoolWorker(_message.Message):
     restarts: int
     managed: bool
     detail: str
-    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., address: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., uptime_s: _Optional[float] = ..., restarts: _Optional[int] = ..., managed: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+    gpus: str
+    tensor_parallel_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., pool: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ..., address: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., uptime_s: _Optional[float] = ..., restarts: _Optional[int] = ..., managed: _Optional[bool] = ..., detail: _Optional[str] = ..., gpus: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()

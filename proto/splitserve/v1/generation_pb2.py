@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$proto/splitserve/v1/generation.proto\x12\rsplitserve.v1\"\xc2\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0e\n\x01n\x18\t \x01(\x05H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x12\n\x05min_p\x18\r \x01(\x02H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0e \x01(\x05H\n\x88\x01\x01\x12@\n\nlogit_bias\x18\x0f \x03(\x0b\x32,.splitserve.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x10 \x01(\x05H\x0b\x88\x01\x01\x12\x36\n\x0fresponse_format\x18\x11 \x01(\x0b\x32\x1d.splitserve.v1.ResponseFormat\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x04\n\x02_nB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\x0b\n\t_logprobs\"\x9a\x01\n\x0eResponseFormat\x12\x30\n\x04type\x18\x01 \x01(\x0e\x32\".splitserve.v1.ResponseFormat.Type\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\"A\n\x04Type\x12\r\n\tTYPE_TEXT\x10\x00\x12\x14\n\x10TYPE_JSON_OBJECT\x10\x01\x12\x14\n\x10TYPE_JSON_SCHEMA\x10\x02\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xda\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParamsB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xde\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12-\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\r\n\x05index\x18\x07 \x01(\x05\"\x13\n\x11ListModelsRequest\"@\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x10\n\x08owned_by\x18\x03 \x01(\t\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.splitserve.v1.ModelInfo*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xae\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12Q\n\nListModels\x12 .splitserve.v1.ListModelsRequest\x1a!.splitserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$proto/splitserve/v1/generation.proto\x12\rsplitserve.v1\"\xf4\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0e\n\x01n\x18\t \x01(\x05H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x12\n\x05min_p\x18\r \x01(\x02H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0e \x01(\x05H\n\x88\x01\x01\x12@\n\nlogit_bias\x18\x0f \x03(\x0b\x32,.splitserve.v1.SamplingParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x10 \x01(\x05H\x0b\x88\x01\x01\x12\x36\n\x0fresponse_format\x18\x11 \x01(\x0b\x32\x1d.splitserve.v1.ResponseFormat\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\x05H\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x04\n\x02_nB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x9a\x01\n\x0eResponseFormat\x12\x30\n\x04type\x18\x01 \x01(\x0e\x32\".splitserve.v1.ResponseFormat.Type\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\"A\n\x04Type\x12\r\n\tTYPE_TEXT\x10\x00\x12\x14\n\x10TYPE_JSON_OBJECT\x10\x01\x12\x14\n\x10TYPE_JSON_SCHEMA\x10\x02\"l\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\x12\x0c\n\x04rank\x18\x05 \x01(\x05\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xda\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParamsB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x94\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12-\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\r\n\x05index\x18\x07 \x01(\x05\x12\x34\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\"\x13\n\x11ListModelsRequest\"@\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x10\n\x08owned_by\x18\x03 \x01(\t\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.splitserve.v1.ModelInfo*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xae\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12Q\n\nListModels\x12 .splitserve.v1.ListModelsRequest\x1a!.splitserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,36 +33,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1830
-  _globals['_FINISHREASON']._serialized_end=1979
+  _globals['_FINISHREASON']._serialized_start=1962
+  _globals['_FINISHREASON']._serialized_end=2111
   _globals['_SAMPLINGPARAMS']._serialized_start=56
-  _globals['_SAMPLINGPARAMS']._serialized_end=762
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=544
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=592
-  _globals['_RESPONSEFORMAT']._serialized_start=765
-  _globals['_RESPONSEFORMAT']._serialized_end=919
-  _globals['_RESPONSEFORMAT_TYPE']._serialized_start=854
-  _globals['_RESPONSEFORMAT_TYPE']._serialized_end=919
-  _globals['_TOKENLOGPROB']._serialized_start=921
-  _globals['_TOKENLOGPROB']._serialized_end=1015
-  _globals['_CHATMESSAGE']._serialized_start=1017
-  _globals['_CHATMESSAGE']._serialized_end=1061
-  _globals['_CHATMESSAGES']._serialized_start=1063
-  _globals['_CHATMESSAGES']._serialized_end=1123
-  _globals['_TOKENIDS']._serialized_start=1125
-  _globals['_TOKENIDS']._serialized_end=1148
-  _globals['_GENERATEREQUEST']._serialized_start=1151
-  _globals['_GENERATEREQUEST']._serialized_end=1369
-  _globals['_USAGE']._serialized_start=1371
-  _globals['_USAGE']._serialized_end=1451
-  _globals['_GENERATERESPONSE']._serialized_start=1454
-  _globals['_GENERATERESPONSE']._serialized_end=1676
-  _globals['_LISTMODELSREQUEST']._serialized_start=1678
-  _globals['_LISTMODELSREQUEST']._serialized_end=1697
-  _globals['_MODELINFO']._serialized_start=1699
-  _globals['_MODELINFO']._serialized_end=1763
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1765
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1827
-  _globals['_GENERATION']._serialized_start=1982
-  _globals['_GENERATION']._serialized_end=2156
+  _globals['_SAMPLINGPARAMS']._serialized_end=812
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=574
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=622
+  _globals['_RESPONSEFORMAT']._serialized_start=815
+  _globals['_RESPONSEFORMAT']._serialized_end=969
+  _globals['_RESPONSEFORMAT_TYPE']._serialized_start=904
+  _globals['_RESPONSEFORMAT_TYPE']._serialized_end=969
+  _globals['_TOKENLOGPROB']._serialized_start=971
+  _globals['_TOKENLOGPROB']._serialized_end=1079
+  _globals['_CHATMESSAGE']._serialized_start=1081
+  _globals['_CHATMESSAGE']._serialized_end=1139
+  _globals['_CHATMESSAGES']._serialized_start=1141
+  _globals['_CHATMESSAGES']._serialized_end=1201
+  _globals['_TOKENIDS']._serialized_start=1203
+  _globals['_TOKENIDS']._serialized_end=1226
+  _globals['_GENERATEREQUEST']._serialized_start=1229
+  _globals['_GENERATEREQUEST']._serialized_end=1447
+  _globals['_USAGE']._serialized_start=1449
+  _globals['_USAGE']._serialized_end=1529
+  _globals['_GENERATERESPONSE']._serialized_start=1532
+  _globals['_GENERATERESPONSE']._serialized_end=1808
+  _globals['_LISTMODELSREQUEST']._serialized_start=1810
+  _globals['_LISTMODELSREQUEST']._serialized_end=1829
+  _globals['_MODELINFO']._serialized_start=1831
+  _globals['_MODELINFO']._serialized_end=1895
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1897
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1959
+  _globals['_GENERATION']._serialized_start=2114
+  _globals['_GENERATION']._serialized_end=2288
 # @@protoc_insertion_point(module_scope)

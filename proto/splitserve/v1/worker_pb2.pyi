@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EngineSampling(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "has_seed", "seed", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias_ids", "logit_bias_values", "has_logprobs", "top_logprobs", "grammar", "n")
+    __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "has_seed", "seed", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias_ids", "logit_bias_values", "has_logprobs", "top_logprobs", "grammar", "n", "has_prompt_logprobs", "prompt_top_logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,8 @@ class EngineSampling(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    HAS_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -48,7 +50,9 @@ class EngineSampling(_message.Message):
     top_logprobs: int
     grammar: Grammar
     n: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., logit_bias_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ..., has_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., n: _Optional[int] = ...) -> None: ...
+    has_prompt_logprobs: bool
+    prompt_top_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., logit_bias_ids: _Optional[_Iterable[int]] = ..., logit_bias_values: _Optional[_Iterable[float]] = ..., has_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., n: _Optional[int] = ..., has_prompt_logprobs: _Optional[bool] = ..., prompt_top_logprobs: _Optional[int] = ...) -> None: ...
 
 class Grammar(_message.Message):
     __slots__ = ("kind", "spec")
@@ -105,7 +109,7 @@ class SessionRequest(_message.Message):
     def __init__(self, submit: _Optional[_Union[WorkerSubmit, _Mapping]] = ..., cancel: _Optional[_Union[WorkerCancel, _Mapping]] = ...) -> None: ...
 
 class RequestDelta(_message.Message):
-    __slots__ = ("request_id", "token_ids", "finish_reason", "num_cached_tokens", "error", "internal_error", "migrate", "logprobs", "index")
+    __slots__ = ("request_id", "token_ids", "finish_reason", "num_cached_tokens", "error", "internal_error", "migrate", "logprobs", "index", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +119,7 @@ class RequestDelta(_message.Message):
     MIGRATE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _generation_pb2.FinishReason
@@ -124,15 +129,34 @@ class RequestDelta(_message.Message):
     migrate: bool
     logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
     index: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., internal_error: _Optional[bool] = ..., migrate: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ..., internal_error: _Optional[bool] = ..., migrate: _Optional[bool] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class StepOutput(_message.Message):
-    __slots__ = ("deltas", "draining")
+    __slots__ = ("deltas", "draining", "load")
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     deltas: _containers.RepeatedCompositeFieldContainer[RequestDelta]
     draining: bool
-    def __init__(self, deltas: _Optional[_Iterable[_Union[RequestDelta, _Mapping]]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    load: WorkerLoad
+    def __init__(self, deltas: _Optional[_Iterable[_Union[RequestDelta, _Mapping]]] = ..., draining: _Optional[bool] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ...) -> None: ...
+
+class WorkerLoad(_message.Message):
+    __slots__ = ("num_running", "num_waiting", "num_waiting_prefill_tokens", "num_free_blocks", "num_total_blocks", "num_decoding")
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DECODING_FIELD_NUMBER: _ClassVar[int]
+    num_running: int
+    num_waiting: int
+    num_waiting_prefill_tokens: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_decoding: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_prefill_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_decoding: _Optional[int] = ...) -> None: ...
 
 class WorkerStatusRequest(_message.Message):
     __slots__ = ()
@@ -227,15 +251,17 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSampling, _Mapping]] = ..., decode_agent_name: _Optional[str] = ..., first_block: _Optional[int] = ..., decode_block_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "num_cached_tokens", "transfer_bytes", "transfer_s", "first_logprob")
+    __slots__ = ("first_token", "num_cached_tokens", "transfer_bytes", "transfer_s", "first_logprob", "prompt_logprobs")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     num_cached_tokens: int
     transfer_bytes: int
     transfer_s: float
     first_logprob: _generation_pb2.TokenLogprob
-    def __init__(self, first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., first_logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    def __init__(self, first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., first_logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...

@@ -23,15 +23,17 @@ from router import Router, RouterConfig, RoutingPolicy, WorkerRole
 RECORDED = Path(__file__).parent / "data" / "router_replay_decisions.json"
 BLOCK_SIZE = 16
 
-# name -> router config; each replays the same workload
+# name -> router config; each replays the same workload. All but kv_lower_tier are tier-unaware
+# (lower_tier_weight 0, as they were recorded), whatever the router's default weight.
+_TIER_UNAWARE = 0.0
 CONFIGS: dict[str, RouterConfig] = {
-    "kv": RouterConfig(),
-    "kv_no_decode_delay": RouterConfig(decode_delay=False, busy_period_weight=False),
+    "kv": RouterConfig(lower_tier_weight=_TIER_UNAWARE),
+    "kv_no_decode_delay": RouterConfig(decode_delay=False, busy_period_weight=False, lower_tier_weight=_TIER_UNAWARE),
     "kv_lower_tier": RouterConfig(lower_tier_weight=0.5),
-    "kv_two_tiers": RouterConfig(tiers=(Tier.GPU, Tier.HOST)),
-    "kv_temperature": RouterConfig(temperature=0.2),
-    "kv_approximate": RouterConfig(approximate=True, approx_ttl_s=3.0),
-    "kv_blocks": RouterConfig(policy=RoutingPolicy.KV_BLOCKS),
+    "kv_two_tiers": RouterConfig(tiers=(Tier.GPU, Tier.HOST), lower_tier_weight=_TIER_UNAWARE),
+    "kv_temperature": RouterConfig(temperature=0.2, lower_tier_weight=_TIER_UNAWARE),
+    "kv_approximate": RouterConfig(approximate=True, approx_ttl_s=3.0, lower_tier_weight=_TIER_UNAWARE),
+    "kv_blocks": RouterConfig(policy=RoutingPolicy.KV_BLOCKS, lower_tier_weight=_TIER_UNAWARE),
 }
 
 

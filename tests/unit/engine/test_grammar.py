@@ -77,6 +77,17 @@ def test_bad_schema_is_a_grammar_error(setup):
             grammars.compile(GrammarSpec(GrammarKind.JSON_SCHEMA, bad))
 
 
+def test_a_grammar_error_says_what_is_wrong_without_the_librarys_paths_and_times(setup):
+    _, grammars = setup
+    bad = json.dumps({"type": "object", "properties": {"a": {"type": "string", "minLength": 5, "maxLength": 2}}})
+    for _ in range(2):          # a second time too (xgrammar's message carries the first one's time)
+        with pytest.raises(GrammarError) as e:
+            grammars.compile(GrammarSpec(GrammarKind.JSON_SCHEMA, bad))
+        assert str(e.value) == "the JSON schema does not compile: minLength 5 is greater than maxLength 2"
+    with pytest.raises(GrammarError, match=r"^the JSON schema does not compile: Regex parsing error at position 3"):
+        grammars.compile(GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps({"type": "string", "pattern": "(("})))
+
+
 def test_grammar_thread_fills_as_row_by_row(setup):
     """GrammarMasks (the runner's grammar thread, one batched xgrammar call) gives the same masks as
     filling each row alone, over steps that give each row its unseen tokens (the whole sequence

@@ -179,7 +179,7 @@ def test_a_request_aborted_while_its_blocks_load_releases_everything(model, bloc
             while eng.has_work:
                 eng.step()
             eng.tiers.drain()
-            assert not eng.scheduler.onboarding and not eng.scheduler.tier_busy
+            assert not eng.scheduler.onboarding.waiting and not eng.scheduler.tier_busy
             assert eng.pool.num_free == eng.pool.num_blocks
             eng.pool.check_invariants()
             eng.tiers.host.slots.check_invariants()
@@ -378,8 +378,8 @@ def test_an_idle_engine_admits_a_loaded_prefix_in_the_step_that_queues_its_copy(
     for ordered in (True, False):
         eng = tiered(model, block_bytes, tmp_path / f"o{ordered}", g1=16, disk=0)
         try:
-            assert eng.scheduler.ordered_onboard is True        # the CPU torch mover copies in order
-            eng.scheduler.ordered_onboard = ordered
+            assert eng.scheduler.onboarding.ordered is True        # the CPU torch mover copies in order
+            eng.scheduler.onboarding.ordered = ordered
             run(eng, [a], "first")
             _in_host_only(eng, a)
             eng.add_request(EngineRequest("idle", a, GREEDY))

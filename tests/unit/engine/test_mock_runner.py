@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from engine.engine import Engine
 from engine.mock_runner import MockModelRunner
 from perf.profile import CurveTiming, ProfileTiming, load_timing
-from runtime.types import EngineRequest, FinishReason, SamplingParams
+from runtime.types import EngineRequest, FinishReason, GrammarKind, GrammarSpec, SamplingParams
 from runtime.config import EngineConfig
 from splitserve.models import resolve_model
 
@@ -112,6 +114,37 @@ def test_runner_interface_and_defaults(model_dir):
     assert r.model_config.vocab_size == 4096
     r = MockModelRunner(EngineConfig(model=model_dir, mock=True, num_blocks=100, max_model_len=4096))
     assert (r.num_blocks, r.max_model_len) == (100, 4096)
+
+
+def test_the_mock_runner_and_the_engine_import_without_torch():
+    """The simulators drive the real scheduler with the mock runner in processes without torch."""
+    code = "import sys, engine.mock_runner, engine.engine; print(sorted(m for m in sys.modules if m == 'torch'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_engine_reads_what_the_runner_declares(model_dir):
+    """engine/runner.py: the mock models a device beside the host (async scheduling by default) and
+    declares no grammar support, so a grammar request is refused at once rather than ignored."""
+    eng = mock_engine(model_dir, FakeClock())
+    assert eng.async_scheduling and eng.runner.steps_beside_host and not eng.runner.supports_grammar
+    out = eng.add_request(EngineRequest("g", list(range(1, 20)), SamplingParams(
+        max_tokens=4, grammar=GrammarSpec(GrammarKind.JSON_OBJECT))))
+    assert out is not None and out.finish_reason is FinishReason.ERROR
+    assert out.error == "structured output (grammar) is not supported by this engine yet"
+    assert not eng.has_work
+
+
+def test_the_kv_cache_caps_the_context_and_a_lowered_setting_is_said_once(model_dir, caplog):
+    cfg = EngineConfig(model=model_dir, mock=True, num_blocks=2, max_model_len=999999)
+    with caplog.at_level("WARNING", logger="engine.engine"):
+        engine = Engine(cfg, runner=MockModelRunner(cfg))
+    assert engine.max_model_len == 2 * cfg.block_size
+    (line,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert line == "--max-model-len 999999 lowered to 32: the KV cache holds 32 tokens (2 blocks of 16)"
+    caplog.clear()
+    Engine(EngineConfig(model=model_dir, mock=True, num_blocks=2), runner=MockModelRunner(cfg))   # not configured
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
 
 
 def test_tokens_are_deterministic_below_vocab_and_never_eos(model_dir):

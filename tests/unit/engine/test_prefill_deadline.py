@@ -1,4 +1,4 @@
-"""A prefill worker's deadline order (Scheduler.prefill_deadline_s): the real Engine around the mock
+"""A prefill worker's deadline order (engine/sched/order.py, Scheduler.order.deadline_s): the real Engine around the mock
 runner, with real waits. Prompts that can no longer meet the TTFT target go behind those that can,
 each group in arrival order; without a target the queue stays in arrival order."""
 
@@ -25,7 +25,7 @@ def first_token_order(deadline_s: float | None, model_dir: str) -> tuple[list[st
     # one prompt a step (100 tokens, a budget of 128), so the order of first tokens is the queue's
     engine = Engine(EngineConfig(model=model_dir, mock=True, max_num_batched_tokens=128, num_blocks=256,
                                  async_scheduling=False))
-    engine.scheduler.prefill_deadline_s = deadline_s
+    engine.scheduler.order.deadline_s = deadline_s
 
     def add(name: str) -> None:
         engine.add_request(EngineRequest(RequestId(name), [11 + (hash(name) + j) % 3000 for j in range(100)],
@@ -45,13 +45,13 @@ def first_token_order(deadline_s: float | None, model_dir: str) -> tuple[list[st
 def test_prompts_past_saving_wait_behind_those_that_can_still_make_it(model_dir):
     order, engine = first_token_order(0.5, model_dir)
     assert order == ["new0", "new1", "new2", "old0", "old1", "old2"]
-    assert engine.scheduler.num_deadline_deferred == 3
+    assert engine.scheduler.order.num_deferred == 3
 
 
 def test_without_a_deadline_the_queue_keeps_arrival_order(model_dir):
     order, engine = first_token_order(None, model_dir)
     assert order == ["old0", "old1", "old2", "new0", "new1", "new2"]
-    assert engine.scheduler.num_deadline_deferred == 0
+    assert engine.scheduler.order.num_deferred == 0
 
 
 def test_all_late_or_all_on_time_keeps_arrival_order(model_dir):

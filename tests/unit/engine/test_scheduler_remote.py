@@ -29,7 +29,7 @@ def add(s: Scheduler, rid: str, n: int, remote: bool = False, first: int = 0) ->
 
 
 def reserved(s: Scheduler) -> list[str]:
-    return [r.request_id for r in s.take_reservations()]
+    return [r.request_id for r in s.remote.take_reservations()]
 
 
 def test_remote_prefill_behind_a_local_prompt_is_reserved_in_the_same_step():
@@ -40,7 +40,7 @@ def test_remote_prefill_behind_a_local_prompt_is_reserved_in_the_same_step():
     plan = s.schedule()
     assert [(r.request_id, r.num_tokens) for r in plan.rows] == [("local", 64)]
     assert reserved(s) == ["remote-1", "remote-2"]
-    assert set(s.awaiting_kv) == {"remote-1", "remote-2"}
+    assert set(s.remote.awaiting_kv) == {"remote-1", "remote-2"}
     assert [r.request_id for r in s.waiting] == []
 
 

@@ -67,6 +67,36 @@ async def test_tokenizing_a_huge_prompt_leaves_the_event_loop_free(tok):
     pool.close()
 
 
+def test_a_prompt_far_beyond_the_context_is_refused_from_a_prefix(tok):
+    text = "hello world, some text 12345. " * 135_000                   # ~4 MB, ~1.6 M tokens
+    t = time.perf_counter()
+    with pytest.raises(InvalidRequest, match="context length is 2048 tokens; the prompt has more than") as e:
+        tok.encode(text, max_tokens=2048)
+    assert time.perf_counter() - t < 0.5            # whole, it takes seconds
+    assert e.value.param == "prompt"
+
+
+@pytest.mark.parametrize("unit", ["        return self._value\n", " " * 64 + "x\n", "hello world, 12345. "],
+                         ids=["code (5 chars a token)", "whitespace runs (16)", "prose (2.5)"])
+def test_the_prefix_never_refuses_what_fits(tok, unit):
+    limit = 512
+    whole = unit * (limit * 20 // len(unit) + 1)
+    ids = tok.encode(whole)
+    for n in (limit - 1, limit, limit + 1, limit + 40):
+        # the longest text of at most n tokens
+        lo, hi = 0, len(whole)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if len(tok.encode(whole[:mid])) <= n else (lo, mid - 1)
+        text = whole[:lo]
+        if n < limit:
+            assert tok.encode(text, max_tokens=limit) == tok.encode(text)
+        else:
+            with pytest.raises(InvalidRequest, match="context length"):
+                tok.encode(text, max_tokens=limit)
+    assert len(ids) > limit
+
+
 class FailingGenerator:
     """Yields one delta, then fails with an error that is not a SplitserveError."""
     pool = None
@@ -75,18 +105,26 @@ class FailingGenerator:
     def check_prompt(self, prompt, max_tokens, default_max):
         return max_tokens or 4
 
+    def context_limit(self):
+        return 2048
+
     async def generate(self, inp):
         yield Delta([5], "hi")
+        raise RuntimeError("the worker connection broke")
+
+    async def stream(self, inp, on_delta):      # the pushed path (frontend/sse.py)
+        on_delta(Delta([5], "hi"))
         raise RuntimeError("the worker connection broke")
 
 
 @pytest.mark.parametrize("path,body", [
     ("/v1/completions", {"prompt": [1, 2, 3]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ("/v1/completions", {"prompt": [1, 2, 3], "n": 2}),          # the general path (several choices)
 ])
 async def test_a_stream_failing_after_its_headers_ends_with_an_error_event(tok, path, body):
     state = FrontendState(generator=FailingGenerator(), tokenizer=tok, metrics=FrontendMetrics(),
-                          model_name="tiny", max_model_len=2048, api_key=ApiKey(None), max_body_bytes=1 << 20,
+                          model_name="tiny", api_key=ApiKey(None), max_body_bytes=1 << 20,
                           tokenize=TokenizerPool(tok, 1, 4))
     transport = httpx.ASGITransport(app=create_app(state))
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:

@@ -20,11 +20,15 @@ def test_tools_are_validated():
     tools = parse_tools([WEATHER, TIME])
     assert [t.name for t in tools] == ["get_weather", "get_time"]
     assert tools[1].parameters == {"type": "object", "properties": {}}
-    for bad in ([{"type": "retrieval"}], [{"type": "function", "function": {"name": "bad name!"}}],
-                [WEATHER, WEATHER], [{"type": "function", "function": {"name": "f", "x": 1}}],
-                [{"type": "function", "function": {"name": "f", "parameters": []}}]):
-        with pytest.raises(InvalidRequest):
+    def fn(**f):
+        return {"type": "function", "function": {"name": "f", **f}}
+    for bad, param in (([{"type": "retrieval"}], "tools[0]"), ([TIME, fn(name="bad name!")], "tools[1].function.name"),
+                       ([WEATHER, WEATHER], "tools"), ([fn(x=1)], "tools[0]"),
+                       ([fn(parameters=[])], "tools[0].function.parameters"),
+                       ([fn(strict="yes")], "tools[0].function.strict")):
+        with pytest.raises(InvalidRequest) as e:
             parse_tools(bad)
+        assert e.value.param == param
 
 
 def test_tool_choice():
@@ -32,10 +36,12 @@ def test_tool_choice():
     assert resolve_choice(None, tools) == ("auto", tools)
     assert resolve_choice(None, []) == ("none", [])
     assert resolve_choice("none", tools)[0] == "none"
-    assert resolve_choice("required", tools) == ("forced", tools)
+    assert resolve_choice("required", tools) == ("required", tools)
     mode, allowed = resolve_choice({"type": "function", "function": {"name": "get_time"}}, tools)
-    assert mode == "forced" and [t.name for t in allowed] == ["get_time"]
-    for bad in ("sometimes", {"type": "function", "function": {"name": "nope"}}):
+    assert mode == "named" and [t.name for t in allowed] == ["get_time"] and allowed[0].index == 1
+    assert allowed[0].parameters_param == "tools[1].function.parameters"
+    for bad in ("sometimes", {"type": "function", "function": {"name": "nope"}},
+                {"type": "function", "function": {"name": "get_time", "x": 1}}, {"function": {"name": "get_time"}}):
         with pytest.raises(InvalidRequest):
             resolve_choice(bad, tools)
     with pytest.raises(InvalidRequest):
@@ -53,6 +59,13 @@ def test_forced_schema_and_parse():
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}),
                                                                    ("get_time", {})]
     assert parse_forced('[{"name": "get_weather", "argu') == []        # cut off by max_tokens
+    # one call (a named function, or no parallel calls): an object, not an array, ending the output
+    single = required_calls_schema(tools, parallel=False)
+    assert [c["properties"]["name"]["const"] for c in single["anyOf"]] == ["get_weather", "get_time"]
+    assert required_calls_schema(tools[1:], parallel=False)["properties"]["name"] == {"const": "get_time"}
+    (call,) = parse_forced('{"name": "get_time", "arguments": {}}')
+    assert (call.name, call.arguments) == ("get_time", "{}")
+    assert parse_forced('"get_time"') == [] and parse_forced('{"name": "get_time"}') == []
     out = calls[0].as_openai(0)
     assert out["type"] == "function" and out["id"].startswith("call_") and out["index"] == 0
 
@@ -93,7 +106,7 @@ def tool_model_dirs(tmp_path_factory):
 
 
 def test_templates_render_tools_and_past_calls(tool_model_dirs):
-    from frontend.openai_api import _turns
+    from frontend.prepare import chat_turns as _turns
     from frontend.schemas import ChatMessage
     from frontend.tokenizer import ModelTokenizer
     messages = [ChatMessage(role="user", content="Weather in Oslo?"),

@@ -247,3 +247,78 @@ def test_a_writer_killed_at_random_moments_never_leaves_a_bad_indexed_block(tmp_
         assert set(got.values()) == {"ok"}, got
         disk.close()
         host.close()
+
+
+def _flip(path: Path, offsets) -> None:
+    with open(path, "r+b") as f:
+        for off in offsets:
+            f.seek(off)
+            b = f.read(1)
+            f.seek(off)
+            f.write(bytes([b[0] ^ 0xFF]))
+
+
+def _damage_header(d: Path) -> None:
+    _flip(d / "index.sqlite", range(0, 16))                 # "SQLite format 3": not a database
+
+
+def _damage_pages(d: Path) -> None:
+    size = (d / "index.sqlite").stat().st_size
+    _flip(d / "index.sqlite", range(4096, size, 97))        # every page after the first: malformed
+
+
+def _damage_format_rows(d: Path) -> None:
+    import sqlite3
+    db = sqlite3.connect(d / "index.sqlite")                # a changed byte in a value, the file still valid
+    db.execute("UPDATE meta SET value = 'tiny-tesT' WHERE key = 'model'")
+    db.commit()
+    db.close()
+
+
+def _damage_everything(d: Path) -> None:
+    rng = random.Random(7)
+    for p in [d / "index.sqlite", *d.glob("slab-*.kv")]:
+        size = p.stat().st_size
+        _flip(p, sorted({rng.randrange(size) for _ in range(64)} | set(range(0, 16))))
+
+
+@pytest.mark.parametrize("damage", [_damage_header, _damage_pages, _damage_format_rows, _damage_everything])
+def test_a_damaged_index_is_set_aside_counted_logged_once_and_the_tier_starts_empty(tmp_path, damage, caplog):
+    host, disk = open_pool(str(tmp_path), 16, slab_slots=8)
+    for batch in (range(1, 7), range(7, 13)):                     # two slabs' worth
+        assert write_blocks(host, disk, list(batch)) == [None] * 6
+    disk.close()
+    host.close()
+    damage(tmp_path)
+    host, disk = open_pool(str(tmp_path), 16, slab_slots=8)          # no exception: the worker comes up
+    try:
+        assert disk.errors[DiskError.INDEX_DAMAGED] == 1
+        assert disk.slots.snapshot() == [] and disk.index.rows() == []
+        [aside] = tmp_path.glob("damaged-*")
+        assert {p.name for p in aside.iterdir()} >= {"index.sqlite", "slab-000000.kv", "slab-000001.kv"}
+        assert not list(tmp_path.glob("slab-*.kv"))
+        warnings = [r for r in caplog.records if r.levelname == "WARNING" and "set it aside" in r.getMessage()]
+        assert len(warnings) == 1 and str(aside) in warnings[0].getMessage()
+        assert write_blocks(host, disk, [101, 102]) == [None, None]          # an empty, working tier
+        assert read_blocks(host, disk, [101, 102, 1]) == {101: "ok", 102: "ok", 1: "absent"}
+    finally:
+        disk.close()
+        host.close()
+    host, disk = open_pool(str(tmp_path), 16, slab_slots=8)           # and a clean one on the next start
+    assert sorted(disk.slots.snapshot()) == [101, 102] and disk.errors[DiskError.INDEX_DAMAGED] == 0
+    disk.close()
+    host.close()
+
+
+def test_a_second_damage_replaces_the_first_set_aside(tmp_path):
+    for _ in range(2):
+        host, disk = open_pool(str(tmp_path), 16, slab_slots=8)
+        write_blocks(host, disk, [1, 2])
+        disk.close()
+        host.close()
+        _damage_header(tmp_path)
+        time.sleep(1.01)                 # the set's name carries the second
+    host, disk = open_pool(str(tmp_path), 16, slab_slots=8)
+    disk.close()
+    host.close()
+    assert len(list(tmp_path.glob("damaged-*"))) == 1

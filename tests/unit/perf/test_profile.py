@@ -83,3 +83,16 @@ def test_bad_cached_fractions_are_refused(tmp_path):
                                 "decode": {"batch_size": [1], "context_len": [100], "time_s": [[0.01]]}}))
     with pytest.raises(ValueError):
         load_profile(path)
+
+
+def test_profiles_are_per_weight_quantization(tmp_path):
+    """A profile records the weights it was measured with; the planner's default is the one for its
+    workers' weights, none is shipped for FP8 yet (a clear error), and another's is refused."""
+    assert load_profile(quantization="none").quantization == "none" == load_profile().quantization
+    with pytest.raises(ValueError, match="no performance profile is shipped for fp8.*splitserve profile"):
+        load_profile(quantization="fp8")
+    path = tmp_path / "fp8.json"
+    path.write_text(json.dumps({**json.loads(DEFAULT_PROFILE_PATH.read_text()), "quantization": "fp8"}))
+    assert load_profile(path, "fp8").quantization == "fp8" == load_profile(path).quantization
+    with pytest.raises(ValueError, match="measured with fp8 weights; the workers run none"):
+        load_profile(path, "none")

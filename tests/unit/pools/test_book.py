@@ -113,7 +113,7 @@ def test_a_worker_that_ran_stably_before_crashing_starts_the_count_again():
 def test_a_connector_backs_off_a_crashed_worker_then_leaves_a_crash_loop_failed(caplog):
     now = [0.0]
     loops = []
-    spawn = lambda pool, name: subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])   # noqa: E731
+    spawn = lambda pool, name, gpus: subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])   # noqa: E731
     c = LocalProcessConnector(spawn, {D: "decode", P: "prefill"}, RestartPolicy(backoff_s=1.0, crash_loop_restarts=1),
                               on_crash_loop=loops.append, clock=lambda: now[0])
 
@@ -139,7 +139,7 @@ def test_a_connector_backs_off_a_crashed_worker_then_leaves_a_crash_loop_failed(
 
 
 def test_a_crash_while_restarts_are_off_fails_the_worker_at_once_and_quietly(caplog):
-    spawn = lambda pool, name: subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])   # noqa: E731
+    spawn = lambda pool, name, gpus: subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])   # noqa: E731
     c = LocalProcessConnector(spawn, {D: "decode", P: "prefill"}, clock=lambda: 0.5)
     c.restart_crashed = False                        # serve's start-up: a crash means a bad model or flag
     asyncio.run(c.start(D))
@@ -148,3 +148,11 @@ def test_a_crash_while_restarts_are_off_fails_the_worker_at_once_and_quietly(cap
     [h] = c.failed()
     assert h.detail == "exit code 1 after 0.0 s" and h.restarts == 0
     assert "decode-0" not in caplog.text             # serve reports it, not the connector
+
+
+def test_a_negative_size_is_refused_as_such_not_as_below_the_min():
+    b = PoolBook({D: PoolSpec(1, 1, 4), P: PoolSpec(1, 0, 4)})
+    for n in (-1, 10_000):
+        with pytest.raises(InvalidRequest, match=f"number of workers from 0 to 256 \\(got {n} for the decode"):
+            b.scale({"decode": n, "prefill": 2})
+    assert b.spec("prefill").override is None          # all or nothing

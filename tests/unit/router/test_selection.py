@@ -156,6 +156,22 @@ def test_host_tier_counts_only_when_weighted():
         assert r.route("a", hs, 256, WorkerRole.DECODE).worker_id == expect
 
 
+def test_the_default_weight_routes_as_tier_unaware_until_a_block_leaves_the_gpu():
+    """The default weight (0.5) changes nothing while every block is on the GPU: the same choices
+    and overlaps as weight 0; once a worker holds a block only in host RAM, that block counts half."""
+    hs = block_hashes(prompt(11), BS)
+    routers = {w: make_router(n=3, **({} if w is None else {"lower_tier_weight": w})) for w in (None, 0.0)}
+    for r in routers.values():
+        cache(r, "w0", hs[:6])
+        cache(r, "w1", hs[:10])
+    picks = {w: [r.route(f"q{i}", hs, 256, WorkerRole.DECODE).worker_id for i in range(6)]
+             for w, r in routers.items()}
+    assert picks[None] == picks[0.0] and routers[None].overlaps(hs) == {"w0": 6, "w1": 10}
+    r = routers[None]
+    cache(r, "w2", hs, tier=Tier.HOST)
+    assert r.overlaps(hs)["w2"] == 0.5 * len(hs)
+
+
 def test_router_reports_workers_needing_resync():
     r = make_router(n=1, gap_max_buffered=1)
     cache(r, "w0", [1], seq=1)

@@ -23,7 +23,7 @@ def test_every_field_roundtrips():
                        stop_token_ids=frozenset({2, 9}), ignore_eos=True, presence_penalty=0.5,
                        frequency_penalty=-1.25, repetition_penalty=1.5, min_p=0.125, min_tokens=4,
                        logit_bias=((3, -100.0), (17, 2.5)), logprobs=5,
-                       grammar=GrammarSpec(GrammarKind.JSON_SCHEMA, '{"type": "object"}'), n=3)
+                       grammar=GrammarSpec(GrammarKind.JSON_SCHEMA, '{"type": "object"}'), n=3, prompt_logprobs=2)
     # every field differs from its default, so a field the conversion drops fails the test
     for f in dataclasses.fields(SamplingParams):
         assert getattr(p, f.name) != f.default, f.name
@@ -33,6 +33,8 @@ def test_every_field_roundtrips():
 def test_logprobs_zero_and_none_differ():
     assert roundtrip(SamplingParams(logprobs=0)).logprobs == 0
     assert roundtrip(SamplingParams(logprobs=None)).logprobs is None
+    assert roundtrip(SamplingParams(prompt_logprobs=0)).prompt_logprobs == 0
+    assert roundtrip(SamplingParams(prompt_logprobs=None)).prompt_logprobs is None
 
 
 def test_each_grammar_kind_roundtrips():
@@ -42,7 +44,7 @@ def test_each_grammar_kind_roundtrips():
 
 
 def test_token_logprob_roundtrip():
-    lp = TokenLogprobs(-0.5, (4, 1, 9), (-0.5, -1.5, -2.5))
+    lp = TokenLogprobs(-0.5, (4, 1, 9), (-0.5, -1.5, -2.5), rank=1)
     wire = logprob_to_pb(4, lp).SerializeToString()
     m = generation_pb2.TokenLogprob.FromString(wire)
     assert m.token_id == 4 and logprob_from_pb(m) == lp

@@ -143,6 +143,28 @@ def test_a_child_whose_parent_died_before_it_asked_ends_at_once():
     assert r.returncode == -signal.SIGTERM
 
 
+def test_a_child_dies_with_its_parent_even_when_sigterm_was_ignored_above_it():
+    """An ignored signal stays ignored across fork and exec (nohup; a CI runner that ignores
+    SIGTERM): the trampoline takes SIGTERM's default action back before it asks for it, so the
+    child still ends with its parent, and a re-parented one still ends at once."""
+    middle = ("import json, signal, subprocess, time\n"
+              "from runtime.process import with_parent_death\n"
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              "kid = subprocess.Popen(with_parent_death(['/bin/sleep', '60']))\n"
+              "time.sleep(0.5)\n"
+              "print(json.dumps({'pid': kid.pid}), flush=True)\n"
+              "time.sleep(60)\n")
+    m = subprocess.Popen([sys.executable, "-c", middle], stdout=subprocess.PIPE, text=True)
+    report = json.loads(m.stdout.readline())
+    m.kill()
+    m.wait()
+    assert _gone_within(report["pid"], 10), "a child outlived its parent"
+    argv = with_parent_death([sys.executable, "-c", "import time; time.sleep(60)"])
+    argv[5] = "1"
+    r = subprocess.run(argv, timeout=30, preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN))
+    assert r.returncode == -signal.SIGTERM
+
+
 # A component whose loop closes while a SIGTERM lands: the hook sends the signal right after the
 # loop closed its wake-up socket and before asyncio removes its handlers (the window a pool
 # controller's SIGTERM hit when a worker was already stopping after a drain).

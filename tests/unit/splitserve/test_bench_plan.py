@@ -7,8 +7,12 @@ import json
 import math
 
 import numpy as np
+import pytest
 
 from perf.profile import DEFAULT_STARTUP_S
+from runtime.config import FrontendConfig
+from runtime.config_planner import HARD_MAX_WORKERS, PoolLimits
+from splitserve.bench.plan import SIMULATED_POOLS, _configs, plan_settings
 from splitserve.cli import build_parser, main
 
 
@@ -56,6 +60,49 @@ def test_backtest_mode_and_bad_input(tmp_path, capsys):
     assert {r["predictor"] for r in rows} >= {"constant", "holt(0.5,0.2,0.9)"} and rows[0]["horizon"] == horizon
     assert main(["bench", "plan", "--trace", str(tmp_path / "missing.csv"), "--ttft-ms", "1", "--itl-ms", "1"]) == 2
     assert main(["bench", "plan", "--trace", str(trace), "--ttft-ms", "0", "--itl-ms", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--ttft-ms, --itl-ms and --planner-interval-s must be > 0" in err and "Traceback" not in err
+    assert main(["bench", "plan", "--trace", str(trace), "--ttft-ms", "1", "--itl-ms", "1",
+                 "--predictor", "arima"]) == 2
+    assert "unknown predictor 'arima'; use one of constant, ewma, holt" in capsys.readouterr().err
+    assert main(["bench", "plan", "--trace", str(trace), "--ttft-ms", "1", "--itl-ms", "1", "--min-prefill", "3",
+                 "--max-prefill", "2"]) == 2
+    assert "prefill pool limits must satisfy 0 <= min <= max <= 256" in capsys.readouterr().err
+    with pytest.raises(SystemExit):                   # the targets are the one thing a run must state
+        build_parser().parse_args(["bench", "plan", "--trace", str(trace), "--itl-ms", "1"])
+    assert "the following arguments are required: --ttft-ms" in capsys.readouterr().err
     assert main(["bench", "plan", "--trace", str(trace), "--ttft-ms", "1", "--itl-ms", "1", "--handoff-ms", "-1"]) == 2
-    args = build_parser().parse_args(["bench", "plan", "--trace", "x", "--ttft-ms", "1", "--itl-ms", "1"])
-    assert args.startup_s is None and args.interval_s == 20.0
+    assert "handoff_s and max_prefill_queue_tokens must be >= 0" in capsys.readouterr().err
+
+
+def test_the_flags_bench_plan_spelled_its_own_way_still_work():
+    """`--interval-s`, `--startup-s`, `--profile` and `--min/max-prefill/decode` are old spellings of
+    the generated `--planner-interval-s`, `--planner-startup-s`, `--planner-profile` and
+    `--min/max-prefill/decode-workers`; unset, the pools are the simulated ones (1 to the hard max)."""
+    base = ["bench", "plan", "--trace", "x", "--ttft-ms", "1", "--itl-ms", "1"]
+    s = plan_settings(build_parser().parse_args(base))
+    assert s.sla.startup_s is None and s.sla.interval_s == 20.0 and s.pools == SIMULATED_POOLS
+    assert (s.pools.min_prefill_workers, s.pools.max_decode_workers) == (1, HARD_MAX_WORKERS)
+    old = ["--interval-s", "30", "--startup-s", "8", "--profile", "p.json", "--min-prefill", "2", "--max-prefill", "5",
+           "--min-decode", "3", "--max-decode", "6"]
+    new = ["--planner-interval-s", "30", "--planner-startup-s", "8", "--planner-profile", "p.json",
+           "--min-prefill-workers", "2", "--max-prefill-workers", "5", "--min-decode-workers", "3",
+           "--max-decode-workers", "6"]
+    a, b = (plan_settings(build_parser().parse_args(base + argv)) for argv in (old, new))
+    assert a == b and (a.sla.interval_s, a.sla.startup_s, a.sla.profile) == (30.0, 8.0, "p.json")
+    assert (a.pools.prefill, a.pools.decode) == (PoolLimits(2, 5), PoolLimits(3, 6))
+
+
+def test_the_simulated_frontend_takes_the_frontends_flags_and_defaults():
+    """--remote-prefill-min-tokens and --max-prefill-queue-tokens are the frontend's declared flags
+    (runtime/config.py), with its defaults; --handoff-ms is this command's own."""
+    base = ["bench", "plan", "--trace", "x", "--ttft-ms", "1000", "--itl-ms", "50"]
+    args = build_parser().parse_args(base)
+    _, sim = _configs(args, plan_settings(args), 16.5)
+    declared = FrontendConfig(model="tiny")
+    assert (sim.remote_prefill_min_tokens, sim.max_prefill_queue_tokens) == (
+        declared.remote_prefill_min_tokens, declared.max_prefill_queue_tokens)
+    args = build_parser().parse_args(base + ["--remote-prefill-min-tokens", "256", "--max-prefill-queue-tokens",
+                                             "4096", "--handoff-ms", "20"])
+    _, sim = _configs(args, plan_settings(args), 16.5)
+    assert (sim.remote_prefill_min_tokens, sim.max_prefill_queue_tokens, sim.handoff_s) == (256, 4096, 0.02)

@@ -16,6 +16,8 @@ import pytest
 
 from splitserve.bench import clients as bc
 from splitserve.bench import serve as bs
+from splitserve.bench import stats as st
+from splitserve.bench import workloads as wl
 from splitserve.bench.plot import frontier_levels, pareto_frontier, plot_pareto
 
 # ---------------------------------------------------------------------------------------------
@@ -85,16 +87,16 @@ def _result(ttft, gaps, tokens, prompt_len=10, expected=None, usage=None, error=
 
 
 def test_itl_splits_a_multi_token_chunk_gap_evenly_and_skips_first_chunk_extras():
-    itl = bs.itl_samples([0.0, 1.0, 1.6, 2.0], [3, 1, 3, 2])
+    itl = st.itl_samples([0.0, 1.0, 1.6, 2.0], [3, 1, 3, 2])
     assert np.allclose(itl, [1.0, 0.2, 0.2, 0.2, 0.2, 0.2])
-    assert len(bs.itl_samples([5.0], [4])) == 0
+    assert len(st.itl_samples([5.0], [4])) == 0
 
 
 def test_summarize_level_percentiles_throughput_per_user_and_per_gpu():
     ok = [_result(ttft=0.1 * (i + 1), gaps=[0.01] * 9, tokens=[1] * 10) for i in range(10)]
     failed = [bc.RequestResult(10, 10, error="http_500"), bc.RequestResult(10, 10, error="timeout"),
               bc.RequestResult(10, 10, error="http_500")]
-    s = bs.summarize_level(ok + failed, duration_s=2.0, gpus=4)
+    s = st.summarize_level(ok + failed, duration_s=2.0, gpus=4)
     assert (s["requests"], s["errors"]) == (13, 3)
     assert s["error_kinds"] == {"http_500": 2, "timeout": 1}
     assert s["ttft_p50_s"] == pytest.approx(np.percentile([0.1 * (i + 1) for i in range(10)], 50))
@@ -114,11 +116,11 @@ def test_summarize_level_percentiles_throughput_per_user_and_per_gpu():
 def test_summarize_level_counts_token_mismatches_and_handles_all_failed():
     short = _result(0.1, [0.01], [1, 1], expected=5)  # ignore_eos, yet 2 of 5 tokens
     bad_usage = _result(0.1, [0.01], [1, 1], usage=3)  # server's count disagrees with the stream
-    s = bs.summarize_level([short, bad_usage, _result(0.1, [0.01], [1, 1])], 1.0)
+    s = st.summarize_level([short, bad_usage, _result(0.1, [0.01], [1, 1])], 1.0)
     assert s["token_mismatches"] == 2
     # throughput counts the tokens received (2 + 2 + 2), the workload the tokens asked for (5 + 2 + 2)
     assert s["output_tokens"] == 6 and s["output_tok_s"] == 6.0 and s["mean_output_len"] == 3.0
-    s = bs.summarize_level([bc.RequestResult(1, 1, error="ConnectError")], 1.0)
+    s = st.summarize_level([bc.RequestResult(1, 1, error="ConnectError")], 1.0)
     assert s["errors"] == 1 and s["ttft_p50_s"] is None and s["output_tok_s_per_user"] is None
     assert s["output_tok_s"] == 0
 
@@ -135,28 +137,28 @@ def test_finish_classifies_incomplete_and_empty_streams():
 
 
 def test_scenarios_and_concurrency_parsing():
-    assert bs.parse_scenario("1k1k") == (1024, 1024)
-    assert bs.parse_scenario("1K8K") == (1024, 8192)
-    assert bs.parse_scenario("8k1k") == (8192, 1024)
-    assert bs.parse_scenario("2k1k") == (2048, 1024)
+    assert wl.parse_scenario("1k1k") == (1024, 1024)
+    assert wl.parse_scenario("1K8K") == (1024, 8192)
+    assert wl.parse_scenario("8k1k") == (8192, 1024)
+    assert wl.parse_scenario("2k1k") == (2048, 1024)
     for bad in ("1k", "fast", "k1k"):
-        with pytest.raises(bs.BenchInputError):
-            bs.parse_scenario(bad)
-    assert bs.parse_concurrency("1,4, 16") == [1, 4, 16]
+        with pytest.raises(wl.BenchInputError):
+            wl.parse_scenario(bad)
+    assert wl.parse_concurrency("1,4, 16") == [1, 4, 16]
     for bad in ("", "0,1", "a"):
-        with pytest.raises(bs.BenchInputError):
-            bs.parse_concurrency(bad)
-    assert [bs.default_num_requests(c) for c in (1, 4, 16, 256, 1024)] == [16, 16, 64, 1024, 1024]
+        with pytest.raises(wl.BenchInputError):
+            wl.parse_concurrency(bad)
+    assert [wl.default_num_requests(c) for c in (1, 4, 16, 256, 1024)] == [16, 16, 64, 1024, 1024]
 
 
 def test_random_prompts_are_seeded_exact_length_and_below_vocab():
-    specs = bs.synthetic_specs(isl=300, osl=7, num_requests=3, vocab_size=50, seed=(1, 0))
+    specs = wl.synthetic_specs(isl=300, osl=7, num_requests=3, vocab_size=50, seed=(1, 0))
     prompts = [s.make_prompt() for s in specs]
     assert all(len(p) == 300 and p.min() >= 0 and p.max() < 50 for p in prompts)
     assert not np.array_equal(prompts[0], prompts[1])
-    again = bs.synthetic_specs(300, 7, 3, 50, (1, 0))[2].make_prompt()
+    again = wl.synthetic_specs(300, 7, 3, 50, (1, 0))[2].make_prompt()
     assert np.array_equal(prompts[2], again)
-    other_level = bs.synthetic_specs(300, 7, 3, 50, (1, 1))[2].make_prompt()
+    other_level = wl.synthetic_specs(300, 7, 3, 50, (1, 1))[2].make_prompt()
     assert not np.array_equal(prompts[2], other_level)
     assert all(s.max_tokens == 7 and s.prompt_len == 300 for s in specs)
 
@@ -165,25 +167,25 @@ def test_range_ratio_draws_lengths_uniformly_independently_and_reproducibly():
     def lengths(specs):
         return [(s.prompt_len, s.max_tokens) for s in specs]
 
-    specs = bs.synthetic_specs(1024, 8192, 400, 50, (3, 0), range_ratio=0.8)
+    specs = wl.synthetic_specs(1024, 8192, 400, 50, (3, 0), range_ratio=0.8)
     ins, outs = np.array(lengths(specs)).T
     assert 819 <= ins.min() < 830 and 1010 < ins.max() <= 1024  # floor(0.8 * 1024) = 819
     assert 6553 <= outs.min() < 6650 and 8100 < outs.max() <= 8192  # floor(0.8 * 8192) = 6553
     assert abs(ins.mean() - (819 + 1024) / 2) < 15 and abs(outs.mean() - (6553 + 8192) / 2) < 100
     assert abs(np.corrcoef(ins, outs)[0, 1]) < 0.2  # drawn independently of each other
     assert len(specs[5].make_prompt()) == specs[5].prompt_len
-    again = bs.synthetic_specs(1024, 8192, 400, 50, (3, 0), 0.8)
+    again = wl.synthetic_specs(1024, 8192, 400, 50, (3, 0), 0.8)
     assert lengths(again) == lengths(specs)
     assert np.array_equal(again[7].make_prompt(), specs[7].make_prompt())
-    assert lengths(bs.synthetic_specs(1024, 8192, 10, 50, (3, 0), 0.8)) == lengths(specs)[:10]
-    assert lengths(bs.synthetic_specs(1024, 8192, 400, 50, (3, 1), 0.8)) != lengths(specs)
-    assert lengths(bs.synthetic_specs(1024, 8192, 400, 50, (4, 0), 0.8)) != lengths(specs)
+    assert lengths(wl.synthetic_specs(1024, 8192, 10, 50, (3, 0), 0.8)) == lengths(specs)[:10]
+    assert lengths(wl.synthetic_specs(1024, 8192, 400, 50, (3, 1), 0.8)) != lengths(specs)
+    assert lengths(wl.synthetic_specs(1024, 8192, 400, 50, (4, 0), 0.8)) != lengths(specs)
     # ratio 1: exact lengths and the same prompts as before lengths could vary
-    exact = bs.synthetic_specs(300, 7, 5, 50, (1, 0), range_ratio=1.0)
+    exact = wl.synthetic_specs(300, 7, 5, 50, (1, 0), range_ratio=1.0)
     assert lengths(exact) == [(300, 7)] * 5
-    assert np.array_equal(exact[2].make_prompt(), bs.random_prompt((1, 0, 2), 300, 50))
+    assert np.array_equal(exact[2].make_prompt(), wl.random_prompt((1, 0, 2), 300, 50))
     # a range that floors to 0 still sends at least one token each way
-    tiny = bs.synthetic_specs(2, 1, 50, 50, (0, 0), range_ratio=0.1)
+    tiny = wl.synthetic_specs(2, 1, 50, 50, (0, 0), range_ratio=0.1)
     assert {n for n, _ in lengths(tiny)} == {1, 2} and {m for _, m in lengths(tiny)} == {1}
 
 
@@ -196,13 +198,13 @@ def test_range_ratio_defaults_to_inferencemax_for_scenarios_only_and_rejects_bad
     cli = build_parser().parse_args(["bench", "serve", "--scenario", "8k1k", "--random-range-ratio", "0.9"])
     assert bs.make_plan(cli).range_ratio == 0.9
     for bad in (0.0, -0.5, 1.01, float("nan")):
-        with pytest.raises(bs.BenchInputError, match="must be in"):
+        with pytest.raises(wl.BenchInputError, match="must be in"):
             bs.make_plan(_args(isl=100, osl=10, random_range_ratio=bad))
         assert bs.main(_args(scenario="1k1k", random_range_ratio=bad)) == 2
     trace = tmp_path / "t.jsonl"
     trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [0]}\n')
     assert bs.make_plan(_args(trace=str(trace))).trace_rows
-    with pytest.raises(bs.BenchInputError, match="--trace"):
+    with pytest.raises(wl.BenchInputError, match="--trace"):
         bs.make_plan(_args(trace=str(trace), random_range_ratio=0.8))
     assert bs.main(_args(trace=str(trace), random_range_ratio=1.0)) == 2
     assert "--random-range-ratio" in capsys.readouterr().err
@@ -210,20 +212,20 @@ def test_range_ratio_defaults_to_inferencemax_for_scenarios_only_and_rejects_bad
 
 def test_trace_prompts_share_prefix_blocks_and_have_a_short_last_block():
     seed = (0, 0)
-    a = bs.trace_prompt([1, 2, 3], 512 * 2 + 100, 512, 4000, seed)
-    b = bs.trace_prompt([1, 2, 9, 10], 512 * 3 + 7, 512, 4000, seed)
+    a = wl.trace_prompt([1, 2, 3], 512 * 2 + 100, 512, 4000, seed)
+    b = wl.trace_prompt([1, 2, 9, 10], 512 * 3 + 7, 512, 4000, seed)
     assert len(a) == 1124 and len(b) == 1543
     assert np.array_equal(a[:1024], b[:1024])  # blocks 1, 2 shared
     assert not np.array_equal(a[1024:1124], b[1024:1124])  # block 3 vs 9 differ
     # the short last block is a prefix of the same id's full block
-    c = bs.trace_prompt([1, 2, 3, 4], 512 * 4, 512, 4000, seed)
+    c = wl.trace_prompt([1, 2, 3, 4], 512 * 4, 512, 4000, seed)
     assert np.array_equal(a, c[:1124])
     assert a.max() < 4000 and a.min() >= 0
     # other seed (another level) -> other tokens for the same ids
-    assert not np.array_equal(a, bs.trace_prompt([1, 2, 3], 1124, 512, 4000, (0, 1)))
+    assert not np.array_equal(a, wl.trace_prompt([1, 2, 3], 1124, 512, 4000, (0, 1)))
     # lengths that disagree with the ids: drop blocks, or extend the last block
-    assert len(bs.trace_prompt([1, 2, 3], 600, 512, 4000, seed)) == 600
-    long = bs.trace_prompt([1], 700, 512, 4000, seed)
+    assert len(wl.trace_prompt([1, 2, 3], 600, 512, 4000, seed)) == 600
+    long = wl.trace_prompt([1], 700, 512, 4000, seed)
     assert len(long) == 700 and np.array_equal(long[:512], c[:512])
 
 
@@ -233,23 +235,23 @@ def test_load_trace_scales_lengths_and_block_size_together_and_caps(tmp_path):
             {"timestamp": 500, "input_length": 1300, "output_length": 3, "hash_ids": [0, 1, 3]},
             {"timestamp": 1500, "input_length": 9000, "output_length": 1, "hash_ids": list(range(4, 22))}]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
-    got, block = bs.load_trace(str(path), scale=0.25, max_input_len=1000)
+    got, block = wl.load_trace(str(path), scale=0.25, max_input_len=1000)
     assert block == 128
     assert [(r.input_len, r.output_len) for r in got] == [(275, 2), (325, 1), (1000, 1)]
-    specs = bs.trace_specs(got, block, 4000, (0, 0), speedup=2.0)
+    specs = wl.trace_specs(got, block, 4000, (0, 0), speedup=2.0)
     assert [s.arrival_s for s in specs] == [0.0, 0.25, 0.75]
     p0, p1 = specs[0].make_prompt(), specs[1].make_prompt()
     assert len(p0) == 275 and len(p1) == 325
     assert np.array_equal(p0[:256], p1[:256]) and not np.array_equal(p0[256:275], p1[256:275])
     path.write_text('{"timestamp": 0}\n')
-    with pytest.raises(bs.BenchInputError):
-        bs.load_trace(str(path))
+    with pytest.raises(wl.BenchInputError):
+        wl.load_trace(str(path))
 
 
 def test_real_mooncake_trace_prompts_have_their_lengths():
-    rows, block = bs.load_trace("/work/shared/data/traces/mooncake_synthetic_trace.jsonl",
+    rows, block = wl.load_trace("/work/shared/data/traces/mooncake_synthetic_trace.jsonl",
                                 scale=1 / 16, limit=50)
-    for spec in bs.trace_specs(rows, block, 4000, (0, 0))[:20]:
+    for spec in wl.trace_specs(rows, block, 4000, (0, 0))[:20]:
         assert len(spec.make_prompt()) == spec.prompt_len
 
 
@@ -407,7 +409,7 @@ def test_scenario_sends_inferencemax_random_lengths_and_records_them(capsys):
     level, summary = _lines(capsys)
     sent = [len(p) for p in server.prompts]
     assert all(819 <= n <= 1024 for n in sent) and len(set(sent)) > 6
-    planned = bs.synthetic_specs(1024, 1024, 12, 4000, (0, 0), 0.8)  # --seed 0, first level
+    planned = wl.synthetic_specs(1024, 1024, 12, 4000, (0, 0), 0.8)  # --seed 0, first level
     assert sorted(sent) == sorted(s.prompt_len for s in planned)
     assert (level["scenario"], level["isl"], level["osl"], level["range_ratio"]) == ("1k1k", 1024, 1024, 0.8)
     assert summary["range_ratio"] == 0.8
@@ -424,7 +426,7 @@ def test_text_corpus_windows_are_seeded_and_have_their_length(tmp_path):
     (corpus_dir / "a.txt").write_text("The quick brown fox jumps over the lazy dog. " * 40)
     (corpus_dir / "b.md").write_text("# Notes\n\nSome *markdown* text, with punctuation; and more.\n" * 30)
     (corpus_dir / "skip.bin").write_bytes(b"\xff\xfe")
-    corpus = bs.TextCorpus(str(corpus_dir), "tiny")
+    corpus = wl.TextCorpus(str(corpus_dir), "tiny")
     from tokenizers import Tokenizer
     from splitserve.models import resolve_model
     tok = Tokenizer.from_file(f"{resolve_model('tiny')}/tokenizer.json")
@@ -432,8 +434,8 @@ def test_text_corpus_windows_are_seeded_and_have_their_length(tmp_path):
     assert isinstance(a, str) and a != b and corpus.prompt((0, 1), 50) == a
     assert abs(len(tok.encode(a, add_special_tokens=False).ids) - 50) <= 2   # edges may re-tokenize
     assert len(corpus.prompt((3,), 5000)) > 1000                # longer than the corpus: it wraps
-    with pytest.raises(bs.BenchInputError):
-        bs.TextCorpus(str(tmp_path / "none.txt"), "tiny")
+    with pytest.raises(wl.BenchInputError):
+        wl.TextCorpus(str(tmp_path / "none.txt"), "tiny")
 
 
 def test_http_sweep_with_text_prompts(tmp_path, capsys):
@@ -447,7 +449,7 @@ def test_http_sweep_with_text_prompts(tmp_path, capsys):
     assert (level["errors"], level["token_mismatches"], level["prompts"]) == (0, 0, "text")
     # the server's count (here: the prompts' bytes) is what input_tokens adds up
     assert level["input_tokens"] == sum(len(p) for p in server.prompts) > 6 * 32
-    with pytest.raises(bs.BenchInputError):
+    with pytest.raises(wl.BenchInputError):
         bs.make_plan(_args(isl=8, osl=8, corpus=str(corpus), tokenizer=None))
 
 
@@ -565,3 +567,16 @@ def test_grpc_sweep(capsys):
         assert (line["requests"], line["errors"], line["token_mismatches"]) == (10, 0, 0)
         assert line["output_tokens"] == 10 * 33 and line["input_tokens"] == 10 * 100
     assert lines[-1]["bench"] == "serve_summary"
+
+
+def test_processes_split_the_concurrency_and_a_lagging_client_is_flagged(capsys):
+    from splitserve.bench.procs import shares
+    from splitserve.bench.serve import warn_client_lag
+
+    assert shares(10, 4) == [3, 3, 2, 2] and sum(shares(512, 8)) == 512 and shares(1, 2) == [1, 0]
+    calm = {"client_lag_p99_s": 0.0004, "itl_p50_s": 0.010, "concurrency": 8}
+    warn_client_lag(calm)
+    assert calm["client_lag_distorts_itl"] is False and capsys.readouterr().err == ""
+    late = {"client_lag_p99_s": 0.030, "itl_p50_s": 0.010, "concurrency": 512, "processes": 1}
+    warn_client_lag(late)
+    assert late["client_lag_distorts_itl"] is True and "--processes" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """`splitserve profile`: measuring the mock reproduces the timing it runs on (a round trip through
 the real engine loop: scheduler, chunked prefill, prefix cache), and a small sweep of the tiny model
-on the CPU writes a format-2 profile that the planner and the mock engine both read."""
+on the CPU (FP8 weights) writes a format-2 profile, with the weights' quantization, that the planner
+and the mock engine both read."""
 
 from __future__ import annotations
 
@@ -28,16 +29,16 @@ def test_profiling_the_mock_measures_the_timing_it_runs_on(tmp_path):
     spec = json.loads(out.read_text())
     # 8 x 512 tokens (+ their outputs) do not fit 200 blocks of 16: extrapolated, and said so
     assert spec["extrapolated"] == [[8, 512]] and spec["kv_capacity_tokens"] == 3200
-    assert got.kv_capacity_tokens == 3200 and got.max_num_seqs == 256
+    assert got.kv_capacity_tokens == 3200 and got.max_num_seqs == 256 and spec["quantization"] == "none"
 
 
 def test_a_cpu_profile_of_the_tiny_model_feeds_the_planner_and_the_mock(tmp_path):
     out = tmp_path / "tiny-cpu.json"
     assert main(["profile", "--out", str(out), "--device", "cpu", "--prefill-tokens", "16,48",
                  "--cached-fractions", "0.5", "--decode-batches", "1,2", "--decode-contexts", "16,32",
-                 "--steps", "2", "--repeats", "1", "--startup-s", "4.5"]) == 0
-    p = load_profile(out)
-    assert p.startup_s == 4.5 and p.kv_capacity_tokens > 0
+                 "--steps", "2", "--repeats", "1", "--startup-s", "4.5", "--quantization", "fp8"]) == 0
+    p = load_profile(out, "fp8")                    # recorded: the planner of FP8 workers takes it
+    assert p.startup_s == 4.5 and p.kv_capacity_tokens > 0 and p.quantization == "fp8"
     spec = json.loads(out.read_text())
     assert spec["prefill"]["cached_fraction"] == [0.0, 0.5] and spec["device"].startswith("cpu")
     assert all(t > 0 for row in spec["prefill"]["time_s"] + spec["decode"]["time_s"] for t in row)

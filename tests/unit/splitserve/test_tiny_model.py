@@ -156,3 +156,25 @@ def greedy_margins(model) -> tuple[list[float], list[int]]:
 
 def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_no_weights_writes_what_a_frontend_reads_without_torch_and_the_same_fingerprint(tmp_path, model_dir):
+    """The chart's frontends write the tiny model with the control-plane image (no torch): the files
+    they read are byte-identical to the workers', so the frontend accepts the workers."""
+    import subprocess
+    import sys
+
+    from runtime.model_config import model_fingerprint
+    import json
+    out = tmp_path / "frontend-tiny"
+    arch = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['safetensors'] = None; "
+            "from splitserve.cli import main; "
+            f"raise SystemExit(main(['model', 'tiny', '--out', {str(out)!r}, '--arch', {arch!r}, '--no-weights']))")
+    root = Path(__file__).resolve().parents[3]
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert not (out / "model.safetensors").exists()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (Path(model_dir) / name).read_bytes(), name
+    assert model_fingerprint(str(out)) == model_fingerprint(str(model_dir))

@@ -1,0 +1,83 @@
+"""The ITL guard of conditional disaggregation (frontend/disagg_policy.py): when computing a long
+prompt on its decode worker would slow that worker's steps past the ITL target. Priced with real
+profiles: an analytic one whose arithmetic the test redoes, and the shipped H100 one."""
+
+import json
+
+import pytest
+
+from frontend.disagg_policy import ItlGuard, make_itl_guard, must_wait
+from perf.profile import CurveTiming, load_profile
+
+CURVE = {"base_s": 0.005, "per_token_s": 2e-5, "per_attn_pair_s": 1e-9, "per_kv_token_s": 1e-8}
+
+
+@pytest.fixture
+def curve_profile(tmp_path):
+    path = tmp_path / "curve.json"
+    path.write_text(json.dumps({"curve": CURVE, "max_num_batched_tokens": 512}))
+    return load_profile(path)
+
+
+def step_s(chunk_start: int, chunk_tokens: int, decodes: int, context: int) -> float:
+    """One step of the curve with a prefill chunk and `decodes` decodes, by hand."""
+    c = CurveTiming(**CURVE)
+    return (c.base_s + c.per_token_s * (chunk_tokens + decodes)
+            + c.per_attn_pair_s * chunk_tokens * (chunk_start + chunk_tokens / 2)
+            + c.per_kv_token_s * decodes * context)
+
+
+def test_the_slowest_step_is_the_last_full_chunk_beside_the_decodes(curve_profile):
+    guard = ItlGuard(curve_profile, itl_target_s=0.05)
+    # 4 decodes leave 508 tokens of the 512 budget: 2000 tokens are chunks at 0, 508, 1016, 1524 (476)
+    assert guard.local_step_s(2000, 0, 4, 1000) == pytest.approx(step_s(1016, 508, 4, 1000))
+    # a tail after the last full chunk can be the slowest (a long context, few tokens left)
+    many = guard.local_step_s(100_000, 0, 0, 1)
+    assert many == pytest.approx(max(step_s(99_840 - 512, 512, 0, 1), step_s(99_840, 160, 0, 1)))
+    # a cached prefix moves the chunks but not what they attend to: the prompt's end is the same
+    assert guard.local_step_s(2000, 1000, 4, 1000) == pytest.approx(
+        max(step_s(1000, 508, 4, 1000), step_s(1508, 492, 4, 1000)))
+    # one chunk: one step
+    assert guard.local_step_s(300, 0, 0, 1) == pytest.approx(step_s(0, 300, 0, 1))
+
+
+def test_a_local_prefill_breaks_the_target_when_that_step_is_longer(curve_profile):
+    at = step_s(1016, 508, 4, 1000)
+    assert ItlGuard(curve_profile, at * 0.99).breaks_target(2000, 0, 4, 1000)
+    assert not ItlGuard(curve_profile, at * 1.01).breaks_target(2000, 0, 4, 1000)
+    guard = ItlGuard(curve_profile, at * 1.01)
+    assert guard.breaks_target(2000, 0, 64, 1000)          # more decodes in D's step: slower
+    assert guard.breaks_target(4000, 0, 4, 1000)           # a longer prompt: its last chunk attends more
+    assert not guard.breaks_target(1500, 0, 4, 1000)
+
+
+def test_on_the_shipped_h100_profile_long_prompts_break_tight_targets():
+    profile = load_profile(None)
+    tight, loose = ItlGuard(profile, 0.015), ItlGuard(profile, 0.050)
+    long_step, short_step = tight.local_step_s(8192, 0, 32, 8192), tight.local_step_s(1024, 0, 1, 1024)
+    assert short_step < long_step
+    assert tight.breaks_target(8192, 0, 32, 8192) and tight.breaks_target(1024, 0, 1, 1024)
+    assert loose.breaks_target(8192, 0, 32, 8192) == (long_step > 0.050)
+    assert loose.breaks_target(1024, 0, 1, 1024) == (short_step > 0.050)
+    # the guard prices a step with the decodes in it: never below the decode step alone
+    assert tight.local_step_s(1024, 0, 64, 8192) > profile.decode_step_s(64, 8192)
+
+
+def test_settings_build_the_guard_or_refuse(tmp_path):
+    assert make_itl_guard(None, None) is None
+    guard = make_itl_guard(15.0, None)
+    assert guard.itl_target_s == pytest.approx(0.015) and guard.profile.name == load_profile(None).name
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="ITL target"):
+            make_itl_guard(bad, None)
+    with pytest.raises(ValueError, match="cannot read profile"):
+        make_itl_guard(15.0, str(tmp_path / "missing.json"))
+
+
+def test_without_a_guard_nothing_waits_and_with_one_long_prompts_do(curve_profile):
+    assert not must_wait(None, 100_000, 100_000, 64)
+    guard = ItlGuard(curve_profile, step_s(1016, 508, 4, 2000) * 1.01)
+    assert not must_wait(guard, 2000, 2000, 4)            # its slowest step just fits the target
+    assert must_wait(guard, 4000, 4000, 4)
+    assert must_wait(guard, 4000, 900, 4)                 # a cached prefix: its later chunks still attend to it
+    assert not must_wait(guard, 4000, 400, 4)             # one short chunk left
