@@ -78,7 +78,8 @@ def main() -> int:
     base = EngineConfig(model=model_dir, device=args.device, load_format=load_format, seed=0,
                         num_blocks=sum(lengths) // 16 + 4 * len(lengths) + 64, max_model_len=max(lengths) + 256,
                         max_num_batched_tokens=max(2048, min(max(lengths), 8192)), quantization=args.quantization,
-                        enable_prefix_caching=False, tp_all_reduce=args.tp_all_reduce)
+                        enable_prefix_caching=False, tp_all_reduce=args.tp_all_reduce,
+                        async_scheduling=False)   # the first logits read are the prefill's (same context)
     vocab = 4096 if args.model else 128256
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, vocab - 10, (n,), generator=g).tolist() for n in lengths]
