@@ -11,12 +11,14 @@ router and the frontend, like a cluster of GPUs serving an 8B model, on a machin
 Tokens are a pure function of (request id, position): deterministic, below the vocabulary, never an
 EOS or one of the request's stop tokens, so every request generates exactly `max_tokens`.
 
-It knows nothing of gRPC, Redis or the router, and imports no torch (it holds no tensors), so the
-simulators can drive the real scheduler with it.
+It knows nothing of gRPC, Redis or the router, and imports no torch at module import (its small
+KV cache, which disaggregated mock workers push over NIXL, is allocated with torch on first use), so
+the simulators can drive the real scheduler with it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -30,10 +32,13 @@ from perf.profile import DEFAULT_KV_TOKENS, DEFAULT_MAX_MODEL_LEN, StepTiming, l
 
 log = logging.getLogger(__name__)
 
+MOCK_KV_BYTES = 8      # per block: enough for NIXL to move, nothing a test could mistake for a model's KV
+
 
 class MockModelRunner(Runner):
     """A `Runner` (engine/runner.py) with a modelled device: steps run beside the host (so async
-    scheduling is on by default, as on a GPU); no grammar, no logprobs, no KV cache to copy."""
+    scheduling is on by default, as on a GPU); no grammar, no logprobs, no model's KV (its `kv_cache`
+    is a few bytes a block, for NIXL to push between mock workers)."""
 
     steps_beside_host = True
 
@@ -52,6 +57,17 @@ class MockModelRunner(Runner):
         log.info("mock model runner (%s): %d KV blocks of %d tokens, max_model_len %d, vocab %d",
                  type(self.timing).__name__, self.num_blocks, cfg.block_size, self.max_model_len,
                  self.model_config.vocab_size)
+
+    @functools.cached_property
+    def kv_cache(self):
+        """A real KV cache in the model runner's layout, [layers, blocks + 1 (the scratch block), K/V,
+        block_size, kv_heads, head_dim], of MOCK_KV_BYTES bytes per block (one layer, one token row,
+        one head): the workers register it with NIXL and the prefill worker pushes a prompt's blocks of
+        it to the decode worker, so disaggregated serving moves real bytes through the real path.
+        Allocated on first use; torch is imported here, not at module import."""
+        import torch
+
+        return torch.zeros(1, self.num_blocks + 1, 2, 1, 1, MOCK_KV_BYTES // 2, dtype=torch.uint8)
 
     @property
     def device_free_at_s(self) -> float:

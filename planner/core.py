@@ -40,7 +40,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from planner.config import PlannerConfig, PoolLimits
-from planner.correction import Correction
+from planner.correction import Correction, MissLift
 from planner.decision import (Bound, Decision, LoadEstimate, Observation, Pool, PoolDecision, PoolState,
                               RequestSample)
 from planner.predictors import Forecast, Predictor, make_predictor
@@ -88,6 +88,10 @@ class Planner:
         self.service_correction = Correction()
         self.wait_correction = Correction()
         self.decode_correction = Correction()
+        # the closed loop: the prefill pool lifted by its TTFT misses, the decode pool by its own
+        # (ITL misses, and TTFT misses spent waiting for a decode worker)
+        self.ttft_lift = MissLift()
+        self.itl_lift = MissLift()
         self._burst = {Pool.PREFILL: 1.0, Pool.DECODE: 1.0}
         self._arrivals: deque[tuple[float, float, np.ndarray, float]] = deque(maxlen=BURST_INTERVALS)
         self._history: dict[Pool, deque[tuple[float, int]]] = {Pool.PREFILL: deque(), Pool.DECODE: deque()}
@@ -132,12 +136,15 @@ class Planner:
             dec = self._hold(Pool.DECODE, obs.decode, cfg.decode)
         else:
             service = service * self.service_correction.value
-            workload = DecodeWorkload.from_lengths(prompt, output)
+            self._close_loop(obs, service, prompt, output)
             rates = (plan_rate, plan_rate * (1 + cfg.hysteresis))
+            lift = self.ttft_lift.value
             pre = self._pool(Pool.PREFILL, obs.now_s, obs.prefill, cfg.prefill,
-                             *(self._prefill_workers(r, service) for r in rates))
+                             *(self._prefill_workers(r * lift, service) for r in rates), self.ttft_lift)
+            workload = self._decode_workload(prompt, output, service, pre.desired, plan_rate)
+            lift = self.itl_lift.value
             dec = self._pool(Pool.DECODE, obs.now_s, obs.decode, cfg.decode,
-                             *(self._decode_workers(r, workload) for r in rates))
+                             *(self._decode_workers(r * lift, workload) for r in rates), self.itl_lift)
             pre, dec = self._fit_budget(pre, dec, obs)
             pre, dec = self._predict(pre, plan_rate, service), self._predict_decode(dec, plan_rate, workload)
         self.last = Decision(obs.now_s, pre, dec, load, self.wait_correction.value)
@@ -231,16 +238,54 @@ class Planner:
     def _decode_step(self, batch: float, context: float) -> float:
         return self.decode_correction.value * self.profile.decode_step_s(batch, context)
 
+    def _decode_workload(self, prompt: np.ndarray, output: np.ndarray, service: np.ndarray, prefill_workers: int,
+                         rate: float) -> DecodeWorkload:
+        """The decode pool's view of the sample: a request holds its decode worker's KV from
+        admission through its prefill (the prefill pool's mean queue wait at its size, plus its
+        own compute) and may wait for admission as long as its TTFT slack."""
+        cfg = self.config
+        _, wait = prefill_wait(prefill_workers, rate, service, self._burst[Pool.PREFILL], self.wait_correction.value)
+        hold = service + min(wait, cfg.ttft_target_s)
+        return DecodeWorkload.from_lengths(prompt, output, hold, cfg.ttft_target_s - service)
+
     def _decode_workers(self, rate: float, workload: DecodeWorkload) -> int:
         p = self.profile
         return size_decode(rate, workload, self._decode_step, self.config.itl_target_s, self.config.pool_goal,
                            self._burst[Pool.DECODE], p.max_num_seqs, p.kv_capacity_tokens,
                            self.config.decode.max_workers + 1).workers
 
+    # ---- the closed loop --------------------------------------------------------------------
+
+    def _close_loop(self, obs: Observation, service: np.ndarray, prompt: np.ndarray, output: np.ndarray) -> None:
+        """Feed each pool's lift the interval's outcomes, with whether the model (without the
+        lift) predicted that the pool meets its goal at the interval's load and ready workers."""
+        cfg, o = self.config, obs.outcomes
+        allowance = 1 - cfg.pool_goal
+        rate = obs.num_arrivals / obs.interval_s
+        self.ttft_lift.observe(o.ttft_count, o.ttft_missed - o.ttft_missed_decode, allowance, obs.prefill.ready,
+                               lambda: self._prefill_meets(obs.prefill.ready, rate, service), cfg.min_records)
+        wl = lambda: self._decode_workload(prompt, output, service, obs.prefill.ready, rate)  # noqa: E731
+        self.itl_lift.observe(max(o.ttft_count, o.itl_count), o.ttft_missed_decode + o.itl_missed, allowance,
+                              obs.decode.ready, lambda: self._decode_meets(obs.decode.ready, rate, wl()),
+                              cfg.min_records)
+
+    def _prefill_meets(self, workers: int, rate: float, service: np.ndarray) -> bool:
+        cfg = self.config
+        s = prefill_attainment(workers, rate, service, cfg.ttft_target_s, self._burst[Pool.PREFILL],
+                               self.wait_correction.value, cfg.prefill_deadline)
+        return workers > 0 and s.attainment >= cfg.pool_goal * float((service < cfg.ttft_target_s).mean())
+
+    def _decode_meets(self, workers: int, rate: float, wl: DecodeWorkload) -> bool:
+        p, cfg = self.profile, self.config
+        cap, limit = decode_batch_cap(self._decode_step, wl.context, cfg.itl_target_s, p.max_num_seqs)
+        s = decode_attainment(workers, rate, wl, self._decode_step, cfg.itl_target_s, cap, limit,
+                              self._burst[Pool.DECODE], p.kv_capacity_tokens)
+        return workers > 0 and s.attainment >= cfg.pool_goal * float((wl.slack_s > 0).mean())
+
     # ---- acting -------------------------------------------------------------------------------
 
     def _pool(self, pool: Pool, now_s: float, state: PoolState, limits: PoolLimits,
-              required: int, required_down: int) -> PoolDecision:
+              required: int, required_down: int, lift: MissLift) -> PoolDecision:
         history = self._history[pool]
         # The window reaches back to the decision in force down_delay ago (made up to one interval
         # before it): a worker goes only once it has been unneeded for a whole down_delay. Keeping
@@ -254,8 +299,11 @@ class Planner:
         while history and history[0][0] <= now_s - delay - self.config.interval_s:
             history.popleft()
         current = state.active
+        lifted = lift.floor > required
+        if lifted:
+            required, required_down = lift.floor, max(required_down, lift.floor)
         if required >= current:
-            desired, bound = required, Bound.MODEL
+            desired, bound = required, Bound.LIFT if lifted else Bound.MODEL
         elif self._first_s is None or now_s - self._first_s < delay:
             desired, bound = current, Bound.DOWN_DELAY       # not yet a whole delay of evidence
         else:
@@ -266,7 +314,7 @@ class Planner:
         desired, bound = self._clamp(desired, bound, limits)
         corr = self.service_correction.value if pool is Pool.PREFILL else self.decode_correction.value
         return PoolDecision(pool, current, required, required_down, self.config.hysteresis, desired, bound, corr,
-                            0.0, 0.0)
+                            0.0, 0.0, lift=lift.value)
 
     def _hold(self, pool: Pool, state: PoolState, limits: PoolLimits) -> PoolDecision:
         desired, bound = self._clamp(state.active, Bound.NO_DATA, limits)
@@ -301,11 +349,10 @@ class Planner:
 
     def _predict_decode(self, d: PoolDecision, rate: float, wl: DecodeWorkload) -> PoolDecision:
         p = self.profile
-        cap, limit = decode_batch_cap(self._decode_step, wl.context, self.config.itl_target_s, p.max_num_seqs,
-                                      p.kv_capacity_tokens, wl.reserved)
+        cap, limit = decode_batch_cap(self._decode_step, wl.context, self.config.itl_target_s, p.max_num_seqs)
         s = decode_attainment(max(d.desired, 1), rate, wl, self._decode_step, self.config.itl_target_s, cap,
-                              limit, self._burst[Pool.DECODE])
-        return replace(d, predicted=s.itl_s, per_worker=s.batch, limit=limit)
+                              limit, self._burst[Pool.DECODE], p.kv_capacity_tokens)
+        return replace(d, predicted=s.itl_s, per_worker=s.batch, limit=s.limit)
 
 
 def split_gpu_budget(avail_gpus: int, prefill: int, decode: int, gpus: tuple[int, int],

@@ -9,6 +9,9 @@ by (1 - w) each step (w = 0.2: half the weight is on the last 3 intervals).
 `floor` regularises ratios of small numbers: (observed + floor) / (predicted + floor), so waits far
 below anything that matters pull the factor back to 1 instead of to noise.
 
+A `MissLift` is the other kind of correction: not of a latency the model predicts, but of the
+misses a pool is observed to cause, which lift the pool whatever the model says (its docstring).
+
 It knows nothing of what it corrects.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 CORRECTION_WEIGHT = 0.2
 CORRECTION_BOUNDS = (0.25, 4.0)
@@ -41,3 +45,52 @@ class Correction:
         self.value = min(max(math.exp(log), self.low), self.high)
         self.updates += 1
         return self.value
+
+
+# ---- the closed loop on misses ------------------------------------------------------------------
+
+LIFT_STEP = 0.25        # each interval of significant misses raises a pool's lift by a quarter ...
+LIFT_MAX = 4.0          # ... up to 4x its planned load
+LIFT_DECAY = 0.2        # an agreeing interval takes a fifth of the lift above 1 back (half in about 3)
+MISS_Z = 2.0            # misses count when above the allowance by two binomial standard deviations
+
+
+def significant_misses(num: int, missed: int, allowance: float) -> bool:
+    """More misses among `num` requests than a pool meeting its allowed share would show, beyond
+    noise: above num * a + MISS_Z sqrt(num * a (1 - a)), and at least two."""
+    expected = num * allowance
+    return missed >= 2 and missed > expected + MISS_Z * math.sqrt(expected * (1 - allowance))
+
+
+@dataclass(slots=True)
+class MissLift:
+    """A pool's closed loop on the misses it is observed to cause.
+
+    The sizing model can be wrong in ways the latency corrections do not see (a wait it does not
+    model, a burst shorter than a start-up). When an interval's observed misses of the pool's
+    target are significantly above its allowance, the pool is lifted whatever the model says: its
+    planned load is multiplied by `value` (raised by LIFT_STEP), and it may not go below one more
+    worker than served that interval (`floor`). The lift is undone only when the model's own
+    prediction agrees again: in an interval where the pool met its target and the model, without
+    the lift, predicted that it would at the load and the workers it had, `value` loses LIFT_DECAY
+    of its excess over 1 and the floor goes. An interval where the model predicts misses the pool
+    did not have leaves the lift as it is (the model asks for more workers anyway)."""
+    value: float = 1.0
+    floor: int = 0
+    lifts: int = 0
+
+    def observe(self, num: int, missed: int, allowance: float, served: int, model_meets: Callable[[], bool],
+                min_records: int) -> None:
+        """One interval: `num` requests judged, `missed` of them missed, `served` ready workers;
+        `model_meets()` asks the model (asked only when the pool met its target)."""
+        if num < min_records:
+            return
+        if significant_misses(num, missed, allowance):
+            self.value = min(self.value * (1 + LIFT_STEP), LIFT_MAX)
+            self.floor = max(self.floor, served + 1)
+            self.lifts += 1
+        elif model_meets():
+            self.value = 1 + (self.value - 1) * (1 - LIFT_DECAY)
+            if self.value < 1.01:
+                self.value = 1.0
+            self.floor = 0

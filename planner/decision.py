@@ -50,6 +50,22 @@ class DecodeStats:
 
 
 @dataclass(frozen=True, slots=True)
+class Outcomes:
+    """The requests whose latency became known in the interval, against the targets: the closed
+    loop's evidence (planner/core.py "Misses lift a pool"). TTFT is counted when the first token is
+    out, among the requests whose own prefill fits the target (no pool saves the others); of its
+    misses, `ttft_missed_decode` are the decode pool's to fix, not the prefill pool's: prompts a
+    decode worker computed itself, and those that waited longer for a decode worker's KV than at
+    a prefill worker. ITL is counted when the last token is out,
+    among those with more than one output token."""
+    ttft_count: int = 0
+    ttft_missed: int = 0
+    ttft_missed_decode: int = 0
+    itl_count: int = 0
+    itl_missed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class PoolState:
     ready: int = 0
     starting: int = 0
@@ -76,6 +92,7 @@ class Observation:
     # the interval's arrival times (all, or a uniform sample), when `requests` are not the
     # interval's arrivals (live: they are the requests that finished in it); None: theirs
     arrival_times: tuple[float, ...] | None = None
+    outcomes: Outcomes = field(default_factory=Outcomes)   # latencies against the targets
 
 
 # ---- out ----------------------------------------------------------------------------------------
@@ -88,6 +105,7 @@ class Bound(Enum):
     MIN = "min"
     MAX = "max"
     BUDGET = "budget"              # cut to fit the GPU budget
+    LIFT = "lift"                  # held above the model by observed misses (planner/correction.py MissLift)
     NO_DATA = "no_data"            # nothing observed yet: keep what there is
 
 
@@ -103,7 +121,8 @@ class PoolDecision:
     correction: float              # the latency correction applied (1 = the profile as is)
     predicted: float               # prefill: TTFT attainment; decode: ITL (s), at `desired`
     per_worker: float              # prefill: utilisation; decode: sequences per worker
-    limit: str = ""                # decode: what capped the batch (itl | kv | max_num_seqs)
+    limit: str = ""                # decode: what bounds the pool (itl | max_num_seqs: the batch; kv: the KV held)
+    lift: float = 1.0              # the observed misses' lift of the planned load (1 = none)
 
     @property
     def delta(self) -> int:
@@ -147,8 +166,9 @@ class Decision:
         """One line for logs and `pools status`."""
         def pool(d: PoolDecision) -> str:
             why = d.bound.value + (f"/{d.limit}" if d.limit else "")
+            lift = f", lift {d.lift:.2f}" if d.lift != 1.0 else ""
             return (f"{d.pool.value} {d.current}->{d.desired} (req {d.required}, {why}, "
-                    f"corr {d.correction:.2f})")
+                    f"corr {d.correction:.2f}{lift})")
         ld = self.load
         return (f"t={self.now_s:.0f}s {pool(self.prefill)}; {pool(self.decode)}; "
                 f"rate {ld.rate_rps:.2f} plan {ld.plan_rate_rps:.2f} req/s ({ld.predictor}), "
@@ -163,6 +183,6 @@ class Decision:
         for d in (self.prefill, self.decode):
             p = d.pool.value
             out |= {f"{p}_desired": d.desired, f"{p}_required": d.required, f"{p}_current": d.current,
-                    f"{p}_correction": d.correction, f"{p}_predicted": d.predicted,
+                    f"{p}_correction": d.correction, f"{p}_lift": d.lift, f"{p}_predicted": d.predicted,
                     f"{p}_per_worker": d.per_worker}
         return out

@@ -3,8 +3,12 @@
 Each predictor eats one number per planner interval (requests that arrived in it) and forecasts
 `steps` intervals ahead as a `Forecast(mean, sd)`; the planner sizes on a quantile of it. All share
 one error model: the spread at h steps ahead is an exponentially weighted mean of the squared
-errors of the forecasts it made h steps ahead, never below the one-step spread nor the Poisson
-spread of the forecast count (variance = mean). Measured, not extrapolated: each model's own
+errors of the forecasts it made h steps ahead, each error counted at most ERROR_CAP spreads (a
+lone burst's error, squared, would otherwise hold the spread, and the planned rate, at several
+times the level for ten intervals: the prefill pool's swings, docs/planner.md "When the planner
+misses"), never below the one-step spread nor the Poisson spread of the forecast count (variance
+= mean). A burst that recurs keeps widening it, three spreads at a time. Measured, not
+extrapolated: each model's own
 formula for how the spread grows (Hyndman et al., "Forecasting with Exponential Smoothing",
 ch. 6) assumes the series moves the way the model does, so on a series whose one-step errors are
 mostly sampling noise (which does not add up over the horizon) it widens the far forecasts for
@@ -36,6 +40,7 @@ from runtime.config_planner import DEFAULT_PREDICTOR, PredictorKind
 
 ERROR_WEIGHT = 0.1   # the squared-error EWMA: the spread follows about the last 10 intervals
 MEASURED_STEPS = 8   # horizons whose spread is measured (the planner's is 2 to 3 intervals)
+ERROR_CAP = 3.0      # an error counts at most this many spreads (Poisson's at least) in the EWMA
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +87,11 @@ class _Base:
             # the EWMA: seeding the EWMA with its first error would give that one error (made by a
             # smoother with no trend yet) ten times the weight of any later one for ten intervals
             weight = max(ERROR_WEIGHT, 1 / self._errors[h])
+            if self._errors[h] * ERROR_WEIGHT > 1:
+                # one error counts at most ERROR_CAP spreads: a lone burst would otherwise hold the
+                # spread (and the planned rate) at several times its level for ten intervals
+                cap = ERROR_CAP * ERROR_CAP * max(self._sq_err[h], made[h - 1], 1.0)
+                err = math.copysign(math.sqrt(min(err * err, cap)), err)
             self._sq_err[h] = (1 - weight) * self._sq_err[h] + weight * err * err
         self._update(x)
         self._n += 1

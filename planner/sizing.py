@@ -21,18 +21,21 @@ with attainment(c) >= goal * mean_i [S_i < T].
 Decode: every sequence on a worker waits the same step time f(B, C) per token (B sequences of mean
 context C). By Little's law the sequences in flight are N = lam L f(B, C), L = mean decode steps
 per request, so with D workers the batch per worker is the fixed point B = lam L f(B, C) / D.
-A worker's batch is capped by the ITL target (f(B, C) <= ITL), the engine's max_num_seqs and its
-KV (B * R <= capacity, R = the tokens a sequence reserves): cap. The pool is then D * cap batch
-slots, and a request holds one for s_i f(B, C) seconds (s_i = its decode steps = output - 1).
-When all are taken it waits after its first token, and its mean ITL absorbs the wait: it meets
-the target iff wait <= s_i (ITL - f(B, C)). The wait is M/G/c's again (c = D * cap slots, same
-Allen-Cunneen and exponential tail as prefill), so
+A worker's batch is capped by the ITL target (f(B, C) <= ITL) and the engine's max_num_seqs: cap.
+A decode worker admits a request before its prompt is prefilled (it reserves the sequence's KV,
+then asks a prefill worker, engine/scheduler.py), and only while fewer than cap sequences run, so
+a request that finds the pool full waits *before its first token*: it meets its TTFT target iff
+that wait fits its slack T - S_i (S_i its prefill). Two resources are held: D * cap batch slots,
+each for s_i f(B, C) seconds (s_i = its decode steps = output - 1), and the KV, D * K / R
+sequences' worth (K the worker's KV tokens, R the mean reservation prompt + output weighted by how
+long it is held), each from admission through the prefill to the last token. Each is an M/G/c
+queue (the same Allen-Cunneen wait and exponential tail as prefill):
 
-    attainment(D) = mean_i (1 - C exp(-s_i (ITL - f(B, C)) C / W))      (1 for s_i = 0)
+    attainment(D) = mean_i prod_r (1 - C_r exp(-(T - S_i) C_r / W_r))     (0 where T <= S_i)
 
-and the pool needs the least D with attainment(D) >= goal. C and R are time-weighted: a sequence
-of o output tokens stays o - 1 steps, so C = sum (o-1)(p + o/2) / sum (o-1) and
-R = sum (o-1)(p + o) / sum (o-1) over the sample.
+and the pool needs the least D with attainment(D) >= goal (of the requests that can meet T). C is
+step-weighted: a sequence of o output tokens stays o - 1 steps, so C = sum (o-1)(p + o/2) /
+sum (o-1) over the sample. Its ITL is then f(B, C), within the target while B is within the cap.
 
 It knows nothing of time, predictors, hysteresis or budgets.
 """
@@ -188,38 +191,40 @@ def size_prefill(rate: float, service_s: np.ndarray, target_s: float, goal: floa
 
 @dataclass(frozen=True, slots=True)
 class DecodeWorkload:
-    steps: np.ndarray          # per sampled request: decode steps (output tokens after the first)
-    context: float             # C: time-weighted mean tokens a running sequence attends
-    reserved: float            # R: time-weighted mean KV tokens a running sequence holds
+    """What the decode pool holds per request, over a sample of requests."""
+    steps: np.ndarray          # decode steps (output tokens after the first)
+    context: float             # C: step-weighted mean tokens a decoding sequence attends
+    kv_tokens: np.ndarray      # KV it reserves on its decode worker: prompt + output
+    prefill_s: np.ndarray      # how long it holds that KV before its first token (its prefill, queue included)
+    slack_s: np.ndarray        # how long it may wait for a decode worker and still meet the TTFT target
 
     @property
     def steps_per_request(self) -> float:
         return float(self.steps.mean()) if len(self.steps) else 0.0
 
     @staticmethod
-    def from_lengths(prompt: np.ndarray, output: np.ndarray) -> "DecodeWorkload":
+    def from_lengths(prompt: np.ndarray, output: np.ndarray, prefill_s: np.ndarray | None = None,
+                     slack_s: np.ndarray | float = math.inf) -> "DecodeWorkload":
         steps = np.maximum(output.astype(np.float64) - 1, 0)
         total = float(steps.sum())
-        if not len(prompt) or total <= 0:
-            return DecodeWorkload(steps, 0.0, 0.0)
-        context = float((steps * (prompt + output / 2)).sum()) / total
-        reserved = float((steps * (prompt + output)).sum()) / total
-        return DecodeWorkload(steps, context, reserved)
+        context = float((steps * (prompt + output / 2)).sum()) / total if len(prompt) and total > 0 else 0.0
+        zeros = np.zeros(len(prompt))
+        return DecodeWorkload(steps, context, (prompt + output).astype(np.float64),
+                              zeros if prefill_s is None else prefill_s, zeros + slack_s)
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeSizing:
     workers: int
-    attainment: float      # predicted share of requests with mean ITL <= target
-    batch: float           # mean sequences per worker
+    attainment: float      # predicted share of requests whose wait for a decode worker fits their slack
+    batch: float           # mean sequences decoding per worker
     itl_s: float           # the step time at that batch
-    batch_cap: int         # the most sequences a worker runs at once
-    limit: str             # what set the cap: itl | kv | max_num_seqs
+    batch_cap: int         # the most sequences a worker decodes at once
+    limit: str             # what bounds the pool: itl | max_num_seqs (the batch) or kv (the KV held)
 
 
-def decode_batch_cap(step: StepFn, context: float, itl_target_s: float, max_num_seqs: int,
-                     kv_tokens: int, reserved: float) -> tuple[int, str]:
-    """The largest batch within the ITL target, max_num_seqs and the KV capacity."""
+def decode_batch_cap(step: StepFn, context: float, itl_target_s: float, max_num_seqs: int) -> tuple[int, str]:
+    """The largest batch within the ITL target and max_num_seqs."""
     lo, hi = 0, max_num_seqs       # bisection: step time grows with the batch
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -227,10 +232,7 @@ def decode_batch_cap(step: StepFn, context: float, itl_target_s: float, max_num_
             lo = mid
         else:
             hi = mid - 1
-    caps = {"itl": lo, "kv": int(kv_tokens // reserved) if reserved > 0 else max_num_seqs,
-            "max_num_seqs": max_num_seqs}
-    limit = min(("max_num_seqs", "kv", "itl"), key=lambda k: caps[k])   # ties: the engine's limits
-    return caps[limit], limit
+    return (max_num_seqs, "max_num_seqs") if lo >= max_num_seqs else (lo, "itl")
 
 
 def decode_batch(workers: int, rate: float, wl: DecodeWorkload, step: StepFn, ceiling: float) -> float:
@@ -249,46 +251,65 @@ def decode_batch(workers: int, rate: float, wl: DecodeWorkload, step: StepFn, ce
     return b
 
 
-def decode_attainment(workers: int, rate: float, wl: DecodeWorkload, step: StepFn, itl_target_s: float,
-                      cap: int, limit: str = "", burst: float = 1.0) -> DecodeSizing:
-    """Predicted share of requests whose mean ITL meets the target with `workers` workers.
+def _admission_ok(servers: float, rate: float, hold_s: np.ndarray, slack_s: np.ndarray, burst: float) -> np.ndarray:
+    """Per request, the probability that its wait for one of `servers` held hold_s each fits slack_s."""
+    p_wait, wait = prefill_wait(int(servers), rate, hold_s, burst)
+    if math.isinf(wait):
+        return np.zeros(len(slack_s))
+    if wait <= 0 or p_wait <= 0:
+        return np.ones(len(slack_s))
+    return 1.0 - p_wait * np.exp(-np.maximum(slack_s, 0.0) * (p_wait / wait))
 
-    The pool is workers * cap batch slots; a request holds one for its decode time s_i * f(B, C)
-    (s_i = its decode steps) and, when all are taken, waits for one after its first token, which
-    its mean ITL absorbs: it meets the target iff wait <= s_i (ITL - f(B, C)). The wait is
-    M/G/c's (the prefill formulas, with c = slots)."""
+
+def decode_attainment(workers: int, rate: float, wl: DecodeWorkload, step: StepFn, itl_target_s: float,
+                      cap: int, limit: str = "", burst: float = 1.0, kv_capacity: float = math.inf) -> DecodeSizing:
+    """Predicted share of requests that `workers` decode workers admit in time.
+
+    A decode worker admits a request (reserves its KV: prompt + output) before its prompt is
+    prefilled, and while fewer than its batch cap decode (engine/scheduler.py): a request that
+    waits for either waits before its first token, so it meets its TTFT target only if the wait
+    fits its slack (the target less its own prefill). Two resources, each M/G/c (the prefill
+    formulas): batch slots, D * cap of them, held for the decode time s_i f(B, C); and KV, D *
+    kv_capacity / R of them (R the hold-weighted mean reservation), held from admission through
+    the prefill to the last token. A request is admitted in time with the product of the two
+    chances. Its mean ITL is then the step time f(B, C), within the target when B is within the
+    cap."""
     cap = max(cap, 1)
     b = decode_batch(workers, rate, wl, step, ceiling=cap) if workers > 0 else math.inf
     if not math.isfinite(b):
         return DecodeSizing(workers, 0.0, b, math.inf, cap, limit)
     itl = step(max(b, 1.0), wl.context)
-    steps = wl.steps
-    decoding = steps > 0
-    slack = steps * (itl_target_s - itl)
-    if not decoding.any() or rate <= 0:
+    if not len(wl.steps) or rate <= 0:
         return DecodeSizing(workers, 1.0, b, itl, cap, limit)
-    p_wait, wait = prefill_wait(workers * cap, rate, steps * itl, burst)
-    if math.isinf(wait):
-        ok = np.where(decoding, 0.0, 1.0)
-    elif wait <= 0 or p_wait <= 0:
-        ok = np.where(decoding, slack > 0, 1.0)
-    else:
-        ok = np.where(decoding, np.where(slack > 0, 1.0 - p_wait * np.exp(-np.maximum(slack, 0.0) * (p_wait / wait)), 0.0), 1.0)
+    decode_s = wl.steps * itl
+    ok = _admission_ok(workers * cap, rate, decode_s, wl.slack_s, burst)
+    hold = wl.prefill_s + decode_s
+    if math.isfinite(kv_capacity) and hold.sum() > 0:
+        per_seq = float((wl.kv_tokens * hold).sum() / hold.sum())
+        kv_slots = workers * max(math.floor(kv_capacity / per_seq), 1)
+        ok = ok * _admission_ok(kv_slots, rate, hold, wl.slack_s, burst)
+        if rate * hold.mean() / kv_slots > rate * decode_s.mean() / (workers * cap):
+            limit = "kv"
+    ok = np.where(wl.slack_s > 0, ok, 0.0)
+    if itl > itl_target_s:
+        ok = np.where(wl.steps > 0, 0.0, ok)
     return DecodeSizing(workers, float(ok.mean()), b, itl, cap, limit)
 
 
 def size_decode(rate: float, wl: DecodeWorkload, step: StepFn, itl_target_s: float, goal: float,
-                burst: float = 1.0, max_num_seqs: int = 256, kv_tokens: int = 450_000,
+                burst: float = 1.0, max_num_seqs: int = 256, kv_tokens: float = math.inf,
                 max_workers: int = 4096) -> DecodeSizing:
-    """The least D whose predicted ITL attainment reaches `goal` of the attainable share."""
-    cap, limit = decode_batch_cap(step, wl.context, itl_target_s, max_num_seqs, kv_tokens, wl.reserved)
-    if rate <= 0 or wl.steps_per_request <= 0:
+    """The least D whose predicted attainment reaches `goal` of the attainable share (the
+    requests with slack that the ITL target allows at one sequence a step)."""
+    cap, limit = decode_batch_cap(step, wl.context, itl_target_s, max_num_seqs)
+    if rate <= 0 or not len(wl.steps):
         return DecodeSizing(0, 1.0, 0.0, 0.0, cap, limit)
     cap = max(cap, 1)              # a target no batch meets: one sequence per worker is the best
-    need = goal * float(((wl.steps == 0) | (step(1, wl.context) < itl_target_s)).mean())
+    feasible = (wl.slack_s > 0) & ((wl.steps == 0) | (step(1, wl.context) < itl_target_s))
+    need = goal * float(feasible.mean())
     d = max(1, math.ceil(rate * wl.steps_per_request * step(cap, wl.context) / cap))
     while True:
-        s = decode_attainment(d, rate, wl, step, itl_target_s, cap, limit, burst)
+        s = decode_attainment(d, rate, wl, step, itl_target_s, cap, limit, burst, kv_tokens)
         if s.attainment >= need or d >= max_workers:
             return s
         d += 1

@@ -25,7 +25,7 @@ from datetime import datetime
 import numpy as np
 
 TRACE_BLOCK_TOKENS = 512     # Mooncake's prefix blocks (splitserve.bench.serve.TRACE_BLOCK_TOKENS)
-SYNTHETIC_KINDS = ("diurnal", "bursty", "flash")
+SYNTHETIC_KINDS = ("diurnal", "bursty", "flash", "prefill_heavy", "decode_heavy")
 
 
 class WorkloadError(ValueError):
@@ -121,7 +121,7 @@ def scale_load(w: Workload, k: float, seed: int) -> Workload:
     hashes = None
     if w.hashes is not None:
         space = 1 + max((max(h) for h in w.hashes if h), default=0)
-        hashes = [tuple(x + c * space for x in w.hashes[i]) if c else w.hashes[i] for i, c in zip(src, copy)]
+        hashes = [tuple(int(x) + int(c) * space for x in w.hashes[i]) if c else w.hashes[i] for i, c in zip(src, copy)]
     order = np.argsort(t, kind="stable")
     scaled = Workload(f"{w.name}x{k:g}", t, w.prompt[src], w.output[src], hashes)
     return scaled.take(order)
@@ -154,36 +154,88 @@ def ideal_cached_tokens(w: Workload) -> np.ndarray:
     return out
 
 
-def synthetic_workload(kind: str, seed: int = 0, duration_s: float = 3600.0) -> Workload:
-    """A workload no constant was chosen on: Poisson arrivals (no copies, so no bursts within a
-    second) whose rate follows a compressed day (diurnal: 10 to 40 req/s over one hour, two
-    peaks) or steps through bursts (bursty: 20 req/s with 3-minute bursts to 60 req/s every 12
-    minutes); lognormal lengths (prompt median 1,500, output median 200 tokens), unrelated to
-    either trace.
+def synthetic_workload(kind: str, seed: int = 0, duration_s: float = 3600.0, rate_scale: float = 1.0) -> Workload:
+    """A generated workload: Poisson arrivals whose rate follows the kind's pattern, times
+    `rate_scale` (a Poisson process scaled in rate stays Poisson: no copies arriving together),
+    and lognormal lengths. No constant here was chosen on a trace.
 
-    flash: a flash crowd, held out: added after every constant and the predictor were chosen, and
-    used only to evaluate (docs/planner.md). 8 req/s; at 20 minutes it climbs to 48 req/s in 2
-    minutes, holds 10, and decays back over 15; other lengths (prompt median 600 tokens with a
-    long tail, output median 350)."""
+    - diurnal: 10 to 40 req/s over a compressed day (two peaks an hour); prompt median 1,500,
+      output median 200 tokens.
+    - bursty: 20 req/s with 3-minute bursts to 60 req/s every 12 minutes; lengths as diurnal.
+    - flash: a flash crowd, held out from the first choices of constants (docs/planner.md): 8
+      req/s; at 20 minutes it climbs to 48 req/s in 2 minutes, holds 10, and decays back over 15;
+      prompt median 600 tokens with a long tail, output median 350.
+    - prefill_heavy: the shape of a code-completion service: prompt median 1,500 (p90 about
+      3,700), outputs of tens of tokens (median 20); 2.5 req/s with random bursts (starting about
+      every 4 minutes, lasting about 45 s, each 1.5-6x the base rate).
+    - decode_heavy: short prompts (median 300) and long outputs (median 600, p90 about 1,300);
+      1 req/s drifting smoothly (a log-normal random walk with a 5-minute memory, +-40 %).
+    """
     if kind not in SYNTHETIC_KINDS:
         raise WorkloadError(f"unknown synthetic workload {kind!r}; use one of {', '.join(SYNTHETIC_KINDS)}")
+    if rate_scale <= 0 or duration_s <= 0:
+        raise WorkloadError("the rate scale and the duration must be > 0")
     rng = np.random.default_rng([seed, 23])
-    if kind == "diurnal":
-        def rate(t): return 25.0 - 15.0 * np.cos(4 * np.pi * t / duration_s)
-        peak = 40.0
-    elif kind == "bursty":
-        def rate(t): return np.where((t % 720.0) >= 540.0, 60.0, 20.0)
-        peak = 60.0
-    else:
-        def rate(t):
-            up = np.clip((t - 1200.0) / 120.0, 0.0, 1.0)
-            down = np.clip((t - 2040.0) / 900.0, 0.0, 1.0)
-            return 8.0 + 40.0 * up * (1.0 - down)
-        peak = 48.0
-    n = rng.poisson(peak * duration_s)
+    rate, peak = _RATES[kind](rng, duration_s)
+    n = rng.poisson(peak * rate_scale * duration_s)
     t = np.sort(rng.uniform(0, duration_s, n))
     t = t[rng.random(n) < rate(t) / peak]              # thinning: a Poisson process of rate(t)
-    p_med, p_sd, o_med = (600, 1.2, 350) if kind == "flash" else (1500, 0.9, 200)
-    prompt = np.clip(rng.lognormal(np.log(p_med), p_sd, len(t)), 16, 32000).astype(np.int64)
-    output = np.clip(rng.lognormal(np.log(o_med), 0.8, len(t)), 2, 4000).astype(np.int64)
-    return Workload(f"synthetic:{kind}", t - t[0], prompt, output, None)
+    (p_med, p_sd, p_max), (o_med, o_sd, o_max) = _LENGTHS.get(kind, _LENGTHS["default"])
+    prompt = np.clip(rng.lognormal(np.log(p_med), p_sd, len(t)), 16, p_max).astype(np.int64)
+    output = np.clip(rng.lognormal(np.log(o_med), o_sd, len(t)), 1 if o_med < 100 else 2, o_max).astype(np.int64)
+    name = f"synthetic:{kind}" + (f"@{rate_scale:g}" if rate_scale != 1 else "")
+    return Workload(name, t - t[0] if len(t) else t, prompt, output, None)
+
+
+# (median, sigma, max) of the lognormal prompt and output lengths, in tokens
+_LENGTHS = {"default": ((1500, 0.9, 32000), (200, 0.8, 4000)),
+            "flash": ((600, 1.2, 32000), (350, 0.8, 4000)),
+            "prefill_heavy": ((1500, 0.7, 32000), (20, 0.9, 1000)),
+            "decode_heavy": ((300, 0.9, 16000), (600, 0.6, 4000))}
+
+
+def _diurnal(rng, duration_s: float):
+    return (lambda t: 25.0 - 15.0 * np.cos(4 * np.pi * t / duration_s)), 40.0
+
+
+def _bursty(rng, duration_s: float):
+    return (lambda t: np.where((t % 720.0) >= 540.0, 60.0, 20.0)), 60.0
+
+
+def _flash(rng, duration_s: float):
+    def rate(t):
+        up = np.clip((t - 1200.0) / 120.0, 0.0, 1.0)
+        down = np.clip((t - 2040.0) / 900.0, 0.0, 1.0)
+        return 8.0 + 40.0 * up * (1.0 - down)
+    return rate, 48.0
+
+
+def _random_bursts(rng, duration_s: float):
+    base = 2.5
+    starts = np.cumsum(rng.exponential(240.0, int(duration_s / 60) + 8))
+    starts = starts[starts < duration_s]
+    lengths = np.maximum(rng.exponential(45.0, len(starts)), 10.0)
+    heights = base * np.clip(rng.lognormal(np.log(2.5), 0.5, len(starts)), 1.5, 6.0)
+
+    def rate(t):
+        r = np.full(np.shape(t), base)
+        for s, l, h in zip(starts, lengths, heights):
+            r = r + np.where((t >= s) & (t < s + l), h, 0.0)
+        return r
+    return rate, base + (heights.max() * 2 if len(heights) else 0.0)
+
+
+def _drift(rng, duration_s: float):
+    step_s, memory_s = 10.0, 300.0
+    k = int(duration_s // step_s) + 2
+    a = np.exp(-step_s / memory_s)
+    x = np.zeros(k)
+    for i in range(1, k):
+        x[i] = a * x[i - 1] + np.sqrt(1 - a * a) * rng.normal()
+    level = 1.0 * np.exp(0.35 * np.clip(x, -2.0, 2.0))
+    grid = np.arange(k) * step_s
+    return (lambda t: np.interp(t, grid, level)), float(level.max())
+
+
+_RATES = {"diurnal": _diurnal, "bursty": _bursty, "flash": _flash, "prefill_heavy": _random_bursts,
+          "decode_heavy": _drift}

@@ -35,18 +35,16 @@ def machine_problem(cfg: ServeConfig) -> str:
 
 def serving_mode(cfg: ServeConfig) -> tuple[ServeConfig, str]:
     """`cfg` as it can serve here, and why it serves aggregated although it was asked for prefill
-    workers ("": as asked). Mock workers hold no KV to move; without NIXL no KV moves at all."""
+    workers ("": as asked): without NIXL no KV moves at all. Mock workers serve disaggregated too
+    (engine/mock_runner.py holds a small real KV cache that NIXL pushes)."""
     n = cfg.prefill_workers
     if not n:
         return cfg, ""
-    if cfg.engine.mock:
-        why = "--mock workers hold no KV to move"
-    else:
-        from kvstore.movers.transfer import nixl_available
-        if nixl_available():
-            return cfg, ""
-        why = ("NIXL, which moves the KV from prefill to decode workers, is not installed here "
-               "(`make serve` installs it; or pip install 'splitserve[nixl]')")
+    from kvstore.movers.transfer import nixl_available
+    if nixl_available():
+        return cfg, ""
+    why = ("NIXL, which moves the KV from prefill to decode workers, is not installed here "
+           "(`make serve` installs it; or pip install 'splitserve[nixl]')")
     return dataclasses.replace(cfg, prefill_workers=0), f"--prefill-workers {n} was asked, but {why}"
 
 

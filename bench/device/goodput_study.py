@@ -320,7 +320,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     ap.add_argument("--azure-trace", default=None, help="the Azure LLM conversation trace CSV (for azure)")
     ap.add_argument("--arch", default="llama-3.1-8b")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--mock", action="store_true", help="the mock engine on the CPU (aggregated configs only)")
+    ap.add_argument("--mock", action="store_true", help="the mock engine on the CPU")
     ap.add_argument("--itl-guard", default="on", choices=("on", "off"),
                     help="on: the frontend gets the target pair's --itl-target-ms (splits only)")
     ap.add_argument("--worker-args", action="append", default=[], help="extra worker flags, shell-quoted")
@@ -339,9 +339,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     if args.gpus < 1:
         raise SystemExit("--gpus must be >= 1")
     configs = pick(args.configs, {c.name: c for c in all_configs(args.gpus)}, "configs")
-    if args.mock and any(c.prefill for c in configs):
-        raise SystemExit("--mock: mock workers hold no KV to move; choose an aggregated config "
-                         f"(agg{args.gpus}), or --device cpu for a split")
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     for w in workloads:
         workload_flags(w, args.azure_trace)                # a bad name fails here, before any start

@@ -1,27 +1,37 @@
 """The planner simulator: a workload replayed on a virtual clock through simulated pools, sized
 either by the planner core (the same `Planner.decide` the live loop calls) or statically.
 
-Event-driven: the clock jumps from one event to the next (an arrival, a prefill done, a decode
-sequence done, a worker ready, a planner tick); nothing is stepped per token (plansim/pools.py
-says how decode advances between events). One request's life:
+Event-driven: the clock jumps from one event to the next (an arrival, a prefill done, a KV handoff
+done, a decode worker's next finish, a worker ready, a planner tick); nothing is stepped per token
+(sim/plan/decode.py says how decode advances between events). One request's life follows the
+live system's (docs/architecture.md, the request lifecycle):
 
-1. It arrives; the real router (router.Router, KV policy) picks a READY prefill worker by
-   prefix overlap and queued prefill work; it waits there (in arrival order, or with
-   `prefill_deadline_s` in deadline order: plansim/pools.py), then prefills the part not cached
-   on that worker for the profile's time. Its first token is out: TTFT = done - arrival.
-2. The worker caches the prompt's full prefix blocks (LRU, the profile's KV capacity) and tells
-   the router's index, as KV events do in production.
-3. The router picks a decode worker (the same cost: with remote prefill no decode worker holds
-   the prefix, so it is the least loaded by KV blocks); the KV transfer is taken as instant (~850
-   GB/s measured: ~2 ms for 10k tokens). It decodes the rest of the output (or waits for KV room).
-   Its mean ITL = (last token - first token) / (output - 1); a one-token output meets any ITL.
+1. It arrives; the real router (router.Router, KV policy) picks a READY decode worker D, then, as
+   the frontend's conditional disaggregation does, a prefill worker P by prefix overlap and queued
+   prefill work. The prompt stays on D (LOCAL) when it has fewer than `remote_prefill_min_tokens`
+   to compute, when there is no prefill worker, or when P has more than
+   `max_prefill_queue_tokens` queued (the router's count, as the frontend reads it); else it goes
+   to P (REMOTE).
+2. D admits it in arrival order once its KV has room for the whole sequence (prompt + output):
+   every request, local or remote, waits here first, as the engine reserves a remote prefill's
+   blocks before it asks P (sim/plan/decode.py).
+3. REMOTE: D sends the prompt to P, which refuses it if it expects to finish it later than the
+   lease (`prefill_lease_s`; D then computes it itself). P queues it (in arrival order, or with
+   `prefill_deadline_s` in deadline order: sim/plan/workers.py) and prefills the part not cached
+   on P for the profile's time; the first token reaches the client `handoff_s` later, when the KV
+   has landed on D, and the sequence joins D's batch. P caches the prompt's full prefix blocks
+   (LRU, the profile's KV capacity) and tells the router's index, as KV events do.
+   LOCAL: D computes the prompt in the token budget its decodes leave, slowing their steps
+   (sim/plan/decode.py); its first token is out when the last chunk is done.
+4. D decodes the rest of the output. Mean ITL = (last token - first token) / (output - 1); a
+   one-token output meets any ITL.
 
 Prefix blocks: the router and the caches work in the trace's 512-token blocks, with the trace's
 hash ids as block hashes (ids are already prefix-unique: equal id = equal prefix). One trace block
 stands for the 32 engine blocks of 16 tokens it covers, which share or differ all together, so
 overlaps are the same in tokens; only a partial last block (< 512 tokens, shared only when the
 ids say so) is never counted as cached: the engine could reuse up to 496 more tokens of it.
-Arrivals with no ids (Azure) share nothing.
+Arrivals with no ids (Azure) share nothing. Decode workers keep no prefix cache here.
 
 Pools start READY at t = 0 with the planner's first decision (warm-started from the history
 before t = 0) or the static sizes. A new worker is READY `startup_s` after the decision that asked
@@ -29,8 +39,9 @@ for it; a removed worker is cancelled if still starting (newest first), else dra
 loaded first): it leaves the router at once and stops when its last request is done. GPU time is
 counted from a worker's start to its stop (or the end of the run), starting and draining included.
 
-Stages: both (the normal run), prefill only (TTFT of each request; for the static search), or
-decode only (requests enter decode at given first-token times).
+Stages: both (the normal run), prefill only (TTFT of each request with every prompt sent to the
+prefill pool; for the static search), or decode only (requests enter decode at given first-token
+times, their KV already there).
 
 It knows nothing of argument parsing, JSON or plots (splitserve/bench/plan.py).
 """
@@ -40,73 +51,32 @@ from __future__ import annotations
 import heapq
 import math
 import sys
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvstore.events import KvEventBatch
-from planner import (Decision, DecodeStats, Observation, Planner, PoolState, PrefillRecord,
-                     RequestSample)
+from planner import Planner
 from router import NoWorkerAvailable, Router, RouterConfig, WorkerRole
-from runtime.config_planner import PLANNER_INTERVAL_S
-from perf.profile import DEFAULT_STARTUP_S, Profile
-from sim.plan.workers import DecodeWorker, PrefillWorker, State
-from sim.workload import TRACE_BLOCK_TOKENS, Workload, ideal_cached_tokens
+from perf.profile import Profile
+from sim.plan.config import SimConfig, SimResult, TimelinePoint
+from sim.plan.decode import DecodeWorker, Kind
+from sim.plan.ticks import PlannerTicks
+from sim.plan.workers import PrefillWorker, State
+from sim.workload import TRACE_BLOCK_TOKENS, Workload
 
-_READY, _PREFILL_DONE, _DECODE, _TICK = range(4)
+__all__ = ["SimConfig", "SimResult", "Simulation", "TimelinePoint"]
+
+_READY, _PREFILL_DONE, _LANDED, _DECODE, _TICK, _REPORT = range(6)
 _PROGRESS_EVERY = 2048
-
-
-@dataclass(frozen=True, slots=True)
-class SimConfig:
-    ttft_target_s: float
-    itl_target_s: float
-    interval_s: float = PLANNER_INTERVAL_S
-    startup_s: float = DEFAULT_STARTUP_S
-    seed: int = 0
-    prefill_deadline_s: float | None = None    # prefill workers' queue order: None = arrival, else deadline
-
-
-@dataclass(frozen=True, slots=True)
-class TimelinePoint:
-    t_s: float
-    arrivals: int
-    plan_rate_rps: float
-    prefill_ready: int
-    prefill_active: int             # ready + starting
-    decode_ready: int
-    decode_active: int
-    ttft_p90_s: float               # of the prefills done in the interval (nan: none)
-    itl_mean_s: float               # of the requests finished in the interval (nan: none)
+REPORT_INTERVAL_S = 0.5     # the frontend reads every worker's load this often (frontend/routing.py)
 
 
 class _GaveUp(Exception):
     pass
 
 
-@dataclass(slots=True)
-class SimResult:
-    ttft_s: np.ndarray
-    itl_s: np.ndarray               # mean ITL per request; nan: one output token (no ITL)
-    first_token_s: np.ndarray
-    cached_tokens: np.ndarray
-    end_s: float
-    gpu_s: float
-    gave_up: bool = False           # stopped early: more misses than max_misses
-    scaling_actions: int = 0
-    workers_started: int = 0
-    max_workers: int = 0
-    decisions: list[Decision] = field(default_factory=list)
-    timeline: list[TimelinePoint] = field(default_factory=list)
-
-    def ttft_ok(self, target_s: float) -> np.ndarray:
-        return self.ttft_s <= target_s
-
-    def itl_ok(self, target_s: float) -> np.ndarray:
-        return np.isnan(self.itl_s) | (self.itl_s <= target_s)
-
-
-class Simulation:
+class Simulation(PlannerTicks):
+    _tick_kind = _TICK
     def __init__(self, workload: Workload, profile: Profile, config: SimConfig, *,
                  planner: Planner | None = None, history: Workload | None = None,
                  prefill_workers: int = 0, decode_workers: int = 0,
@@ -130,7 +100,12 @@ class Simulation:
         self.decode: dict[str, DecodeWorker] = {}
         self.all_workers: list = []
         self._num_workers = 0
-        self._step_fn = profile.decode_step_fn(profile.max_num_seqs)
+        # remote prefills join when their KV lands, past max_num_seqs if need be (as in the engine)
+        fast, cap, slow = profile.decode_step_fn(profile.max_num_seqs), profile.max_num_seqs, profile.decode_step_s
+        self._step_fn = lambda batch, context: fast(batch, context) if batch <= cap else slow(batch, context)
+        timing = profile.timing
+        self._step_base_s = timing.step_s([])
+        self._chunk_s = lambda start, n: timing.step_s([(start, n)]) - self._step_base_s
         self._cache_blocks = max(profile.kv_capacity_tokens // TRACE_BLOCK_TOKENS, 1)
         self._prefill_s: dict[tuple[int, int], float] = {}
         self._pending: dict[WorkerRole, list[int]] = {WorkerRole.PREFILL: [], WorkerRole.DECODE: []}
@@ -139,6 +114,12 @@ class Simulation:
         self.itl = np.full(n, np.nan)
         self.first_token = np.full(n, np.nan) if decode_entry_s is None else decode_entry_s.astype(float)
         self.cached = np.zeros(n, dtype=np.int64)
+        self.local = np.zeros(n, dtype=bool)
+        self.decode_owned = np.zeros(n, dtype=bool)      # LOCAL for a reason no prefill worker changes
+        self.decode_wait = np.zeros(n)
+        self._prefill_of: dict[int, str] = {}            # REMOTE, until its prefill starts
+        self._decode_of: dict[int, str] = {}             # until it is done
+        self._submitted: dict[int, float] = {}           # queued on a prefill worker at, until it starts
         self.arrival = workload.arrival_s
         self.prompt = workload.prompt.tolist()
         self.output = workload.output.tolist()
@@ -146,14 +127,9 @@ class Simulation:
         self._outstanding = n
         self._done = 0
         self._end = 0.0                  # the last completion
-        self.result = SimResult(self.ttft, self.itl, self.first_token, self.cached, 0.0, 0.0)
-        # what the current planner interval saw
-        self._tick_requests: list[RequestSample] = []
-        self._tick_prefills: list[PrefillRecord] = []
-        self._tick_ttft: list[float] = []
-        self._tick_itl: list[float] = []
-        self._decode_stats_seen = (0.0, 0.0, 0.0, 0.0)
-        self._initial = (prefill_workers, decode_workers)
+        self.result = SimResult(self.ttft, self.itl, self.first_token, self.cached, 0.0, 0.0,
+                                self.local, self.decode_wait)
+        self._init_ticks(prefill_workers, decode_workers)
         self._max_misses = max_misses                # give up once more requests than this miss
         self._misses = 0
 
@@ -171,25 +147,28 @@ class Simulation:
         src_t = src_t.tolist()
         src_order = src_order.tolist() if src_order is not None else None
         self._push(self.cfg.interval_s, _TICK, 0, 0)
+        if "decode" in self.stages and "prefill" in self.stages:
+            self._push(REPORT_INTERVAL_S, _REPORT, 0, 0)
         bar = tqdm(total=len(src_t), desc=self.desc or "simulate", unit="req", file=sys.stderr,
                    mininterval=0.5, disable=not self.progress, leave=False)
         heap, i, n = self.heap, 0, len(src_t)
         last_done = 0
         on_arrival = self._arrive if src_order is None else self._enter_decode
+        handlers = {_DECODE: self._decode_event, _LANDED: self._landed, _PREFILL_DONE: self._prefill_done}
         try:
             while True:
                 t_src = src_t[i] if i < n else math.inf
                 if heap and heap[0][0] <= t_src:
                     t, _, kind, x, y = heapq.heappop(heap)
                     self.now = t
-                    if kind == _DECODE:
-                        self._decode_event(t, x, y)
-                    elif kind == _PREFILL_DONE:
-                        self._prefill_done(t, x, y)
-                    elif kind == _TICK:
+                    if kind == _TICK:
                         self._tick(t)
-                    else:
+                    elif kind == _REPORT:
+                        self._report(t)
+                    elif kind == _READY:
                         self._ready(t, x)
+                    else:
+                        handlers[kind](t, x, y)
                 elif i < n:
                     self.now = t_src
                     on_arrival(t_src, i if src_order is None else src_order[i])
@@ -214,37 +193,91 @@ class Simulation:
         self._seq += 1
         heapq.heappush(self.heap, (t, self._seq, kind, x, y))
 
-    # ---- prefill ------------------------------------------------------------------------------
+    # ---- arrival: routing and conditional disaggregation --------------------------------------
 
     def _arrive(self, t: float, rid: int) -> None:
+        if "decode" not in self.stages:
+            self._route_prefill(t, rid, direct=True)
+            return
         try:
-            d = self.router.route(rid, self.hashes[rid] if self.hashes is not None else (),
+            d = self.router.route(rid, (), self.prompt[rid], WorkerRole.DECODE)
+        except NoWorkerAvailable:
+            self._pending[WorkerRole.DECODE].append(rid)
+            return
+        kind = Kind.REMOTE if self._route_prefill(t, rid, direct=False) else Kind.LOCAL
+        self.local[rid] = kind is Kind.LOCAL
+        self._note_arrival(rid, kind)
+        self._offer(t, d.worker_id, rid, kind)
+
+    def _route_prefill(self, t: float, rid: int, direct: bool) -> bool:
+        """Choose a prefill worker (the frontend's `_remote_prefill`); True if the prompt goes there.
+        `direct` (the prefill-only stage): no decode worker, so it is queued there at once."""
+        cfg = self.cfg
+        if not direct and self.prompt[rid] < cfg.remote_prefill_min_tokens:
+            self.decode_owned[rid] = True           # too short to send: the decode pool's own
+            return False
+        try:
+            p = self.router.route(rid, self.hashes[rid] if self.hashes is not None else (),
                                   self.prompt[rid], WorkerRole.PREFILL)
         except NoWorkerAvailable:
-            self._pending[WorkerRole.PREFILL].append(rid)
-            return
-        self._start_prefill(t, rid, d.worker_id, d.overlap_blocks)
+            if direct:
+                self._pending[WorkerRole.PREFILL].append(rid)
+            return False
+        if not direct and self.router.load(p.worker_id) * TRACE_BLOCK_TOKENS > cfg.max_prefill_queue_tokens:
+            self.router.finished(rid, p.worker_id)
+            # a prompt longer than the limit itself never goes remote: the decode pool's own
+            self.decode_owned[rid] = p.prefill_blocks * TRACE_BLOCK_TOKENS > cfg.max_prefill_queue_tokens
+            return False
+        self.cached[rid] = min(p.overlap_blocks * TRACE_BLOCK_TOKENS, self.prompt[rid] - 1)
+        if direct:
+            self._note_arrival(rid, Kind.REMOTE)
+            self._submit_prefill(t, rid, p.worker_id, float(self.arrival[rid]), lease=False)
+        else:
+            self._prefill_of[rid] = p.worker_id
+        return True
 
-    def _start_prefill(self, t: float, rid: int, wid: str, overlap_blocks: int) -> None:
-        prompt = self.prompt[rid]
-        cached = min(overlap_blocks * TRACE_BLOCK_TOKENS, prompt - 1)
-        key = (prompt, cached)
+    def _report(self, t: float) -> None:
+        """The workers' load reports, as the frontend polls them: the router's count of a worker's
+        queue is its last report plus what was routed there since (router/load.py)."""
+        router = self.router
+        for w in self.prefill.values():
+            if w.state is State.READY:
+                router.update_worker_load(w.wid, 0, w.queued_tokens)
+        for w in self.decode.values():
+            if w.state is State.READY:
+                w.advance(t)
+                router.update_worker_load(w.wid, w.reserved // TRACE_BLOCK_TOKENS, w.waiting_prefill_tokens)
+        if self._outstanding > 0:
+            self._push(t + REPORT_INTERVAL_S, _REPORT, 0, 0)
+
+    # ---- prefill ------------------------------------------------------------------------------
+
+    def _service_s(self, rid: int) -> float:
+        key = (self.prompt[rid], int(self.cached[rid]))
         service = self._prefill_s.get(key)
         if service is None:
-            service = self._prefill_s[key] = self.profile.prefill_s(prompt, cached)
-        w = self.prefill[wid]
-        self.cached[rid] = cached
-        if self.planner is not None:
-            self._tick_requests.append(RequestSample(float(self.arrival[rid]), prompt, self.output[rid], cached))
-        started = w.submit(t, rid, float(self.arrival[rid]), service)
+            service = self._prefill_s[key] = self.profile.prefill_s(*key)
+        return service
+
+    def _submit_prefill(self, t: float, rid: int, wid: str, queued_at: float, lease: bool = True) -> bool:
+        """Queue the prompt on prefill worker `wid`; False if it refuses: it is draining or gone,
+        or (`lease`) it expects to finish later than the decode worker's lease."""
+        w = self.prefill.get(wid)
+        service = self._service_s(rid)
+        if lease and (w is None or w.state is not State.READY
+                      or w.expected_finish_s(t, service) > self.cfg.prefill_lease_s):
+            self.router.finished(rid, wid)
+            self.cached[rid] = 0
+            return False
+        self._submitted[rid] = queued_at
+        started = w.submit(t, rid, queued_at, service, self.prompt[rid])
         if started is not None:
             self._begin_prefill(wid, *started)
+        return True
 
     def _begin_prefill(self, wid: str, rid: int, start: float, done: float) -> None:
         self._push(done, _PREFILL_DONE, rid, wid)
-        if self.planner is not None:
-            self._tick_prefills.append(PrefillRecord(self.prompt[rid], int(self.cached[rid]),
-                                                     start - float(self.arrival[rid]), done - start))
+        self._note_prefill(rid, start, done)
 
     def _prefill_done(self, t: float, rid: int, wid: str) -> None:
         w = self.prefill.get(wid)
@@ -262,19 +295,51 @@ class Simulation:
                     self.router.apply_events(KvEventBatch(wid, w.seq, events))
             if w.state is State.DRAINING and not w.in_flight:
                 self._stop(w, t)
+        landed = t + self.cfg.handoff_s
+        if "decode" in self.stages:
+            self._push(landed, _LANDED, rid, 0)
+        else:
+            self._first_token(rid, landed)
+            self._complete(rid)
+
+    def _first_token(self, rid: int, t: float) -> None:
         self.ttft[rid] = ttft = t - self.arrival[rid]
         self.first_token[rid] = t
-        self._tick_ttft.append(ttft)
+        self.router.first_token(rid)
+        self._note_first_token(rid, ttft)
         if ttft > self.cfg.ttft_target_s:
             self._miss()
-        if self.output[rid] > 1 and "decode" in self.stages:
-            self._enter_decode(t, rid)
-        else:
-            self._complete(rid)
 
     # ---- decode -------------------------------------------------------------------------------
 
+    def _offer(self, t: float, wid: str, rid: int, kind: Kind) -> None:
+        w = self.decode[wid]
+        self._decode_of[rid] = wid
+        w.advance(t)
+        w.offer(rid, self.prompt[rid], self.output[rid], kind, int(self.cached[rid]) if kind is Kind.LOCAL else 0)
+        self._after_admission(t, w)
+
+    def _after_admission(self, t: float, w: DecodeWorker) -> None:
+        """Send the prompts of the remote prefills D just reserved blocks for; note the waits."""
+        for rid in w.take_reserved():
+            self.decode_wait[rid] = t - self.arrival[rid]
+            wid = self._prefill_of.pop(rid)
+            if not self._submit_prefill(t, rid, wid, t):
+                self.local[rid] = True
+                w.to_local(rid)
+        self._schedule(w)
+
+    def _landed(self, t: float, rid: int, _) -> None:
+        self._first_token(rid, t)
+        w = self.decode[self._decode_of[rid]]
+        w.advance(t)
+        w.kv_landed(rid)
+        if self.output[rid] <= 1:
+            self._release_decode(t, rid)
+        self._after_admission(t, w)
+
     def _enter_decode(self, t: float, rid: int) -> None:
+        """Decode-only stage: the request's KV is here at its first-token time."""
         if self.output[rid] <= 1:
             self._complete(rid)
             return
@@ -283,13 +348,10 @@ class Simulation:
         except NoWorkerAvailable:
             self._pending[WorkerRole.DECODE].append(rid)
             return
-        w = self.decode[d.worker_id]
-        w.advance(t)
-        w.offer(rid, self.prompt[rid], self.output[rid])
-        self._schedule(w)
+        self._offer(t, d.worker_id, rid, Kind.READY)
 
     def _schedule(self, w: DecodeWorker) -> None:
-        t = w.next_finish_s()
+        t = w.next_event_s()
         if t is not None:
             self._push(t, _DECODE, w.wid, w.version)
 
@@ -298,17 +360,29 @@ class Simulation:
         if w is None or w.version != version:
             return
         w.advance(t)
-        for rid in w.finish_due():
+        done, prefilled = w.due()
+        for rid in prefilled:
+            self._first_token(rid, t)
+            if self.output[rid] <= 1:
+                self._release_decode(t, rid, stop=False)
+        for rid in done:
             self.itl[rid] = itl = (t - self.first_token[rid]) / (self.output[rid] - 1)
-            self._tick_itl.append(itl)
-            self.router.finished(rid, wid)
-            self._complete(rid)
+            self._note_itl(itl)
+            self._release_decode(t, rid, stop=False)
             if itl > self.cfg.itl_target_s and not self.ttft[rid] > self.cfg.ttft_target_s:
                 self._miss()                  # a request that missed its TTFT is counted once
         if w.state is State.DRAINING and w.idle:
             self._stop(w, t)
         else:
-            self._schedule(w)
+            self._after_admission(t, w)
+
+    def _release_decode(self, t: float, rid: int, stop: bool = True) -> None:
+        wid = self._decode_of.pop(rid, None)
+        self.router.finished(rid, wid)
+        self._complete(rid)
+        w = self.decode.get(wid) if wid is not None else None
+        if stop and w is not None and w.state is State.DRAINING and w.idle:
+            self._stop(w, t)
 
     def _complete(self, rid: int) -> None:
         self._outstanding -= 1
@@ -329,26 +403,6 @@ class Simulation:
             for _ in range(d):
                 self._add(WorkerRole.DECODE, 0.0, ready=True)
 
-    def _warm_start(self) -> Decision:
-        """Prime the planner with the history before t = 0 and take its first decision."""
-        interval = self.cfg.interval_s
-        h = self.history
-        if h is None or not len(h):
-            obs = Observation(0.0, interval, 0, PoolState(), PoolState())
-        else:
-            k = np.floor(h.arrival_s / interval).astype(int)        # -1 = the last interval
-            counts = np.bincount(k - k.min(), minlength=-k.min()).tolist()
-            cached = ideal_cached_tokens(h)
-            samples = [RequestSample(float(t), int(p), int(o), int(c))
-                       for t, p, o, c in zip(h.arrival_s, h.prompt, h.output, cached)]
-            last = k == -1
-            self.planner.warm_start(counts[:-1], [s for s, m in zip(samples, last) if not m])
-            obs = Observation(0.0, interval, counts[-1], PoolState(), PoolState(),
-                              tuple(s for s, m in zip(samples, last) if m))
-        first = self.planner.decide(obs)
-        self.result.decisions.append(first)
-        return first
-
     def _add(self, role: WorkerRole, now: float, ready: bool) -> None:
         self._num_workers += 1
         ready_s = now if ready else now + self.cfg.startup_s
@@ -357,8 +411,9 @@ class Simulation:
                               self.cfg.prefill_deadline_s)
             self.prefill[w.wid] = w
         else:
-            w = DecodeWorker(f"d{self._num_workers}", now, ready_s, self._step_fn,
-                             self.profile.max_num_seqs, self.profile.kv_capacity_tokens)
+            p = self.profile
+            w = DecodeWorker(f"d{self._num_workers}", now, ready_s, self._step_fn, p.max_num_seqs,
+                             p.kv_capacity_tokens, self._chunk_s, p.max_num_batched_tokens, self._step_base_s)
             w.t0 = now
             self.decode[w.wid] = w
         self.all_workers.append(w)
@@ -377,7 +432,12 @@ class Simulation:
         self.router.add_worker(wid, role)
         pending, self._pending[role] = self._pending[role], []
         for rid in pending:
-            (self._arrive if role is WorkerRole.PREFILL else self._enter_decode)(t, rid)
+            if role is WorkerRole.PREFILL:
+                self._route_prefill(t, rid, direct=True)
+            elif "prefill" in self.stages:
+                self._arrive(t, rid)
+            else:
+                self._enter_decode(t, rid)
 
     def _stop(self, w, t: float) -> None:
         w.stop(t)
@@ -403,63 +463,6 @@ class Simulation:
             idle = (not w.in_flight) if role is WorkerRole.PREFILL else w.idle
             if idle:
                 self._stop(w, t)
-
-    # ---- planner ticks ------------------------------------------------------------------------
-
-    def _tick(self, t: float) -> None:
-        obs_pools = {role: self._pool_state(pool) for role, pool in
-                     ((WorkerRole.PREFILL, self.prefill), (WorkerRole.DECODE, self.decode))}
-        stats = self._decode_stats(t)
-        plan_rate = math.nan
-        if self.planner is not None:
-            obs = Observation(t, self.cfg.interval_s, len(self._tick_requests), obs_pools[WorkerRole.PREFILL],
-                              obs_pools[WorkerRole.DECODE], tuple(self._tick_requests),
-                              tuple(self._tick_prefills), stats)
-            decision = self.planner.decide(obs)
-            self.result.decisions.append(decision)
-            plan_rate = decision.load.plan_rate_rps
-            for role, d in ((WorkerRole.PREFILL, decision.prefill), (WorkerRole.DECODE, decision.decode)):
-                if d.desired != obs_pools[role].active:
-                    self.result.scaling_actions += 1
-                    self._resize(role, d.desired, t)
-        pre, dec = self._pool_state(self.prefill), self._pool_state(self.decode)
-        self.result.timeline.append(TimelinePoint(
-            t, len(self._tick_requests) if self.planner is not None else self._arrivals_between(t),
-            plan_rate, pre.ready, pre.active, dec.ready, dec.active,
-            float(np.percentile(self._tick_ttft, 90)) if self._tick_ttft else math.nan,
-            float(np.mean(self._tick_itl)) if self._tick_itl else math.nan))
-        alive = sum(1 for w in self.all_workers if w.state is not State.STOPPED)
-        self.result.max_workers = max(self.result.max_workers, alive)
-        self._tick_requests, self._tick_prefills, self._tick_ttft, self._tick_itl = [], [], [], []
-        if self._outstanding > 0:
-            self._push(t + self.cfg.interval_s, _TICK, 0, 0)
-
-    def _arrivals_between(self, t: float) -> int:
-        lo, hi = np.searchsorted(self.arrival, [t - self.cfg.interval_s, t], side="right")
-        return int(hi - lo)
-
-    @staticmethod
-    def _pool_state(pool: dict) -> PoolState:
-        counts = [0, 0, 0, 0]
-        for w in pool.values():
-            counts[w.state] += 1
-        return PoolState(ready=counts[State.READY], starting=counts[State.STARTING], draining=counts[State.DRAINING])
-
-    def _decode_stats(self, t: float) -> DecodeStats:
-        for w in self.decode.values():
-            w.advance(t)
-        total = [0.0, 0.0, 0.0, 0.0]
-        for w in self.all_workers:
-            if isinstance(w, DecodeWorker):
-                total[0] += w.stat_steps
-                total[1] += w.stat_batch
-                total[2] += w.stat_ctx
-                total[3] += w.stat_busy_s
-        seen, self._decode_stats_seen = self._decode_stats_seen, tuple(total)
-        steps, batch, ctx, busy = (a - b for a, b in zip(total, seen))
-        if steps <= 0 or batch <= 0:
-            return DecodeStats()
-        return DecodeStats(steps, batch / steps, ctx / batch, busy / steps)
 
     # ---- the end ------------------------------------------------------------------------------
 

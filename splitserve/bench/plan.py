@@ -1,16 +1,20 @@
 """`splitserve bench plan`: replay an arrival trace through the planner core on a virtual clock,
 and compare its GPU-hours with the cheapest static split that reaches the same attainment.
 
-The trace (an Azure CSV, a Mooncake JSONL, or `synthetic:diurnal|bursty|flash`) is scaled by
+The trace (an Azure CSV, a Mooncake JSONL, or `synthetic:<kind>`, sim/workload.py) is scaled by
 --load-scale (sim/workload.py), its first --warm-start-s seconds become the history the
 planner is warm-started with, and the rest is replayed through simulated pools that run the
-profile's timing and the real router (sim/plan/simulator.py says what is modelled and what not).
-Then sim/plan/static.py searches the cheapest static prefill/decode split with the same simulator.
+profile's timing and the real router along the live request path (sim/plan/simulator.py says what
+is modelled and what not). Then sim/plan/static.py searches the cheapest static prefill/decode
+split with the same simulator.
 
 The planner's flags are generated from its declared settings (runtime/config_planner.py), the
 same as `serve --planner` and `splitserve planner` take, with the same defaults but for the pools'
 limits (SIMULATED_POOLS); the flags this command spelled otherwise before keep working
-(OLD_SPELLINGS). The trace, the load scale, the seed and the outputs are this command's own.
+(OLD_SPELLINGS). The frontend's conditional-disaggregation settings the simulator follows
+(SIMULATED_FRONTEND) are generated from their declarations in runtime/config.py, with the
+frontend's defaults. The trace, the load scale, the KV handoff's time, the seed and the outputs
+are this command's own.
 
 Definitions (docs/planner.md):
 
@@ -36,7 +40,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.cli_args import add_config_args, config_from_args
+from runtime.cli_args import add_config_args, config_from_args, flag_values
+from runtime.config import FrontendConfig
 from runtime.config_fields import ConfigError
 from runtime.config_planner import HARD_MAX_WORKERS, PoolLimitsConfig, SlaConfig
 from splitserve.bench.serve import emit, git_sha
@@ -53,6 +58,10 @@ SIMULATED_POOLS = PoolLimitsConfig(min_prefill_workers=1, max_prefill_workers=HA
 OLD_SPELLINGS = {"sla.interval_s": ("--interval-s",), "sla.profile": ("--profile",), "sla.startup_s": ("--startup-s",),
                  "pools.min_prefill_workers": ("--min-prefill",), "pools.max_prefill_workers": ("--max-prefill",),
                  "pools.min_decode_workers": ("--min-decode",), "pools.max_decode_workers": ("--max-decode",)}
+# The frontend's settings that decide where a prompt is computed (frontend/generate.py), which the
+# simulator follows; their flags are the frontend's own, under this prefix in the namespace.
+SIMULATED_FRONTEND = ("remote_prefill_min_tokens", "max_prefill_queue_tokens")
+FRONTEND_PREFIX = "frontend."
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,13 +75,17 @@ class PlanSettings:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True,
                    help="Azure CSV (TIMESTAMP,ContextTokens,GeneratedTokens), Mooncake JSONL, or "
-                        "synthetic:diurnal / synthetic:bursty")
+                        "synthetic:diurnal / bursty / flash / prefill_heavy / decode_heavy")
     p.add_argument("--load-scale", type=float, default=1.0,
                    help="K copies of each request, arrivals jittered (seeded) by up to 1 s (default: 1.0)")
     p.add_argument("--warm-start-s", type=float, default=DEFAULT_WARM_START_S,
                    help=f"the trace's first seconds: history for the planner, not replayed "
                         f"(default: {DEFAULT_WARM_START_S})")
     add_config_args(p, PlanSettings, config_file=False, aliases=OLD_SPELLINGS, required=("sla.ttft_ms", "sla.itl_ms"))
+    add_config_args(p, FrontendConfig, only=SIMULATED_FRONTEND, config_file=False, prefix=FRONTEND_PREFIX)
+    p.add_argument("--handoff-ms", type=float, default=None,
+                   help="a remote first token reaches the client this long after its prefill (KV push and the "
+                        "decode worker's first step; default: the H100 measurement, sim/plan/config.py)")
     p.add_argument("--no-static", action="store_true", help="skip the static baseline search")
     p.add_argument("--backtest", action="store_true",
                    help="print the predictors' backtest on the trace's per-interval arrivals and exit")
@@ -108,8 +121,15 @@ def _configs(args: argparse.Namespace, settings: PlanSettings, profile_startup_s
     except ValueError as e:
         raise PlanInputError(str(e)) from None
     deadline = planner.ttft_target_s if planner.prefill_deadline else None
-    return planner, SimConfig(planner.ttft_target_s, planner.itl_target_s, planner.interval_s, planner.startup_s,
-                              args.seed, deadline)
+    live = {k.rpartition(".")[2]: v for k, v in flag_values(FrontendConfig, args, FRONTEND_PREFIX).items()}
+    if args.handoff_ms is not None:
+        live["handoff_s"] = args.handoff_ms / 1e3
+    try:
+        sim = SimConfig(planner.ttft_target_s, planner.itl_target_s, planner.interval_s, planner.startup_s,
+                        args.seed, deadline, **live)
+    except ValueError as e:
+        raise PlanInputError(str(e)) from None
+    return planner, sim
 
 
 def _summary(r, ttft_s: float, itl_s: float, prompt: np.ndarray) -> dict:
@@ -168,7 +188,7 @@ def main(args: argparse.Namespace) -> int:
     planner_wall_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     static = None if args.no_static else _static(args, result, replay, profile, planner_cfg, sim_cfg)
-    record = _record(args, settings.sla, planner_cfg, planner, profile, result, static, history, replay)
+    record = _record(args, settings.sla, planner_cfg, sim_cfg, planner, profile, result, static, history, replay)
     record.update(planner_wall_s=round(planner_wall_s, 1), static_wall_s=round(time.perf_counter() - t1, 1),
                   static_runs=static.runs if static else None,
                   last_decision=result.decisions[-1].summary() if result.decisions else None)
@@ -195,7 +215,7 @@ def _static(args: argparse.Namespace, result, replay, profile, planner_cfg, sim_
     return StaticSearch(replay, profile, sim_cfg, met, not args.no_progress).run(hint)
 
 
-def _record(args: argparse.Namespace, sla: SlaConfig, planner_cfg, planner, profile, result, static,
+def _record(args: argparse.Namespace, sla: SlaConfig, planner_cfg, sim_cfg, planner, profile, result, static,
             history, replay) -> dict:
     """The run's JSON line, but for its wall times and last decision."""
     summary = _summary(result, planner_cfg.ttft_target_s, planner_cfg.itl_target_s, replay.prompt)
@@ -212,7 +232,10 @@ def _record(args: argparse.Namespace, sla: SlaConfig, planner_cfg, planner, prof
         "attainment_goal": sla.attainment_goal, "arrival_quantile": sla.arrival_quantile,
         "hysteresis": sla.hysteresis, "prefill_down_delay_s": planner_cfg.down_delay(decode=False),
         "decode_down_delay_s": planner_cfg.down_delay(decode=True), "gpu_budget": sla.gpu_budget,
-        "prefill_order": sla.prefill_order.value,
+        "prefill_order": sla.prefill_order.value, "handoff_s": sim_cfg.handoff_s,
+        "remote_prefill_min_tokens": sim_cfg.remote_prefill_min_tokens,
+        "max_prefill_queue_tokens": sim_cfg.max_prefill_queue_tokens,
+        "local_prefill_share": round(float(result.local_prefill.mean()), 4),
         **summary,
         "gpu_hours": round(gpu_hours, 4),
         "static_gpu_hours": round(static_gpu_hours, 4) if static_gpu_hours else None,

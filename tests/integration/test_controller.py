@@ -30,7 +30,7 @@ from splitserve.serve import Cluster
 
 pytestmark = pytest.mark.slow
 
-# mock workers serve aggregated (they hold no KV to move), as under `serve --mock`
+# the decode pool's mock workers prefill their own prompts: what the controller does does not depend on KV moving
 ROLES = {PoolName.DECODE: "aggregated", PoolName.PREFILL: "prefill"}
 COMMANDS = {"aggregated": "decode-worker", "prefill": "prefill-worker"}
 TOKEN = "admin-test-token-5d1e"

@@ -135,3 +135,26 @@ def test_splitserve_planner_drives_a_serve_through_its_admin_api(tmp_path):
             log.close()
         text = planner_log()
         assert code == 0 and "planner: t=" in text and "Traceback" not in text, text[-3000:]
+
+
+def test_mock_workers_serve_disaggregated_through_nixl(tmp_path):
+    """`serve --mock --prefill-workers 1`: the mock runner's small KV cache goes through the real
+    path (the prefill worker computes the prompt on the timing model and pushes its blocks over
+    NIXL into the blocks the decode worker reserved), as the planner's simulator models it; every
+    prompt long enough goes remote and every handoff completes."""
+    from kvstore.movers.transfer import nixl_available
+
+    if not nixl_available():
+        pytest.skip("NIXL is not installed")
+    with own_cluster("--mock", "--prefill-workers", "1", "--decode-workers", "1", tmp_dir=tmp_path) as c:
+        async def run() -> list:
+            async with httpx.AsyncClient() as client:
+                return [await stream_one(client, c.url, p, 8) for p in prompts(6, seed=5, lengths=(200, 400))]
+
+        streams = asyncio.run(run())
+        bad = [s for s in streams if not s.ok or len(s.tokens) != 8]
+        assert not bad, f"{len(bad)} of {len(streams)} requests failed: {bad[:3]}"
+        assert metric(c.url, "splitserve_prefill_remote_total") == 6
+        assert metric(c.url, "splitserve_kv_handoffs_total") == 6
+        assert metric(c.url, "splitserve_prefill_fallback_total") == 0
+    assert_clean_log(c.log())

@@ -42,7 +42,6 @@ def test_runs_cover_the_chosen_configs_workloads_and_targets(tmp_path):
     (["--workloads", "9k9k"], "nor ISL/OSL"),
     (["--workloads", "azure"], "needs --azure-trace"),
     (["--targets", "medium"], "unknown 'medium'"),
-    (["--mock", "--configs", "1p1d"], "mock workers hold no KV"),
     (["--gpus", "0"], "--gpus"),
 ])
 def test_bad_choices_are_refused_before_anything_starts(argv, message):

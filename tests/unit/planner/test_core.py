@@ -229,3 +229,35 @@ def test_deadline_queues_need_fewer_prefill_workers_than_fifo_ones():
                                      arrival_times=times))
         sizes[deadline] = d.prefill.required
     assert (sizes[True], sizes[False]) == (2, 3)
+
+
+@pytest.mark.parametrize("pool", ["prefill", "decode"])
+def test_observed_misses_lift_a_pool_whatever_the_model_says(pool):
+    """A steady load the model sizes comfortably, but the pool is observed missing its target (a
+    wait the model does not know): each interval of misses grows the pool and moves its
+    correction (the lift), though the model's own requirement stays put; once the misses stop and
+    the model agrees, the lift is undone and the pool returns to the model's size."""
+    from planner import Outcomes
+
+    planner = Planner(config(), PROFILE)
+    rng = np.random.default_rng(7)
+    p, d = 0, 0
+    sizes, lifts = [], []
+    for k in range(40):
+        now = (k + 1) * INTERVAL
+        reqs = arrivals(rng, now, 30.0)
+        n = len(reqs)
+        missing = 10 <= k < 16
+        outcomes = (Outcomes(ttft_count=n, ttft_missed=n // 10 if missing else 0) if pool == "prefill" else
+                    Outcomes(ttft_count=n, itl_count=n, itl_missed=n // 10 if missing else 0))
+        dec = planner.decide(observe(now, reqs, PoolState(p), PoolState(d), outcomes=outcomes))
+        p, d = dec.desired_prefill, dec.desired_decode
+        chosen = dec.prefill if pool == "prefill" else dec.decode
+        sizes.append(chosen.desired)
+        lifts.append(chosen.lift)
+    before = sizes[9]
+    assert lifts[9] == 1.0 and all(x > 1.0 for x in lifts[10:16])           # the correction moves
+    assert lifts[15] > lifts[10] > 1.0                                       # and keeps moving while misses last
+    assert all(b > a for a, b in zip(sizes[9:16], sizes[10:16]))             # the pool grows every interval
+    assert sizes[15] >= before + 6
+    assert lifts[-1] < 1.02 and sizes[-1] <= before  # undone once the model agrees

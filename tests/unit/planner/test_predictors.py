@@ -65,6 +65,26 @@ def test_backtest_on_a_known_series():
     assert step.mae_1 == pytest.approx(100.0 / 16 / 150.0)   # one miss of 100 in 16, over the mean
 
 
+def test_one_burst_does_not_hold_the_spread_open(monkeypatch):
+    """A lone burst's error counts at most ERROR_CAP spreads: ten intervals after it the spread is
+    within a few of the noise's, where the squared error itself held it at more than ten."""
+    import planner.predictors as predictors
+
+    rng = np.random.default_rng(2)
+    series = list(1000 + rng.normal(0, 30, 60)) + [3000.0] + list(1000 + rng.normal(0, 30, 10))
+    quiet = make_predictor("ewma(0.5)")
+    quiet.warm_start(series[:60])
+
+    def after_burst() -> float:
+        p = make_predictor("ewma(0.5)")
+        p.warm_start(series)
+        return p.forecast(1).sd
+
+    capped = after_burst()
+    monkeypatch.setattr(predictors, "ERROR_CAP", math.inf)
+    assert capped < 3 * quiet.forecast(1).sd < after_burst() / 3
+
+
 def test_the_error_model_starts_as_a_running_mean():
     """Until there are 1 / ERROR_WEIGHT errors each counts alike: one large error at the start (a
     trace that ramps up in its first interval) must not dominate the spread for ten intervals."""

@@ -101,27 +101,50 @@ def test_requests_that_cannot_meet_the_target_do_not_make_the_pool_grow_forever(
 def test_decode_batch_cap_and_fixed_point_on_the_linear_curve():
     curve = CurveTiming()
     step = curve.decode_step_s
-    cap, limit = decode_batch_cap(step, 2000.0, 0.05, 256, 450_000, 1500.0)
+    cap, limit = decode_batch_cap(step, 2000.0, 0.05, 256)
     # f(B) = 7 ms + B (40 us + 44 ns * 2000) = 7 ms + 128 us B <= 50 ms  ->  B <= 335 > 256
     assert (cap, limit) == (256, "max_num_seqs")
-    assert decode_batch_cap(step, 2000.0, 0.02, 256, 450_000, 1500.0) == (101, "itl")
-    assert decode_batch_cap(step, 2000.0, 0.05, 256, 450_000, 2100.0) == (214, "kv")   # 450k / 2100
-    assert decode_batch_cap(step, 20000.0, 0.05, 256, 450_000, 21000.0) == (21, "kv")
-    wl = DecodeWorkload(np.full(100, 199.0), 2000.0, 2100.0)  # L = 199 steps
+    assert decode_batch_cap(step, 2000.0, 0.02, 256) == (101, "itl")
+    wl = DecodeWorkload.from_lengths(np.full(100, 1900.0), np.full(100, 200.0))   # L = 199 steps
     b = decode_batch(2, 10.0, wl, step, ceiling=1e9)
-    # B = lam L (a + b B) / D  ->  B = lam L a / (D - lam L b)
+    # B = lam L (a + b B) / D  ->  B = lam L a / (D - lam L b), at the step-weighted context 2000
+    assert wl.context == pytest.approx(2000.0)
     k = 10.0 * 199
     assert b == pytest.approx(k * 0.007 / (2 - k * 128e-6), rel=1e-3)
 
 
-def test_decode_attainment_absorbs_waits_in_the_mean_itl():
+def test_a_wait_for_a_decode_worker_delays_the_first_token():
+    """A decode worker admits a request before its prefill, so a full pool makes requests wait
+    before their first token: they meet the TTFT target only if the wait fits their slack."""
     step = CurveTiming().decode_step_s
-    wl = DecodeWorkload.from_lengths(np.full(1000, 1000.0), np.full(1000, 200.0))
-    cap, limit = decode_batch_cap(step, wl.context, 0.05, 256, 450_000, wl.reserved)
-    low = decode_attainment(2, 20.0, wl, step, 0.05, cap, limit)
+    n = 1000
+    wl = DecodeWorkload.from_lengths(np.full(n, 1000.0), np.full(n, 200.0), np.full(n, 0.3), 1.7)
+    cap, limit = decode_batch_cap(step, wl.context, 0.05, 256)
+    low = decode_attainment(2, 20.0, wl, step, 0.05, cap, limit, kv_capacity=450_000)
     assert low.attainment == pytest.approx(1.0) and low.itl_s < 0.05
-    full = decode_attainment(1, 60.0, wl, step, 0.05, cap, limit)       # more than 256 sequences
+    full = decode_attainment(1, 60.0, wl, step, 0.05, cap, limit, kv_capacity=450_000)   # > 256 sequences
     assert full.attainment == 0.0 and math.isinf(full.batch)
-    s = size_decode(60.0, wl, step, 0.05, 0.995)
+    s = size_decode(60.0, wl, step, 0.05, 0.995, kv_tokens=450_000)
     assert s.attainment >= 0.995
-    assert decode_attainment(s.workers - 1, 60.0, wl, step, 0.05, s.batch_cap, s.limit).attainment < 0.995
+    assert decode_attainment(s.workers - 1, 60.0, wl, step, 0.05, s.batch_cap, s.limit,
+                             kv_capacity=450_000).attainment < 0.995
+    # eight sequences a worker: at 4 req/s one worker keeps 1.7 s of slack, not 0.2 s
+    loose = size_decode(4.0, wl, step, 0.05, 0.995, max_num_seqs=8, kv_tokens=450_000)
+    tight = DecodeWorkload.from_lengths(np.full(n, 1000.0), np.full(n, 200.0), np.full(n, 0.3), 0.2)
+    assert (loose.workers, size_decode(4.0, tight, step, 0.05, 0.995, max_num_seqs=8).workers) == (1, 2)
+    none = DecodeWorkload.from_lengths(np.full(n, 1000.0), np.full(n, 200.0), np.full(n, 0.3), -0.1)
+    assert size_decode(60.0, none, step, 0.05, 0.995).attainment == 0.0   # no slack: nothing to size for
+
+
+def test_the_kv_held_through_the_prefill_bounds_the_decode_pool():
+    """Long prompts with short outputs: the KV a request holds from its admission through its
+    prefill, not the batch, decides how many decode workers it takes."""
+    step = CurveTiming().decode_step_s
+    n = 1000
+    short_hold = DecodeWorkload.from_lengths(np.full(n, 8000.0), np.full(n, 20.0), np.full(n, 0.2), 1.5)
+    long_hold = DecodeWorkload.from_lengths(np.full(n, 8000.0), np.full(n, 20.0), np.full(n, 2.0), 1.5)
+    a = size_decode(40.0, short_hold, step, 0.05, 0.995, kv_tokens=450_000)
+    b = size_decode(40.0, long_hold, step, 0.05, 0.995, kv_tokens=450_000)
+    assert b.limit == "kv" and b.workers > a.workers
+    # 40 req/s x 2.3 s held x 8,020 tokens = 738k tokens in flight: more than one worker's 450k
+    assert b.workers >= 2

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from perf.profile import DEFAULT_STARTUP_S
+from runtime.config import FrontendConfig
 from runtime.config_planner import HARD_MAX_WORKERS, PoolLimits
-from splitserve.bench.plan import SIMULATED_POOLS, plan_settings
+from splitserve.bench.plan import SIMULATED_POOLS, _configs, plan_settings
 from splitserve.cli import build_parser, main
 
 
@@ -43,6 +44,7 @@ def test_the_json_last_line(tmp_path, capsys):
     assert 0.9 <= out["sla_attainment"] <= 1 and out["static_sla_attainment"] >= out["sla_attainment"]
     assert set(out["static_config"]) == {"prefill", "decode"} and out["static_gpu_hours"] > 0
     assert out["gpu_hours"] > 0 and out["startup_s"] == 30 and out["requests"] > 1000
+    assert 0 <= out["local_prefill_share"] <= 1 and out["max_prefill_queue_tokens"] == 32768
     assert png.stat().st_size > 10_000
     decisions = [json.loads(x) for x in (tmp_path / "d.jsonl").read_text().splitlines()]
     assert decisions[0]["prefill"]["bound"] in ("model", "min") and "plan_rate_rps" in decisions[0]["load"]
@@ -69,6 +71,8 @@ def test_backtest_mode_and_bad_input(tmp_path, capsys):
     with pytest.raises(SystemExit):                   # the targets are the one thing a run must state
         build_parser().parse_args(["bench", "plan", "--trace", str(trace), "--itl-ms", "1"])
     assert "the following arguments are required: --ttft-ms" in capsys.readouterr().err
+    assert main(["bench", "plan", "--trace", str(trace), "--ttft-ms", "1", "--itl-ms", "1", "--handoff-ms", "-1"]) == 2
+    assert "handoff_s and max_prefill_queue_tokens must be >= 0" in capsys.readouterr().err
 
 
 def test_the_flags_bench_plan_spelled_its_own_way_still_work():
@@ -87,3 +91,18 @@ def test_the_flags_bench_plan_spelled_its_own_way_still_work():
     a, b = (plan_settings(build_parser().parse_args(base + argv)) for argv in (old, new))
     assert a == b and (a.sla.interval_s, a.sla.startup_s, a.sla.profile) == (30.0, 8.0, "p.json")
     assert (a.pools.prefill, a.pools.decode) == (PoolLimits(2, 5), PoolLimits(3, 6))
+
+
+def test_the_simulated_frontend_takes_the_frontends_flags_and_defaults():
+    """--remote-prefill-min-tokens and --max-prefill-queue-tokens are the frontend's declared flags
+    (runtime/config.py), with its defaults; --handoff-ms is this command's own."""
+    base = ["bench", "plan", "--trace", "x", "--ttft-ms", "1000", "--itl-ms", "50"]
+    args = build_parser().parse_args(base)
+    _, sim = _configs(args, plan_settings(args), 16.5)
+    declared = FrontendConfig(model="tiny")
+    assert (sim.remote_prefill_min_tokens, sim.max_prefill_queue_tokens) == (
+        declared.remote_prefill_min_tokens, declared.max_prefill_queue_tokens)
+    args = build_parser().parse_args(base + ["--remote-prefill-min-tokens", "256", "--max-prefill-queue-tokens",
+                                             "4096", "--handoff-ms", "20"])
+    _, sim = _configs(args, plan_settings(args), 16.5)
+    assert (sim.remote_prefill_min_tokens, sim.max_prefill_queue_tokens, sim.handoff_s) == (256, 4096, 0.02)

@@ -261,7 +261,7 @@ def test_a_missing_kv_disk_dir_is_named_as_given_in_one_line(tmp_path, capsys, m
     assert not missing.exists()
 
 
-@pytest.mark.parametrize("why, flags", [("NIXL", []), ("--mock", ["--mock"])])
+@pytest.mark.parametrize("why, flags", [("NIXL", []), ("NIXL", ["--mock"])])
 def test_serving_aggregated_against_the_flags_says_what_was_asked_and_why(why, flags, monkeypatch, capsys):
     import sys
     from runtime.errors import InvalidRequest
@@ -277,6 +277,14 @@ def test_serving_aggregated_against_the_flags_says_what_was_asked_and_why(why, f
     assert "started with --prefill-workers 0" not in e.value.message
     asked_zero, none = serve.serving_mode(parse("serve", "--prefill-workers", "0"))
     assert none == "" and "started with --prefill-workers 0" in serve.pool_book(asked_zero).pools["prefill"].fixed
+
+
+def test_mock_workers_serve_disaggregated_where_nixl_is(monkeypatch):
+    from kvstore.movers import transfer
+    monkeypatch.setattr(transfer, "nixl_available", lambda: True)
+    monkeypatch.setenv("SPLITSERVE_REDIS_URL", "redis://127.0.0.1:1/0")
+    cfg, reason = serve.serving_mode(parse("serve", "--mock", "--prefill-workers", "1", "--decode-workers", "2"))
+    assert (cfg.prefill_workers, cfg.decode_workers, reason) == (1, 2, "")
 
 
 def test_worker_ports_come_from_the_range_two_each_and_a_restart_keeps_its_own():
