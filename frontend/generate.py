@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
 
 from runtime.types import SamplingParams
-from frontend.disagg_policy import ItlGuard, must_wait
+from perf.itl_guard import ItlGuard, must_wait
 from frontend.generation import Delta, Generation  # noqa: F401 (Delta: the APIs' type)
 from frontend.tokenizer import ModelTokenizer
 from frontend.workers import SHUTTING_DOWN, WorkerPool
@@ -163,7 +163,7 @@ class Generator:
         """Conditional disaggregation (docs/architecture.md, step 3): a prefill worker computes the prompt
         when the decode worker would have many uncached tokens and the prefill pool has room, or
         when computing it on the decode worker (`decode_batch` requests there) would break the ITL
-        target (frontend/disagg_policy.py)."""
+        target (perf/itl_guard.py)."""
         to_prefill = len(inp.prompt_token_ids) - overlap_blocks * self.pool.block_size
         local = self.metrics.prefill_local
         if migrated or not self.pool.num_alive(prefill=True):

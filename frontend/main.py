@@ -23,7 +23,7 @@ import uvicorn
 
 from runtime.model_config import ModelConfig, model_fingerprint
 from frontend.admission import Admission
-from frontend.disagg_policy import make_itl_guard
+from perf.itl_guard import make_itl_guard
 from frontend.generate import Generator
 from frontend.grpc_api import start_grpc_server
 from frontend.auth import ApiKey

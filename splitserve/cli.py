@@ -227,7 +227,7 @@ def component_config(args: argparse.Namespace):
 
 def check_itl_guard(cfg: FrontendConfig) -> None:
     """A bad --itl-target-ms or --decode-profile is a start-up error, not a frontend that dies later."""
-    from frontend.disagg_policy import make_itl_guard
+    from perf.itl_guard import make_itl_guard
     from runtime.config_fields import ConfigError
     try:
         make_itl_guard(cfg.itl_target_ms, cfg.decode_profile)

@@ -46,6 +46,9 @@ class SimConfig:
     # max_prefill_queue_tokens queued; otherwise its decode worker computes it
     remote_prefill_min_tokens: int = _default(FrontendConfig, "remote_prefill_min_tokens")
     max_prefill_queue_tokens: int = _default(FrontendConfig, "max_prefill_queue_tokens")
+    # ... but a prompt past that gate waits at the prefill worker when computing it on the decode
+    # worker would slow a step past the ITL target (perf/itl_guard.py; on in `serve --planner`)
+    itl_guard: bool = True
     # a prefill worker refuses a prompt it expects to finish later than this (prefill_worker/admission.py)
     prefill_lease_s: float = _default(WorkerConfig, "prefill_lease_s")
 

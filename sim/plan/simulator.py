@@ -10,8 +10,11 @@ live system's (docs/architecture.md, the request lifecycle):
    the frontend's conditional disaggregation does, a prefill worker P by prefix overlap and queued
    prefill work. The prompt stays on D (LOCAL) when it has fewer than `remote_prefill_min_tokens`
    to compute, when there is no prefill worker, or when P has more than
-   `max_prefill_queue_tokens` queued (the router's count, as the frontend reads it); else it goes
-   to P (REMOTE).
+   `max_prefill_queue_tokens` queued (the router's count, as the frontend reads it), unless
+   computing it on D would make one of D's steps (D's requests plus a chunk of the prompt, priced
+   with the profile) longer than the ITL target: then it waits at P anyway (the frontend's ITL
+   guard, perf/itl_guard.py, which `serve --planner` turns on; `itl_guard=False` turns it off);
+   else it goes to P (REMOTE).
 2. D admits it in arrival order once its KV has room for the whole sequence (prompt + output):
    every request, local or remote, waits here first, as the engine reserves a remote prefill's
    blocks before it asks P (sim/plan/decode.py).
@@ -57,6 +60,7 @@ import numpy as np
 from kvstore.events import KvEventBatch
 from planner import Planner
 from router import NoWorkerAvailable, Router, RouterConfig, WorkerRole
+from perf.itl_guard import ItlGuard, must_wait
 from perf.profile import Profile
 from sim.plan.config import SimConfig, SimResult, TimelinePoint
 from sim.plan.decode import DecodeWorker, Kind
@@ -92,6 +96,7 @@ class Simulation(PlannerTicks):
         self.progress, self.desc = progress, desc
         self.now = 0.0
         # the production router's KV policy, costed with the same profile the simulated workers run on
+        self._itl_guard = ItlGuard(profile, config.itl_target_s) if config.itl_guard else None
         self.router = Router(RouterConfig(timing=profile.timing, chunk_tokens=profile.max_num_batched_tokens),
                              block_size=TRACE_BLOCK_TOKENS, seed=config.seed, clock=lambda: self.now)
         self.heap: list[tuple] = []
@@ -204,14 +209,15 @@ class Simulation(PlannerTicks):
         except NoWorkerAvailable:
             self._pending[WorkerRole.DECODE].append(rid)
             return
-        kind = Kind.REMOTE if self._route_prefill(t, rid, direct=False) else Kind.LOCAL
+        kind = Kind.REMOTE if self._route_prefill(t, rid, direct=False, decode=d.worker_id) else Kind.LOCAL
         self.local[rid] = kind is Kind.LOCAL
         self._note_arrival(rid, kind)
         self._offer(t, d.worker_id, rid, kind)
 
-    def _route_prefill(self, t: float, rid: int, direct: bool) -> bool:
+    def _route_prefill(self, t: float, rid: int, direct: bool, decode: str | None = None) -> bool:
         """Choose a prefill worker (the frontend's `_remote_prefill`); True if the prompt goes there.
-        `direct` (the prefill-only stage): no decode worker, so it is queued there at once."""
+        `direct` (the prefill-only stage): no decode worker, so it is queued there at once. `decode`:
+        the decode worker chosen first, whose requests the ITL guard counts."""
         cfg = self.cfg
         if not direct and self.prompt[rid] < cfg.remote_prefill_min_tokens:
             self.decode_owned[rid] = True           # too short to send: the decode pool's own
@@ -223,7 +229,8 @@ class Simulation(PlannerTicks):
             if direct:
                 self._pending[WorkerRole.PREFILL].append(rid)
             return False
-        if not direct and self.router.load(p.worker_id) * TRACE_BLOCK_TOKENS > cfg.max_prefill_queue_tokens:
+        if (not direct and self.router.load(p.worker_id) * TRACE_BLOCK_TOKENS > cfg.max_prefill_queue_tokens
+                and not self._must_wait(rid, p.overlap_blocks, decode)):
             self.router.finished(rid, p.worker_id)
             # a prompt longer than the limit itself never goes remote: the decode pool's own
             self.decode_owned[rid] = p.prefill_blocks * TRACE_BLOCK_TOKENS > cfg.max_prefill_queue_tokens
@@ -235,6 +242,17 @@ class Simulation(PlannerTicks):
         else:
             self._prefill_of[rid] = p.worker_id
         return True
+
+    def _must_wait(self, rid: int, overlap_blocks: int, decode: str | None) -> bool:
+        """The ITL guard: a prompt past the queue gate waits at its prefill worker when computing
+        it on its decode worker (that worker's requests, as the frontend counts them) would break
+        the ITL target."""
+        w = self.decode.get(decode) if decode is not None else None
+        if self._itl_guard is None or w is None:
+            return False
+        prompt = int(self.prompt[rid])
+        uncached = prompt - min(overlap_blocks * TRACE_BLOCK_TOKENS, prompt - 1)
+        return must_wait(self._itl_guard, prompt, uncached, w.load)
 
     def _report(self, t: float) -> None:
         """The workers' load reports, as the frontend polls them: the router's count of a worker's

@@ -191,12 +191,31 @@ def test_conditional_disaggregation_worked_out_by_hand(ms_profile):
     then r0 its last 279 steps alone (done 1.520): r0's mean ITL 1.01 s / 300, over 3x the 1 ms
     of its steps alone."""
     w = Workload("local", np.array([0.0, 0.01, 0.52]), np.array([500, 200, 700]), np.array([301, 11, 11]), None)
-    cfg = SimConfig(2.0, 0.005, remote_prefill_min_tokens=1, max_prefill_queue_tokens=600, handoff_s=0.01)
+    cfg = SimConfig(2.0, 0.005, remote_prefill_min_tokens=1, max_prefill_queue_tokens=600, handoff_s=0.01,
+                    itl_guard=False)
     r = Simulation(w, ms_profile, cfg, prefill_workers=1, decode_workers=1).run()
     assert r.local_prefill.tolist() == [False, True, True]
     assert r.ttft_s == pytest.approx([0.51, 0.2, 0.701])
     assert r.itl_s == pytest.approx([(1.520 - 0.51) / 300, 0.001, 0.002])
     assert r.end_s == pytest.approx(1.520)
+
+
+def test_the_itl_guard_keeps_a_long_prompt_at_the_prefill_worker(ms_profile):
+    """The same three requests with the frontend's ITL guard (on by default, as `serve --planner`
+    runs it): a step of D carrying a chunk of r1 or r2 would take 200 or 700 ms, over the 5 ms
+    target, so both wait at P past the gate. P computes r0 in [0, 0.5], r1 in [0.5, 0.7] (first
+    token 0.71: TTFT 0.70), r2 in [0.7, 1.4] (first token 1.41: TTFT 0.89); r0 decodes beside
+    them at 1 ms a step (2 and 3 ms while they join), its mean ITL a few ms instead of 3.4."""
+    w = Workload("local", np.array([0.0, 0.01, 0.52]), np.array([500, 200, 700]), np.array([301, 11, 11]), None)
+    cfg = SimConfig(2.0, 0.005, remote_prefill_min_tokens=1, max_prefill_queue_tokens=600, handoff_s=0.01)
+    r = Simulation(w, ms_profile, cfg, prefill_workers=1, decode_workers=1).run()
+    assert r.local_prefill.tolist() == [False, False, False]
+    assert r.ttft_s == pytest.approx([0.51, 0.70, 0.89])
+    assert r.itl_s[0] < 0.002
+    off = Simulation(w, ms_profile, SimConfig(2.0, 0.005, remote_prefill_min_tokens=1, max_prefill_queue_tokens=600,
+                                              handoff_s=0.01, itl_guard=False),
+                     prefill_workers=1, decode_workers=1).run()
+    assert off.itl_s[0] > 3 * r.itl_s[0]
 
 
 def test_decode_kv_and_the_prefill_lease(tmp_path):

@@ -1,4 +1,4 @@
-"""The ITL guard of conditional disaggregation (frontend/disagg_policy.py): when computing a long
+"""The ITL guard of conditional disaggregation (perf/itl_guard.py): when computing a long
 prompt on its decode worker would slow that worker's steps past the ITL target. Priced with real
 profiles: an analytic one whose arithmetic the test redoes, and the shipped H100 one."""
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from frontend.disagg_policy import ItlGuard, make_itl_guard, must_wait
+from perf.itl_guard import ItlGuard, make_itl_guard, must_wait
 from perf.profile import CurveTiming, load_profile
 
 CURVE = {"base_s": 0.005, "per_token_s": 2e-5, "per_attn_pair_s": 1e-9, "per_kv_token_s": 1e-8}
