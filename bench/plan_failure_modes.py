@@ -65,7 +65,9 @@ def analyse(args) -> int:
     z = np.load(args.workload_npz)
     hist, rep = split_history(Workload("npz", z["t"], z["p"], z["o"], None), 120.0)
     profile = load_profile(None)
-    cfg = PlannerConfig(2.0, 0.05, startup_s=profile.startup_s)
+    from splitserve.bench.plan import SIMULATED_POOLS
+    cfg = PlannerConfig(2.0, 0.05, startup_s=profile.startup_s,        # the pools `bench plan` simulates
+                        prefill=SIMULATED_POOLS.prefill, decode=SIMULATED_POOLS.decode)
     joined = joins()
     r = Simulation(rep, profile, SimConfig(2.0, 0.05, cfg.interval_s, profile.startup_s, 0, 2.0),
                    planner=Planner(cfg, profile), history=hist).run()

@@ -51,6 +51,7 @@ from planner.sizing import DecodeWorkload, size_decode, size_prefill  # noqa: E4
 from sim.plan.simulator import SimConfig, Simulation  # noqa: E402
 from sim.plan.static import StaticSearch  # noqa: E402
 from sim.workload import Workload, load_workload, scale_load, split_history, synthetic_workload  # noqa: E402
+from splitserve.bench.plan import SIMULATED_POOLS  # noqa: E402
 from splitserve.bench.serve import git_sha  # noqa: E402
 
 TRACES = Path(os.environ.get("SPLITSERVE_TRACES", "/work/shared/data/traces"))
@@ -121,7 +122,10 @@ def run_cell(cell: Cell) -> dict:
                 "seed": cell.seed, "skipped": "the smallest pools cannot serve any load of this workload"}
     history, replay = split_history(build(cell.workload, cell.seed, scale, cell.trace_s, cell.synthetic_s),
                                     WARM_START_S)
-    planner_cfg = PlannerConfig(TTFT_S, ITL_S, startup_s=profile.startup_s)
+    # the pools `bench plan` simulates: at least one worker each and no deployment's cap (the
+    # default cap of 8 a pool would stop the 10-40 GPU cells short of what their static split runs)
+    planner_cfg = PlannerConfig(TTFT_S, ITL_S, startup_s=profile.startup_s,
+                                prefill=SIMULATED_POOLS.prefill, decode=SIMULATED_POOLS.decode)
     sim_cfg = SimConfig(TTFT_S, ITL_S, planner_cfg.interval_s, profile.startup_s, cell.seed, TTFT_S)
     r = Simulation(replay, profile, sim_cfg, planner=Planner(planner_cfg, profile), history=history).run()
     planner_s = time.perf_counter() - t0
