@@ -150,6 +150,12 @@ class RankSet:
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Ask every rank to leave and exit; kill what is left after `timeout_s`."""
+        self.ask_stop()
+        self.wait_stopped(timeout_s)
+
+    def ask_stop(self) -> None:
+        """Tell every rank to leave the group and exit (no wait: rank 0 leaves the group meanwhile,
+        since NCCL's teardown may wait for every rank of the communicator)."""
         self._stopping.set()
         for rk in self._ranks:
             try:
@@ -157,6 +163,9 @@ class RankSet:
                     rk.conn.send(RankStop())
             except OSError:
                 pass
+
+    def wait_stopped(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Wait for the ranks asked to stop; kill what is left after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         for rk in self._ranks:
             try:

@@ -100,9 +100,12 @@ class TpRunner(Runner):
         return getattr(self.inner, name)
 
     def close(self) -> None:
-        """Stop the other ranks and leave the group (the engine is stopping)."""
-        self.ranks.stop()
+        """Stop the other ranks and leave the group with them (the engine is stopping): every rank
+        is told first and all leave together, since a teardown may wait for the whole group (a
+        rank that left alone, rank 0 still waiting for it to exit, timed out after 5 s on GPUs)."""
+        self.ranks.ask_stop()
         self.tp.close()
+        self.ranks.wait_stopped()
 
 
 def _check(cfg: EngineConfig) -> None:
