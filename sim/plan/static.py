@@ -10,7 +10,11 @@ through when first tokens come out). So the search runs the pools apart:
 2. decode only, fed the first-token times of the P_min run: which requests meet the ITL target.
    D_min likewise;
 3. splits in order of cost P + D from P_min + D_min, each run with both pools together (giving up
-   as soon as its misses exceed the allowance): the first that reaches the target wins. (Until
+   as soon as its misses exceed the allowance): the first that reaches the target wins.
+
+`aggregated` searches the other mode: N workers and no prefill pool, each computing its prompts
+in its own decode steps (the frontend's behaviour without prefill workers), the least N whose
+joint run reaches the target. (Until
    `bf7cbac` only splits whose union of misses from the separate runs fit were run together; the
    D run was fed the P_min run's first tokens, so that union could reject a split that reaches
    the target together, and the search then returned a costlier one.)
@@ -80,6 +84,30 @@ class StaticSearch:
                 if ok.mean() >= self.target:
                     return StaticResult(p, d, float(ok.mean()), self.runs)
         return None
+
+    def aggregated(self, hint: int = 1) -> StaticResult | None:
+        """The fewest aggregated workers (no prefill pool: each decode worker computes its prompts
+        in its own steps, as the frontend does without prefill workers) whose joint run reaches the
+        target: doubling up from `hint`, then bisection (None: not within MAX_WORKERS)."""
+        runs: dict[int, float | None] = {}
+
+        def met(n: int) -> float | None:
+            if n not in runs:
+                r = self._simulate(("prefill", "decode"), 0, n, self.allowed)
+                ok = None if r.gave_up else float((r.ttft_ok(self.cfg.ttft_target_s)
+                                                   & r.itl_ok(self.cfg.itl_target_s)).mean())
+                runs[n] = ok if ok is not None and ok >= self.target else None
+            return runs[n]
+        hi = max(hint, 1)
+        while met(hi) is None:
+            if hi >= MAX_WORKERS:
+                return None
+            hi = min(hi * 2, MAX_WORKERS)
+        lo = max((n for n, r in runs.items() if r is None and n < hi), default=0)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if met(mid) is None else (lo, mid)
+        return StaticResult(0, hi, runs[hi], self.runs)
 
     def _least(self, ok, hint: int) -> int | None:
         """The least n for which ok(n) is not None: doubling up from `hint`, then bisection

@@ -21,7 +21,9 @@ Definitions (docs/planner.md):
 - sla_attainment: the share of replayed requests with TTFT <= --ttft-ms and mean ITL (from the
   first token to the last, over output - 1 gaps) <= --itl-ms; one-token outputs meet any ITL.
 - gpu_hours: worker-seconds from each worker's start (starting included) to its stop (draining
-  included) or the end of the run (the last request done), / 3600. static_gpu_hours: the static
+  included) or the end of the run (the last request done), / 3600. static_aggregated and
+  static_disaggregated: the best static configuration of each mode at the planner's attainment
+  (config, GPU-hours, attainment). static_gpu_hours: the static
   split's workers times the same span.
 - scaling_actions: planner decisions that changed a pool's size (one per pool and decision).
 
@@ -187,10 +189,12 @@ def main(args: argparse.Namespace) -> int:
                         desc="planner").run()
     planner_wall_s = time.perf_counter() - t0
     t1 = time.perf_counter()
-    static = None if args.no_static else _static(args, result, replay, profile, planner_cfg, sim_cfg)
+    static, aggregated = (None, None) if args.no_static else _static(args, result, replay, profile,
+                                                                      planner_cfg, sim_cfg)
     record = _record(args, settings.sla, planner_cfg, sim_cfg, planner, profile, result, static, history, replay)
+    record.update(_modes(static, aggregated, result.end_s))
     record.update(planner_wall_s=round(planner_wall_s, 1), static_wall_s=round(time.perf_counter() - t1, 1),
-                  static_runs=static.runs if static else None,
+                  static_runs=max(r.runs for r in (static, aggregated) if r) if static or aggregated else None,
                   last_decision=result.decisions[-1].summary() if result.decisions else None)
     if args.decisions:
         write_decisions(result.decisions, args.decisions)
@@ -204,7 +208,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _static(args: argparse.Namespace, result, replay, profile, planner_cfg, sim_cfg):
-    """The cheapest static split that reaches the planner's attainment (sim/plan/static.py)."""
+    """The cheapest static split that reaches the planner's attainment, and the fewest aggregated
+    workers that do (sim/plan/static.py)."""
     from sim.plan.static import StaticSearch
 
     ttft_s, itl_s = planner_cfg.ttft_target_s, planner_cfg.itl_target_s
@@ -212,7 +217,20 @@ def _static(args: argparse.Namespace, result, replay, profile, planner_cfg, sim_
     # the exact share, not the summary's rounded one: rounded up, it would ask the static
     # split for one miss fewer than the planner had
     met = float((result.ttft_ok(ttft_s) & result.itl_ok(itl_s)).mean())
-    return StaticSearch(replay, profile, sim_cfg, met, not args.no_progress).run(hint)
+    search = StaticSearch(replay, profile, sim_cfg, met, not args.no_progress)
+    split = search.run(hint)
+    return split, search.aggregated(split.workers if split else sum(hint))
+
+
+def _modes(split, aggregated, end_s: float) -> dict:
+    """The best static configuration of each serving mode at the planner's attainment:
+    `static_disaggregated` (the split `static_*` reports) and `static_aggregated` (workers that
+    each compute their own prompts), each with its GPU-hours and attainment (None: none reaches it)."""
+    def mode(r, config: dict) -> dict | None:
+        return None if r is None else {"config": config, "gpu_hours": round(r.workers * end_s / 3600, 4),
+                                       "sla_attainment": round(r.attainment, 5)}
+    return {"static_disaggregated": mode(split, {"prefill": split.prefill, "decode": split.decode} if split else {}),
+            "static_aggregated": mode(aggregated, {"workers": aggregated.decode} if aggregated else {})}
 
 
 def _record(args: argparse.Namespace, sla: SlaConfig, planner_cfg, sim_cfg, planner, profile, result, static,

@@ -218,6 +218,18 @@ def test_the_itl_guard_keeps_a_long_prompt_at_the_prefill_worker(ms_profile):
     assert off.itl_s[0] > 3 * r.itl_s[0]
 
 
+def test_the_aggregated_search_finds_the_fewest_workers(ms_profile):
+    """No prefill pool: each worker computes its prompts in its own steps. On the three requests
+    above one worker computes the later prompts in steps beside the earlier ones' decodes, and a
+    request misses the 5 ms ITL target; two workers meet every target, so the fewest is 2."""
+    w = Workload("local", np.array([0.0, 0.01, 0.52]), np.array([500, 200, 700]), np.array([301, 11, 11]), None)
+    cfg = SimConfig(2.0, 0.005, remote_prefill_min_tokens=1)
+    one = Simulation(w, ms_profile, cfg, prefill_workers=0, decode_workers=1).run()
+    assert one.local_prefill.all() and not (one.itl_ok(0.005)).all()
+    r = StaticSearch(w, ms_profile, cfg, 1.0).aggregated()
+    assert (r.prefill, r.decode, r.attainment) == (0, 2, 1.0)
+
+
 def test_decode_kv_and_the_prefill_lease(tmp_path):
     """A decode worker reserves a sequence's KV before it asks for the prefill, so a full decode
     worker delays the prefill itself (TTFT), and a prefill worker that expects to finish later

@@ -43,6 +43,11 @@ def test_the_json_last_line(tmp_path, capsys):
         assert key in out, key
     assert 0.9 <= out["sla_attainment"] <= 1 and out["static_sla_attainment"] >= out["sla_attainment"]
     assert set(out["static_config"]) == {"prefill", "decode"} and out["static_gpu_hours"] > 0
+    # the best static configuration of each mode: the split above, and aggregated workers
+    dis, agg = out["static_disaggregated"], out["static_aggregated"]
+    assert dis["config"] == out["static_config"] and dis["gpu_hours"] == out["static_gpu_hours"]
+    assert set(agg["config"]) == {"workers"} and agg["config"]["workers"] >= 1
+    assert agg["sla_attainment"] >= out["sla_attainment"] and agg["gpu_hours"] > 0
     assert out["gpu_hours"] > 0 and out["startup_s"] == 30 and out["requests"] > 1000
     assert 0 <= out["local_prefill_share"] <= 1 and out["max_prefill_queue_tokens"] == 32768
     assert png.stat().st_size > 10_000
