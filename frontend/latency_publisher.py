@@ -83,5 +83,7 @@ class LatencyPublisher:
                 await write_latency(self._redis, self._namespace, self.frontend_id, self.record())
                 self._warn.clear("write")
             except Exception as e:
+                if asyncio.current_task().cancelling():   # a client library turned the cancel into
+                    raise asyncio.CancelledError() from e  # its own error: the task still ends
                 self._warn.warning("write", "publishing latency figures failed: %s", e)
             await asyncio.sleep(self._interval_s)

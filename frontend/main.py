@@ -37,6 +37,7 @@ from frontend.tokenizer import ModelTokenizer, TokenizerPool
 from frontend.workers import WorkerPool
 from runtime.config import EventLoop, FrontendConfig
 from runtime.metrics import FrontendMetrics
+from runtime.errors import StartupError
 from runtime.process import install_signal_events
 
 log = logging.getLogger(__name__)
@@ -128,7 +129,15 @@ async def serve_frontend(cfg: FrontendConfig) -> None:
                           tokenize=TokenizerPool(tokenizer, cfg.tokenizer_threads, cfg.max_tokenize_queue),
                           extra_metrics=WorkerMetricsScraper(pool).scrape,
                           responses=ResponseStore(redis, cfg.redis.namespace, cfg.responses_ttl_s))
-    grpc_server, grpc_port = await start_grpc_server(state, cfg.host, cfg.grpc_port, cfg.reuse_port)
+    try:
+        grpc_server, grpc_port = await start_grpc_server(state, cfg.host, cfg.grpc_port, cfg.reuse_port)
+    except RuntimeError as e:          # grpc's "Failed to bind": the port is taken
+        latency_task.cancel()
+        await router.close()
+        state.tokenize.close()
+        await pool.close()
+        await redis.aclose()
+        raise StartupError(f"cannot serve gRPC on {cfg.host}:{cfg.grpc_port} ({e}); is the port in use?") from None
     http = HttpServer(uvicorn.Config(create_app(state), host=cfg.host, port=cfg.http_port,
                                      log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
                                      timeout_keep_alive=HTTP_KEEP_ALIVE_S))

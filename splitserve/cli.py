@@ -164,7 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "frontend":
         setup_logging("frontend")
         from frontend.main import event_loop_factory, serve_frontend
-        run_component(serve_frontend(cfg), event_loop_factory(cfg.event_loop))
+        try:
+            run_component(serve_frontend(cfg), event_loop_factory(cfg.event_loop))
+        except StartupError as e:    # e.g. a port in use: one line, not a traceback
+            print(f"splitserve frontend: {e}", file=sys.stderr)
+            return 2
         return 0
     problem = device_problem(cfg.engine.device)
     if problem:                      # before the engine loads: no traceback 15 s later
