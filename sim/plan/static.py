@@ -61,15 +61,16 @@ class StaticSearch:
         self.runs = 0
         self._ttft: dict[int, np.ndarray | None] = {}   # P -> TTFT met per request (None: gave up)
         self._itl: dict[int, np.ndarray | None] = {}
+        self._aggregated: dict[int, float | None] = {}  # N aggregated workers -> attainment (None: short)
         self._first_token: dict[int, np.ndarray] = {}  # P -> first-token times of its run
         self._entries: np.ndarray | None = None
 
     def run(self, hint: tuple[int, int] = (1, 1)) -> StaticResult | None:
-        p_min = self._least(self._ttft_ok, max(hint[0], 1))
+        p_min = self._least(self._ttft_ok, max(hint[0], 1), self._ttft)
         if p_min is None:
             return None
         self._entries = self._first_token[p_min]
-        d_min = self._least(self._itl_ok, max(hint[1], 1))
+        d_min = self._least(self._itl_ok, max(hint[1], 1), self._itl)
         if d_min is None:
             return None
         for cost in range(p_min + d_min, p_min + d_min + 8):
@@ -89,35 +90,18 @@ class StaticSearch:
         """The fewest aggregated workers (no prefill pool: each decode worker computes its prompts
         in its own steps, as the frontend does without prefill workers) whose joint run reaches the
         target: doubling up from `hint`, then bisection (None: not within MAX_WORKERS)."""
-        runs: dict[int, float | None] = {}
+        n = self._least(self._aggregated_ok, max(hint, 1), self._aggregated)
+        return None if n is None else StaticResult(0, n, self._aggregated[n], self.runs)
 
-        def met(n: int) -> float | None:
-            if n not in runs:
-                r = self._simulate(("prefill", "decode"), 0, n, self.allowed)
-                ok = None if r.gave_up else float((r.ttft_ok(self.cfg.ttft_target_s)
-                                                   & r.itl_ok(self.cfg.itl_target_s)).mean())
-                runs[n] = ok if ok is not None and ok >= self.target else None
-            return runs[n]
-        hi = max(hint, 1)
-        while met(hi) is None:
-            if hi >= MAX_WORKERS:
-                return None
-            hi = min(hi * 2, MAX_WORKERS)
-        lo = max((n for n, r in runs.items() if r is None and n < hi), default=0)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if met(mid) is None else (lo, mid)
-        return StaticResult(0, hi, runs[hi], self.runs)
-
-    def _least(self, ok, hint: int) -> int | None:
+    def _least(self, ok, hint: int, known: dict) -> int | None:
         """The least n for which ok(n) is not None: doubling up from `hint`, then bisection
-        between the largest known failure (or 0) and the smallest success."""
+        between the largest known failure (or 0) and the smallest success. `known`: the results
+        `ok` keeps (n -> None for a failure)."""
         hi = hint
         while ok(hi) is None:
             if hi >= MAX_WORKERS:
                 return None
             hi = min(hi * 2, MAX_WORKERS)
-        known = self._ttft if ok == self._ttft_ok else self._itl
         lo = max((n for n, r in known.items() if r is None and n < hi), default=0)
         while hi - lo > 1:
             mid = (lo + hi) // 2
@@ -140,6 +124,14 @@ class StaticSearch:
             r = self._simulate(("decode",), 0, d, self.allowed, entries=self._entries)
             self._itl[d] = None if r.gave_up else r.itl_ok(self.cfg.itl_target_s)
         return self._itl[d]
+
+    def _aggregated_ok(self, n: int) -> float | None:
+        if n not in self._aggregated:
+            r = self._simulate(("prefill", "decode"), 0, n, self.allowed)
+            met = None if r.gave_up else float((r.ttft_ok(self.cfg.ttft_target_s)
+                                                & r.itl_ok(self.cfg.itl_target_s)).mean())
+            self._aggregated[n] = met if met is not None and met >= self.target else None
+        return self._aggregated[n]
 
     def _simulate(self, stages, p: int, d: int, max_misses: int | None, entries=None):
         self.runs += 1
