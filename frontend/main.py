@@ -130,13 +130,21 @@ async def serve_frontend(cfg: FrontendConfig) -> None:
                           extra_metrics=WorkerMetricsScraper(pool).scrape,
                           responses=ResponseStore(redis, cfg.redis.namespace, cfg.responses_ttl_s))
     try:
-        grpc_server, grpc_port = await start_grpc_server(state, cfg.host, cfg.grpc_port, cfg.reuse_port)
-    except RuntimeError as e:          # grpc's "Failed to bind": the port is taken
+        await _serve(cfg, state, generator, metrics, model_name, fingerprint)
+    finally:                           # also when start-up fails past here (a gRPC port in use)
         latency_task.cancel()
         await router.close()
         state.tokenize.close()
         await pool.close()
         await redis.aclose()
+
+
+async def _serve(cfg: FrontendConfig, state: FrontendState, generator: Generator, metrics: FrontendMetrics,
+                 model_name: str, fingerprint: str) -> None:
+    """Serve gRPC and HTTP until a signal (or the HTTP server's failure), then drain."""
+    try:
+        grpc_server, grpc_port = await start_grpc_server(state, cfg.host, cfg.grpc_port, cfg.reuse_port)
+    except RuntimeError as e:          # grpc's "Failed to bind": the port is taken
         raise StartupError(f"cannot serve gRPC on {cfg.host}:{cfg.grpc_port} ({e}); is the port in use?") from None
     http = HttpServer(uvicorn.Config(create_app(state), host=cfg.host, port=cfg.http_port,
                                      log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
@@ -161,11 +169,6 @@ async def serve_frontend(cfg: FrontendConfig) -> None:
     http.should_exit = True
     await grpc_server.stop(grace=1.0)
     await asyncio.gather(http_task, return_exceptions=True)
-    latency_task.cancel()
-    await router.close()
-    state.tokenize.close()
-    await pool.close()
-    await redis.aclose()
 
 
 async def finish_requests(generator: Generator, metrics: FrontendMetrics, timeout_s: float,
