@@ -107,6 +107,16 @@ def _gone_within(pid: int, timeout_s: float) -> bool:
     return False
 
 
+def _report_then_killed(middle: str) -> dict:
+    """Run `middle` as a parent process, read the JSON line it prints about its children, then
+    kill it with -9."""
+    m = subprocess.Popen([sys.executable, "-c", middle], stdout=subprocess.PIPE, text=True)
+    report = json.loads(m.stdout.readline())
+    m.kill()
+    m.wait()
+    return report
+
+
 def test_a_child_dies_with_its_parent_even_one_serving_grpc():
     """Children get SIGTERM when their parent dies by kill -9. The parent serves gRPC and has a
     busy thread: spawning runs no Python between fork and exec, where gRPC's at-fork handlers once
@@ -125,10 +135,7 @@ def test_a_child_dies_with_its_parent_even_one_serving_grpc():
               "dead = [k.stderr.read().decode() for k in kids if k.poll() is not None]\n"
               "print(json.dumps({'pids': [k.pid for k in kids], 'dead': dead}), flush=True)\n"
               "time.sleep(60)\n")
-    m = subprocess.Popen([sys.executable, "-c", middle], stdout=subprocess.PIPE, text=True)
-    report = json.loads(m.stdout.readline())
-    m.kill()
-    m.wait()
+    report = _report_then_killed(middle)
     assert report["dead"] == [], report["dead"]          # every child got to its exec and ran
     assert all(_gone_within(pid, 10) for pid in report["pids"]), "a child outlived its parent"
 
@@ -154,10 +161,7 @@ def test_a_child_dies_with_its_parent_even_when_sigterm_was_ignored_above_it():
               "time.sleep(0.5)\n"
               "print(json.dumps({'pid': kid.pid}), flush=True)\n"
               "time.sleep(60)\n")
-    m = subprocess.Popen([sys.executable, "-c", middle], stdout=subprocess.PIPE, text=True)
-    report = json.loads(m.stdout.readline())
-    m.kill()
-    m.wait()
+    report = _report_then_killed(middle)
     assert _gone_within(report["pid"], 10), "a child outlived its parent"
     argv = with_parent_death([sys.executable, "-c", "import time; time.sleep(60)"])
     argv[5] = "1"
