@@ -172,6 +172,10 @@ class ModelRunner(Runner):
             from engine.parallel.fi_allreduce import sum_in_norms
             sum_in_norms(self.model, tp, cfg.max_num_batched_tokens, self.dtype)
             phase("custom_all_reduce")
+        elif tp.split and cfg.tp_all_reduce == "symm_mem":
+            from engine.parallel.symm_allreduce import try_symm_mem_all_reduce
+            tp.custom_all_reduce = try_symm_mem_all_reduce(tp, self.dtype)
+            phase("custom_all_reduce")
         self._pinned = self.device.type == "cuda"
         self._staging = torch.zeros(0, dtype=torch.int64)
         self._staging_free = torch.cuda.Event() if self._pinned else None   # the last H2D copy is done

@@ -63,9 +63,10 @@ class EngineConfig:
                             "scales: half the weight bytes; docs/quantization.md)", choices=QUANTIZATION_CHOICES)
     tensor_parallel_size: int = arg(1, "GPUs one worker spans: its model split Megatron-style over this many "
                                     "ranks, one process per GPU (docs/multi_gpu.md); on the CPU, ranks over gloo")
-    tp_all_reduce: str = arg("nccl", "the all-reduce between tensor-parallel ranks: nccl (torch.distributed) or "
-                             "flashinfer (FlashInfer's custom all-reduce over CUDA IPC; GPU only)",
-                             choices=("nccl", "flashinfer"))
+    tp_all_reduce: str = arg("nccl", "the all-reduce between tensor-parallel ranks: nccl (torch.distributed), "
+                             "symm_mem (PyTorch's symmetric-memory one-shot kernel for small messages, NCCL above; "
+                             "GPU only) or flashinfer (FlashInfer's custom all-reduce over CUDA IPC; GPU only)",
+                             choices=("nccl", "symm_mem", "flashinfer"))
     block_size: int = arg(16, "tokens per KV block (the frontend learns it from the workers)")
     num_blocks: int | None = arg(None, "KV blocks in the GPU tier; none: as many as fit")
     kv_memory_fraction: float = arg(0.85, "share of free GPU memory a worker takes for weights' leftovers "

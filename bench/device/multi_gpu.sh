@@ -8,8 +8,10 @@
 # Records are named <stage>-$TAG-<sha>.jsonl (TAG default h100x2), ready for bench/results/.
 #   placement  serve --decode-workers 2 --prefill-workers 0 --device cuda (8B architecture, random
 #              weights): one worker per GPU? nvidia-smi's view saved beside the record
-#   tp         8B: batch-1 decode at TP=1, TP=2 and TP=2 with FlashInfer's all-reduce (engine_bench b1),
-#              the TP=2 / TP=1 speed-up; TP=2 parity against TP=1 (greedy tokens, logits relative error)
+#   tp         the all-reduce alone per message size (NCCL, symmetric-memory one-shot and two-shot:
+#              tp_allreduce.py); 8B: batch-1 decode at TP=1 and at TP=2 with each all-reduce in
+#              $TP_ALL_REDUCES (nccl,symm_mem,flashinfer; engine_bench b1), the TP=2 / TP=1
+#              speed-up; TP=2 parity against TP=1 (greedy tokens, logits relative error)
 #   tp70       70B architecture, TP=$TP70_TP (2), weights $TP70_QUANT (fp8: quantized at load; auto: bf16;
 #              TP70_TP=4 TP70_QUANT=auto on a 4-GPU host): batch-1 decode against its
 #              roofline (per-GPU weight bytes / measured HBM copy bandwidth), load-to-ready
@@ -17,7 +19,7 @@
 #              places workers; then both seeing both), 8k-token prompt: the KV handoff's share of TTFT
 #              and its GB/s against a torch peer copy GPU 0 -> GPU 1 measured in the same run; UCX's
 #              protocol choice (UCX_PROTO_INFO) saved
-#   pytest     tests/gpu (the multi-GPU tests skip below 2 GPUs)
+#   pytest     tests/gpu, or $PYTEST_PATHS (the multi-GPU tests skip below 2 GPUs)
 #   tp70_serve (not in the default list) 70B TP=2 fp8 through HTTP: 1k/1k at concurrency 1,32,128
 #   compare    (not in the default list) one GPU: batch-1 and the 1k/1k engine loop of HEAD against .base, a
 #              `git archive` of the commit before this work carried beside the tree (run.sh's compare stage)
@@ -65,15 +67,16 @@ for stage in "$@"; do
         timeout "$(left 0 120)" $PY bench/device/tp_parity.py --model tiny --device cpu --tp 2 --prompts 16,200 \
           --new-tokens 16 --out "$(rec tp)" 2>&1 | grep -v Warning | tail -2 >> "$OUT/tp.log"
       else
-        for tp in 1 2; do
+        timeout "$(left 0 "${T_TP_ALLREDUCE:-120}")" $PY bench/device/tp_allreduce.py --gpus 2 --out "$(rec tp)" 2>&1 \
+          | grep -v Warning | tee -a "$OUT/tp.log" | tail -3
+        for case in 1:nccl $(echo "${TP_ALL_REDUCES:-nccl,symm_mem,flashinfer}" | sed 's/\([^,]*\)/2:\1/g; s/,/ /g'); do
           timeout "$(left 0 "${T_TP_BENCH:-150}")" $PY bench/device/engine_bench.py --models llama-3.1-8b --only b1 \
-            --skip-hf --tensor-parallel-size $tp --out "$(rec tp)" 2>&1 | grep -v Warning | tee -a "$OUT/tp.log" | tail -3
+            --skip-hf --tensor-parallel-size "${case%%:*}" --tp-all-reduce "${case#*:}" --out "$(rec tp)" 2>&1 \
+            | grep -v Warning \
+            | tee -a "$OUT/tp.log" | tail -3
         done
-        timeout "$(left 0 "${T_TP_BENCH:-150}")" $PY bench/device/engine_bench.py --models llama-3.1-8b --only b1 \
-          --skip-hf --tensor-parallel-size 2 --tp-all-reduce flashinfer --out "$(rec tp)" 2>&1 | grep -v Warning \
-          | tee -a "$OUT/tp.log" | tail -3
         timeout "$(left 0 "${T_TP_PARITY:-200}")" $PY bench/device/tp_parity.py --arch llama-3.1-8b --tp 2 \
-          --out "$(rec tp)" 2>&1 | grep -v Warning | tee -a "$OUT/tp.log" | tail -1
+          --tp-all-reduce "${TP_PARITY_ALL_REDUCE:-nccl}" --out "$(rec tp)" 2>&1 | grep -v Warning | tee -a "$OUT/tp.log" | tail -1
       fi
       $PY bench/device/multi_gpu_summary.py tp "$(rec tp)" | tee -a "$(rec tp)" ;;
     tp70)
@@ -104,7 +107,7 @@ for stage in "$@"; do
         done
       fi ;;
     pytest)
-      timeout "$(left 0 "${T_PYTEST:-300}")" $PY -m pytest tests/gpu -q -p no:cacheprovider -o asyncio_mode=strict \
+      timeout "$(left 0 "${T_PYTEST:-300}")" $PY -m pytest ${PYTEST_PATHS:-tests/gpu} -q -p no:cacheprovider -o asyncio_mode=strict \
         --tb=short ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15 ;;
     compare) # one GPU, HEAD against the tree before this work (.base: `git archive 675199c`): batch-1 and the
              # 1k/1k engine loop within 2%, one after the other in this call (bench/device/run.sh's compare stage)

@@ -65,7 +65,7 @@ def main() -> int:
     ap.add_argument("--prompts", default="16,128,1024,4096", help="prompt lengths")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--quantization", default="auto", choices=["auto", "fp8"])
-    ap.add_argument("--tp-all-reduce", default="nccl", choices=["nccl", "flashinfer"])
+    ap.add_argument("--tp-all-reduce", default="nccl", choices=["nccl", "symm_mem", "flashinfer"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.model:

@@ -94,6 +94,16 @@ def test_summing_the_partial_outputs_in_the_norms_changes_no_token(tiny_dirs):
     assert generate(engine, prompts()) == want
 
 
+def test_the_symmetric_memory_all_reduce_falls_back_to_gloo_on_the_cpu(tiny_dirs):
+    """--tp-all-reduce symm_mem is a GPU kernel: on the CPU every rank keeps the plain collective
+    (no custom all-reduce is installed, no rank waits on one) and the tokens do not change."""
+    model_dir = tiny_dirs["llama"]
+    want = generate(Engine(engine_cfg(model_dir, 2)), prompts())
+    engine = Engine(engine_cfg(model_dir, 2, tp_all_reduce="symm_mem"))
+    assert engine.runner.inner.tp.custom_all_reduce is None
+    assert generate(engine, prompts()) == want
+
+
 def test_a_rank_that_dies_is_reported_with_why(tiny_dirs):
     """The watchdog sees a killed rank at once and says which and how (a worker then ends itself:
     collectives with a dead peer never return; here the report goes to a callback)."""
