@@ -98,7 +98,12 @@ class Tree:
                                   text=True, check=True).stdout.strip()
 
     def env(self) -> dict[str, str]:
-        return dict(os.environ, PYTHONPATH=str(self.path), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        """This tree first on the path, then what the caller's path adds besides the checkout (a GPU
+        host's wheels installed into a directory of their own)."""
+        extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                 if p and Path(p).resolve() != ROOT.resolve()]
+        return dict(os.environ, PYTHONPATH=os.pathsep.join([str(self.path), *extra]), PYTHONUNBUFFERED="1",
+                    OMP_NUM_THREADS="1")
 
 
 class Cluster:

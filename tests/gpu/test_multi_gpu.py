@@ -3,15 +3,15 @@
 
 - The 8B architecture (random bf16 weights, each rank drawing the whole tensors and keeping its
   share) split over two GPUs computes what it computes on one: the prompts' last-token logits agree
-  within bf16's rounding, the top-1 tokens equal, the greedy continuations agree.
+  within bf16's rounding and the top-1 tokens equal.
 - `serve --decode-workers 2 --prefill-workers 0 --device cuda` puts one worker on each GPU: each
   lease names its GPU and nvidia-smi shows each worker's process on that GPU alone.
 - A prefill worker on one GPU pushes its KV to a decode worker on the other over NIXL (GPU to GPU),
   also to a decode worker at TP=2 (two half-GPU shares: each rank receives its heads), with the tokens
   of an aggregated worker.
 
-The clusters serve the tiny model with the torch attention backend: its 32-wide heads are below what
-FlashInfer's paged kernels take on the H100. The 8B test runs FlashInfer and the CUDA graphs.
+The clusters serve the tiny model in float32 with the torch attention backend: its 32-wide heads are
+below what FlashInfer's paged kernels take on the H100. The 8B test runs FlashInfer and the CUDA graphs.
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ from tests.integration.streams import complete_all  # noqa: E402
 from tests.integration.test_disagg import parity_prompts  # noqa: E402
 
 
-TINY_ON_GPU = ("--device", "cuda", "--attention-backend", "torch", "--num-blocks", "512")
+# float32: a decode worker at TP=2 sums in another order than the aggregated worker at TP=1; in
+# bf16 the tiny model's random weights have near ties that this flips (seen after 9 tokens on an H200)
+TINY_ON_GPU = ("--device", "cuda", "--dtype", "float32", "--attention-backend", "torch", "--num-blocks", "512")
 
 
 def test_tp2_matches_tp1_on_the_8b_architecture(tmp_path):
@@ -56,12 +58,14 @@ def test_tp2_matches_tp1_on_the_8b_architecture(tmp_path):
     torch.cuda.empty_cache()
     tp_logits, tp_tokens = run(dataclasses.replace(cfg, tensor_parallel_size=2), prompts, 16)
     # bf16: TP=2 rounds each rank's partial sum before the all-reduce adds them (TP=1 rounds once), so
-    # the logits differ by bf16 rounding propagated through 32 layers; the random weights' top-1
-    # margins (logits of std ~16) are far above that, so the first tokens agree
+    # the logits differ by bf16 rounding propagated through 32 layers (2% measured); on the same
+    # context the top-1 tokens agree. The greedy continuations then part at the first near tie of the
+    # random weights (after 0 to 20 tokens on an H200), so they are reported, not compared: token
+    # equality of continuations is checked in float32, on the CPU (gloo) and in the clusters below
     for a, b in zip(tp_logits, ref_logits):
         assert float((a - b).norm() / b.norm()) < 0.05
         assert int(a.argmax()) == int(b.argmax())
-    assert all(agree(a, b) >= 4 for a, b in zip(tp_tokens, ref_tokens)), (tp_tokens, ref_tokens)
+    print("greedy tokens equal before the first difference:", [agree(a, b) for a, b in zip(tp_tokens, ref_tokens)])
 
 
 def gpu_of_pids() -> dict[int, str]:
@@ -110,7 +114,10 @@ def test_kv_moves_gpu_to_gpu_between_workers(tmp_path, aggregated_tokens, decode
         try:
             until(lambda: len(c.workers()) == 2, 120, 0.5, "two workers")
             gpus = {w.role: w.gpus for w in c.workers()}
-            assert gpus == ({"prefill": "0", "decode": "1"} if decode_tp == 1 else {"prefill": "0", "decode": "0,1"})
+            if decode_tp == 1:                   # one GPU each, whichever the controller gave first
+                assert sorted(gpus.values()) == ["0", "1"], gpus
+            else:                                # half of each GPU for the decode ranks, half of one for prefill
+                assert gpus["decode"] == "0,1" and gpus["prefill"] in ("0", "1"), gpus
             got = asyncio.run(complete_all(c.url, parity_prompts(), 16))
             assert metric(c.url, "splitserve_kv_handoffs_total") >= 8
             assert metric(c.url, "splitserve_prefill_fallback_total") == 0
