@@ -100,10 +100,14 @@ class Tree:
     def env(self) -> dict[str, str]:
         """This tree first on the path, then what the caller's path adds besides the checkout (a GPU
         host's wheels installed into a directory of their own)."""
-        extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                 if p and Path(p).resolve() != ROOT.resolve()]
-        return dict(os.environ, PYTHONPATH=os.pathsep.join([str(self.path), *extra]), PYTHONUNBUFFERED="1",
+        return dict(os.environ, PYTHONPATH=os.pathsep.join([str(self.path), *_extra_path()]), PYTHONUNBUFFERED="1",
                     OMP_NUM_THREADS="1")
+
+
+def _extra_path() -> list[str]:
+    """The caller's PYTHONPATH less this checkout: what it adds besides the code (a GPU host's wheels,
+    installed into a directory of their own)."""
+    return [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT.resolve()]
 
 
 class Cluster:
@@ -156,7 +160,7 @@ def bench_serve(url: str, args: argparse.Namespace, num_requests: int, seed: int
     argv = [sys.executable, "-m", "splitserve", "bench", "serve", "--url", url, "--isl", str(args.isl),
             "--osl", str(args.osl), "--concurrency", str(args.concurrency), "--num-requests", str(num_requests),
             "--warmup", "0", "--seed", str(seed), "--no-progress", "--processes", str(args.processes)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *_extra_path()]), OMP_NUM_THREADS="1")
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.level_timeout_s)
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     level = next((r for r in records if r.get("bench") == "serve"), None)
