@@ -120,6 +120,8 @@ class Cluster:
                 "--grpc-port", str(self.grpc_port), "--admin-port", "0"]
         if frontends > 1:
             argv += ["--frontends", str(frontends)]
+        if args.mock_profile:
+            argv += ["--mock-profile", str(Path(args.mock_profile).resolve())]
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(argv, cwd=tree.path, env=tree.env(), stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -173,7 +175,7 @@ def mock_step_s(args: argparse.Namespace) -> float:
     """The mock worker's decode step for this level: batch = concurrency / workers, mean context."""
     batch = max(1, round(args.concurrency / args.workers))
     context = args.isl + args.osl // 2
-    return load_timing(None).step_s([(context, 1)] * batch)
+    return load_timing(args.mock_profile).step_s([(context, 1)] * batch)
 
 
 def measure(tree: Tree, args: argparse.Namespace, api: str, frontends: int, repeat: int, tmp: Path) -> dict:
@@ -236,6 +238,10 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--num-requests", type=int, default=None, help="per level (default 4 x concurrency)")
     ap.add_argument("--processes", type=int, default=1, help="bench serve --processes")
+    ap.add_argument("--mock-profile", default=None,
+                    help="the mock workers' timing profile (serve --mock-profile; default: the H100 8B curve, "
+                         "whose 10.6 ms step at batch 64 caps 512 streams on 8 workers at ~48k tok/s); "
+                         "bench/mock-short-step.json leaves the frontends the limit")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--baseline", default=None, help="also measure this commit's tree (one frontend)")
     ap.add_argument("--level-timeout-s", type=float, default=600.0)

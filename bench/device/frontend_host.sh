@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The frontend tier on a big host's CPU, and two GPUs against one, from the repository root:
 #   bench/device/frontend_host.sh [mock] [gpus]
-# mock: `serve --mock` with 8 mock workers, 128 tokens in, 512 out, 512 streams, one frontend then
+# mock: `serve --mock` with 8 mock workers (a short step: bench/mock-short-step.json, or $MOCK_PROFILE),
+#   128 tokens in, 512 out, 512 streams, one frontend then
 #   --frontends 4 (bench/frontend_bench.py; the load from `bench serve --processes $PROCS`): output
 #   tokens/s (targets: >= 40k with one frontend, >= 120k with four), ITL p50 over the mock step
 #   (target <= 2 ms) and frontend CPU-seconds per 1,000 tokens.
@@ -24,6 +25,7 @@ if [ "${SCALE:-full}" = small ]; then
 else
   MOCK_ARGS="--workers 8 --concurrency 512 --isl 128 --osl 512 --num-requests 2048 --frontends 1,4 --processes ${PROCS:-8}"
 fi
+MOCK_ARGS="$MOCK_ARGS --mock-profile ${MOCK_PROFILE:-bench/mock-short-step.json}"
 for stage in "${@:-mock}"; do
   echo "=== $stage $(date -u +%T)"
   case "$stage" in
