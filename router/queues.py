@@ -54,6 +54,9 @@ class PrefillQueues:
         self.decoding = np.zeros(8, dtype=np.int64)
         self.decoding_total = 0                     # sum of ``decoding``: 0 lets the scan skip it
         self._decoder: dict[str, str] = {}          # decoding request id -> worker id
+        # request id -> the worker it was first routed to, when its prefill moved to another
+        # worker (a disaggregated request: it decodes on the first once its first token is out)
+        self._moved: dict[str, str] = {}
         # row -> requests that worker decodes for other routers (its last report's decoding count
         # less what this router had decoding there then): other frontends' load
         self.others = np.zeros(8, dtype=np.int64)
@@ -90,6 +93,7 @@ class PrefillQueues:
             del self._decoder[rid]
         for rid in q.items:
             self._owner.pop(rid, None)
+            self._moved.pop(rid, None)
 
     def wait_s(self, worker_id: str) -> float:
         """Seconds until the worker would start a prompt sent now."""
@@ -104,8 +108,12 @@ class PrefillQueues:
 
     def route(self, request_id: str, worker_id: str, prefill_s: float, cached_tokens: int) -> None:
         """Queue the request's prefill on the worker (moving it if it was queued elsewhere: the
-        prefill half of a disaggregated request runs on the prefill worker, not the decode one)."""
-        if request_id in self._owner:
+        prefill half of a disaggregated request runs on the prefill worker, not the decode one,
+        which is remembered: the request decodes there once its first token is out)."""
+        first = self._owner.get(request_id)
+        if first is not None:
+            if first != worker_id and request_id not in self._moved:
+                self._moved[request_id] = first
             self._drop(request_id)
         q = self._queues[worker_id]
         row = self.row[worker_id]
@@ -118,28 +126,41 @@ class PrefillQueues:
         """The request's prefill is done, and so is every prompt sent to its worker before it."""
         worker_id = self._owner.get(request_id)
         if worker_id is None:
+            moved = self._moved.pop(request_id, None)      # its prefill worker's queue let it go first
+            if moved is not None:
+                self._count_decode(request_id, moved)
             return
         q = self._queues[worker_id]
-        done = 0
         while q.items:
             rid, (_, cached) = q.items.popitem(last=False)
             del self._owner[rid]
             q.cached_tokens -= cached
-            self._decoder[rid] = worker_id          # prompts sent before it are done too
-            done += 1
+            moved = self._moved.pop(rid, None)      # prompts sent before it are done too
+            self._count_decode(rid, moved if moved is not None else worker_id)
             if rid == request_id:
                 break
         row = self.row[worker_id]
-        self.decoding[row] += done
-        self.decoding_total += done
         self.busy_until[row] = self._clock() + (sum(s for s, _ in q.items.values()) if q.items else 0)
 
+    def _count_decode(self, request_id: str, worker_id: str) -> None:
+        row = self.row.get(worker_id)
+        if row is not None:                         # a decode worker gone meanwhile counts nothing
+            self._decoder[request_id] = worker_id
+            self.decoding[row] += 1
+            self.decoding_total += 1
+
     def finished(self, request_id: str, worker_id: str | None = None) -> None:
-        """The request ended (on ``worker_id`` only, if given); if it never got a first token, its
-        work leaves the queue."""
+        """The request ended (on ``worker_id`` only, if given: the prefill half of a disaggregated
+        request, done or given up, or a decode worker that let it go); if it never got a first
+        token, its work leaves the queue."""
         owner = self._owner.get(request_id)
-        if owner is not None and (worker_id is None or worker_id == owner):
-            self._drop(request_id)
+        moved = self._moved.get(request_id)
+        if worker_id is None or (moved is not None and worker_id == moved):
+            if owner is not None:
+                self._drop(request_id)
+            self._moved.pop(request_id, None)
+        elif owner is not None and worker_id == owner:
+            self._drop(request_id)                  # its decode worker, if moved, is still known
         decoder = self._decoder.get(request_id)
         if decoder is not None and (worker_id is None or worker_id == decoder):
             del self._decoder[request_id]
