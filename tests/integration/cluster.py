@@ -195,8 +195,29 @@ class Cluster:
         return out
 
 
+PORT_TAKEN = re.compile(r"address already in use|is the port in use", re.IGNORECASE)
+START_ATTEMPTS = 3
+
+
 def start_cluster(tmp_dir: Path, *args: str, redis_url: str | None = None, env: dict | None = None,
                   min_workers: int = 1) -> Cluster:
+    """`serve` on free ports, healthy. The ports are picked here and bound by serve's frontend a
+    moment later, so another process may take one meanwhile: serve then exits at once saying so,
+    and the cluster is started again on other ports (a few times at most)."""
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            return _start_cluster(tmp_dir, *args, redis_url=redis_url, env=env, min_workers=min_workers)
+        except PortTaken:
+            if attempt == START_ATTEMPTS:
+                raise
+
+
+class PortTaken(AssertionError):
+    """serve exited during start-up because a port picked for it was taken."""
+
+
+def _start_cluster(tmp_dir: Path, *args: str, redis_url: str | None = None, env: dict | None = None,
+                   min_workers: int = 1) -> Cluster:
     http_port, grpc_port = free_port(), free_port()
     # the admin API binds last, after the workers and Redis took their ports: a port picked here
     # was taken by then in one CI run ("Address already in use"); serve picks it and prints it
@@ -214,7 +235,8 @@ def start_cluster(tmp_dir: Path, *args: str, redis_url: str | None = None, env: 
 
     def healthy():
         if proc.poll() is not None:
-            raise AssertionError(f"splitserve serve exited with {proc.returncode}:\n{cluster.log()[-3000:]}")
+            why = PortTaken if PORT_TAKEN.search(cluster.log()) else AssertionError
+            raise why(f"splitserve serve exited with {proc.returncode}:\n{cluster.log()[-3000:]}")
         if "Splitserve is ready" not in cluster.log():   # every pool member healthy, per the launcher
             return False
         try:

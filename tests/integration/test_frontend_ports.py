@@ -25,3 +25,23 @@ def test_a_frontend_whose_grpc_port_is_taken_says_so_and_exits_2():
         assert r.returncode == 2, r.stderr[-2000:]
         assert f"cannot serve gRPC on 127.0.0.1:{grpc_port}" in r.stderr and "Traceback" not in r.stderr
         assert time.monotonic() - t0 < 60
+
+
+def test_the_test_harness_starts_serve_again_when_a_port_it_picked_was_taken(tmp_path, monkeypatch):
+    """tests/integration/cluster.py picks ports that serve binds a moment later; one taken meanwhile
+    (seen in CI) costs a retry on other ports, not the test."""
+    from tests.integration import cluster as harness
+    from runtime.redis_embedded import free_port
+    with EmbeddedRedis() as redis, socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        picks = iter([free_port(), taken.getsockname()[1]])          # the first try's gRPC port is taken
+        monkeypatch.setattr(harness, "free_port", lambda: next(picks, None) or free_port())
+        c = harness.start_cluster(tmp_path, "--mock", "--prefill-workers", "0", "--decode-workers", "1",
+                                  redis_url=redis.url)
+        try:
+            assert c.grpc_port != taken.getsockname()[1]
+            logs = sorted(tmp_path.glob("serve-*.log"))
+            assert len(logs) == 2 and any("is the port in use" in p.read_text() for p in logs)
+        finally:
+            assert c.stop() == 0
