@@ -32,11 +32,8 @@ TAG=${TAG:-$([ "$DEVICE" = cpu ] && echo cpu || echo h100x2)}
 mkdir -p "$OUT"
 DEADLINE=$(( $(date +%s) + ${TOTAL_S:-540} ))   # every stage ends before this
 left() { local l=$(( DEADLINE - $(date +%s) - ${1:-0} )); [ "$l" -lt "$2" ] && echo "$l" || echo "$2"; }
-for d in ${WHL_DIRS:-.whl .whl_web}; do
-  [ -d "$d" ] && [ ! -f ".site/.done-${d#.}" ] || continue     # absent or installed: skipped
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site "$d"/*.whl \
-    && touch ".site/.done-${d#.}" || exit 1
-done
+source "$(dirname "$0")/wheels.sh"
+install_wheels || exit 1
 PY=${PY:-python3}
 export PYTHONPATH=$PWD/.site:$PWD${PYTHONPATH:+:$PYTHONPATH} FLASHINFER_WORKSPACE_BASE=$PWD/.fiws MAX_JOBS=${MAX_JOBS:-16}
 export SPLITSERVE_CACHE=${SPLITSERVE_CACHE:-$PWD/.sscache}

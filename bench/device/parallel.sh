@@ -13,11 +13,8 @@ set -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/splitserve-out}
 mkdir -p "$OUT" .site
-for d in ${WHL_DIRS:-.whl .whl_web}; do
-  [ -d "$d" ] && [ ! -f ".site/.done-${d#.}" ] || continue
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site "$d"/*.whl \
-    && touch ".site/.done-${d#.}" || exit 1
-done
+source "$(dirname "$0")/wheels.sh"
+install_wheels || exit 1
 n=0
 for group in "$@"; do
   gpus=${group%%|*}; cmd=${group#*|}; n=$((n + 1))

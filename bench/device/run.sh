@@ -3,7 +3,7 @@
 #   bench/device/run.sh [jit] [pytest] [pytest_fp8] [bench] [bench_cc] [kernels] [correctness] [fp8acc] [serve] [goodput] [gemv] [compare] [startup] [profile] [tiers] [tiers_engine] [sampling] ...
 # (jit: FlashInfer's JIT modules built in the background, all at once, for the stages after it;
 #  bench: the engine's defaults; bench_cc: the same with the CUDA-core decode kernel, to compare)
-# Installs the wheels from $WHL_DIRS (default: .whl .whl_web, carried beside the tree) into .site once,
+# Installs the wheels from $WHL_DIRS (default: .whl .whl_web, carried beside the tree) into .site (bench/device/wheels.sh: again only when a directory's wheels change),
 # keeps FlashInfer's JIT cache in .fiws (both survive between calls while the machine stays warm), and
 # writes JSON lines and logs to $OUT. Each stage has its own timeout so a slow one never loses the
 # others' results; the whole call ends before $TOTAL_S (default 570 s).
@@ -14,11 +14,8 @@ mkdir -p "$OUT"
 DEADLINE=$(( $(date +%s) + ${TOTAL_S:-570} ))   # every stage ends before this
 left() { local l=$(( DEADLINE - $(date +%s) - ${1:-0} )); [ "$l" -lt "$2" ] && echo "$l" || echo "$2"; }
 # each wheel directory installs once (a later call may carry another while the machine is warm)
-for d in ${WHL_DIRS:-.whl .whl_web}; do
-  [ -d "$d" ] && [ ! -f ".site/.done-${d#.}" ] || continue     # absent or installed: skipped
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site "$d"/*.whl \
-    && touch ".site/.done-${d#.}" || exit 1
-done
+source "$(dirname "$0")/wheels.sh"
+install_wheels || exit 1
 ROOT_SITE=$PWD/.site
 export PYTHONPATH=$PWD/.site:$PWD FLASHINFER_WORKSPACE_BASE=$PWD/.fiws MAX_JOBS=${MAX_JOBS:-16}
 export SPLITSERVE_CACHE=$PWD/.sscache
