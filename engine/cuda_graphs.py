@@ -49,6 +49,17 @@ class DecodeGraphs:
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.max_batch
 
+    def release(self) -> None:
+        """Destroy the captured graphs (none is replayed again). A graph that captured an NCCL
+        collective holds a reference on its communicator, and NCCL's teardown (destroy or abort)
+        waits until every such graph is gone: a tensor-parallel rank releases its graphs before it
+        leaves the process group."""
+        torch.cuda.synchronize()
+        for g in self.graphs.values():
+            g.reset()
+        self.graphs.clear()
+        self.logits.clear()
+
     def padded_size(self, num_seqs: int) -> int:
         return next(b for b in self.sizes if b >= num_seqs)
 

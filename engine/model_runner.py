@@ -251,6 +251,13 @@ class ModelRunner(Runner):
         self.last_logprobs, self.last_prompt_logprobs = launched.logprobs(), launched.prompt_logprobs()
         return sampled
 
+    def release_graphs(self) -> None:
+        """No more steps: the decode graphs go (before a tensor-parallel rank leaves its group,
+        whose NCCL teardown waits for every graph that captured a collective to be destroyed)."""
+        if self.graphs is not None:
+            self.use_cuda_graphs = False
+            self.graphs.release()
+
     @torch.inference_mode()
     def follow(self, plan: StepPlan) -> None:
         """A tensor-parallel rank other than 0: run `plan`'s forward pass as rank 0 runs it (the

@@ -119,9 +119,11 @@ class TpGroup:
 
 
 def _destroy(abort: bool) -> None:
-    """NCCL's communicators are aborted: an orderly destroy waited over 5 s on H200s with every rank
-    leaving together, and the process then died in C++ ("terminate called without an active
-    exception") with the teardown thread still running. Nothing is in flight when a worker stops."""
+    """NCCL's communicators are aborted (nothing is in flight when a worker stops). Both a destroy
+    and an abort wait until every CUDA graph that captured a collective on the communicator is
+    destroyed (NCCL counts them), so the ranks release their decode graphs first
+    (ModelRunner.release_graphs); with the graphs alive, leaving took over the 5 s bound on H200s and
+    the process then died in C++ ("terminate called without an active exception")."""
     abort_group = getattr(dist.distributed_c10d, "_abort_process_group", None)
     try:
         if abort and abort_group is not None:

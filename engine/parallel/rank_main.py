@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _follow(conn, runner)
     finally:
+        runner.release_graphs()
         tp.close()
 
 

@@ -104,6 +104,7 @@ class TpRunner(Runner):
         is told first and all leave together, since a teardown may wait for the whole group (a
         rank that left alone, rank 0 still waiting for it to exit, timed out after 5 s on GPUs)."""
         self.ranks.ask_stop()
+        self.inner.release_graphs()
         self.tp.close()
         self.ranks.wait_stopped()
 

@@ -68,6 +68,27 @@ def test_tp2_matches_tp1_on_the_8b_architecture(tmp_path):
     print("greedy tokens equal before the first difference:", [agree(a, b) for a, b in zip(tp_tokens, ref_tokens)])
 
 
+def test_a_tp_worker_with_cuda_graphs_leaves_its_group_at_once(tmp_path, caplog):
+    """NCCL's teardown waits until every CUDA graph that captured one of its collectives is gone:
+    with the decode graphs alive, leaving the group took the whole 5 s bound (and the rank's
+    process then died in C++). The ranks release their graphs first."""
+    import logging
+    import time
+    from engine.parallel.runner import TpRunner
+    model = write_arch_dir("llama-3.1-8b", tmp_path / "8b")
+    cfg = EngineConfig(model=str(model), device="cuda", load_format="dummy", num_blocks=256, max_model_len=2048,
+                       max_num_batched_tokens=1024, enable_prefix_caching=False, tensor_parallel_size=2)
+    runner = TpRunner(cfg)
+    assert runner.inner.graphs is not None and runner.inner.graphs.graphs
+    with caplog.at_level(logging.WARNING, logger="engine.parallel.group"):
+        t0 = time.monotonic()
+        runner.close()
+        took = time.monotonic() - t0
+    assert "took over" not in caplog.text, caplog.text
+    assert all(rk.proc.returncode == 0 for rk in runner.ranks._ranks), [rk.proc.returncode for rk in runner.ranks._ranks]
+    print(f"left the group in {took:.2f} s")
+
+
 def gpu_of_pids() -> dict[int, str]:
     """pid -> the index of the GPU it holds memory on (nvidia-smi)."""
     uuids = dict(line.split(", ")[::-1] for line in subprocess.run(
