@@ -1,6 +1,7 @@
 """Build FlashInfer's JIT modules for one attention shape in parallel, one process per module.
 
   python bench/device/jit_warm.py [--dtypes bfloat16,float16] [--heads 8] [--kv-heads 2] [--head-dim 128]
+      [--with comm]        # also the custom all-reduce's module (--tp-all-reduce flashinfer)
 
 The engine builds each module on first use, one after another (~30-90 s each on 16 cores, mostly one
 compiler process at a time); a fresh GPU machine spends ~5 min there. Run in the background while a
@@ -17,7 +18,8 @@ import subprocess
 import sys
 import time
 
-PARTS = ("prefill", "prefill_mixed", "decode_tc", "norm", "act", "rope")
+PARTS = ("prefill", "prefill_mixed", "decode_tc", "norm", "act", "rope", "comm")
+OPTIONAL = ("comm",)       # built only when asked for (--with comm): `--tp-all-reduce flashinfer`'s module
 
 
 def part(name: str, dtype_name: str, heads: int, kv_heads: int, head_dim: int) -> None:
@@ -48,6 +50,9 @@ def part(name: str, dtype_name: str, heads: int, kv_heads: int, head_dim: int) -
         flashinfer.norm.fused_add_rmsnorm(x, r, wt, 1e-5)
     elif name == "act":
         flashinfer.activation.silu_and_mul(torch.randn(4, 2 * 1024, dtype=dtype, device=dev))
+    elif name == "comm":                     # the custom all-reduce's module (one GPU builds it)
+        from flashinfer.comm.trtllm_ar import get_trtllm_comm_module
+        get_trtllm_comm_module()
     elif name == "rope":
         q = torch.randn(4, heads * head_dim, dtype=dtype, device=dev)
         k = torch.randn(4, kv_heads * head_dim, dtype=dtype, device=dev)
@@ -64,6 +69,7 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--part", choices=PARTS, help="build one module (what each child process runs)")
+    ap.add_argument("--with", dest="extra", default="", help=f"comma list of optional modules too: {OPTIONAL}")
     a = ap.parse_args()
     if a.part:
         part(a.part, a.dtypes, a.heads, a.kv_heads, a.head_dim)
@@ -72,7 +78,9 @@ def main() -> None:
     jobs = {}
     for dt in a.dtypes.split(","):
         for p in PARTS:
-            if dt != a.dtypes.split(",")[0] and p in ("norm", "act", "rope"):
+            if p in OPTIONAL and p not in a.extra.split(","):
+                continue
+            if dt != a.dtypes.split(",")[0] and p in ("norm", "act", "rope", "comm"):
                 continue                       # one module for all dtypes
             cmd = [sys.executable, __file__, "--part", p, "--dtypes", dt, "--heads", str(a.heads),
                    "--kv-heads", str(a.kv_heads), "--head-dim", str(a.head_dim)]

@@ -8,6 +8,7 @@
 # Records are named <stage>-$TAG-<sha>.jsonl (TAG default h100x2), ready for bench/results/.
 #   placement  serve --decode-workers 2 --prefill-workers 0 --device cuda (8B architecture, random
 #              weights): one worker per GPU? nvidia-smi's view saved beside the record
+#   jit        FlashInfer's JIT modules in the background (bench/device/jit_warm.py), the custom all-reduce's too
 #   tp         the all-reduce alone per message size (NCCL, symmetric-memory one-shot and two-shot:
 #              tp_allreduce.py); 8B: batch-1 decode at TP=1 and at TP=2 with each all-reduce in
 #              $TP_ALL_REDUCES (nccl,symm_mem,flashinfer; engine_bench b1), the TP=2 / TP=1
@@ -51,7 +52,7 @@ for stage in "$@"; do
   case "$stage" in
     jit) # FlashInfer's JIT modules, built in the background for the stages after it (bench/device/jit_warm.py)
       [ "$DEVICE" = cpu ] || { timeout "$(left 0 "${T_JIT:-420}")" $PY bench/device/jit_warm.py --dtypes bfloat16 \
-        ${JIT_ARGS:-} > "$OUT/jit_warm.log" 2>&1 & } ;;
+        ${JIT_ARGS---with comm} > "$OUT/jit_warm.log" 2>&1 & } ;;
     placement)
       if [ "$DEVICE" = cpu ]; then args=(--model tiny --port 18561 -- --device cpu --decode-workers 2 --prefill-workers 0
                                          --tensor-parallel-size 2)
