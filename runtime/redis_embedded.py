@@ -12,21 +12,15 @@ launcher, which stops it last.
 from __future__ import annotations
 
 import logging
-import socket
 import subprocess
 import time
 
 import redis
 
+from runtime.net import free_port
 from runtime.process import with_parent_death
 
 log = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EmbeddedRedis:

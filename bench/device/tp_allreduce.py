@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -26,12 +25,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from bench.device.common import git_sha  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from engine.parallel.symm_allreduce import SymmMemAllReduce  # noqa: E402
+from runtime.net import free_port  # noqa: E402
 
 
 def _time_graph(fn, inputs, reps: int) -> float:
@@ -64,29 +59,17 @@ def _rank(rank: int, size: int, port: int, args, q) -> None:
     dev = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             device_id=dev)
-    import torch.distributed._symmetric_memory as symm_mem
-    name = dist.group.WORLD.group_name
-    max_rows = max(args.rows)
-    buf = symm_mem.empty(max_rows * args.hidden, dtype=torch.bfloat16, device=dev)
-    symm_mem.rendezvous(buf, name)
-    ops = torch.ops.symm_mem
-    copy_op = getattr(ops, "one_shot_all_reduce_copy", None)
+    # the engine's one-shot all-reduce (--tp-all-reduce symm_mem), with a buffer for the largest size
+    one_shot = SymmMemAllReduce(dev, torch.bfloat16, max_bytes=max(args.rows) * args.hidden * 2)
 
     def nccl(x):
         dist.all_reduce(x)
         return x
 
-    def one_shot(x):
-        staged = buf[:x.numel()]
-        if copy_op is not None:
-            return copy_op(staged, x.view(-1), "sum", name).view(x.shape)
+    def two_shot(x):                        # PyTorch's two-shot kernel, in place on the same buffer
+        staged = one_shot.buffer[:x.numel()]
         staged.copy_(x.view(-1))
-        return ops.one_shot_all_reduce(staged, "sum", name).view(x.shape)
-
-    def two_shot(x):
-        staged = buf[:x.numel()]
-        staged.copy_(x.view(-1))
-        ops.two_shot_all_reduce_(staged, "sum", name)
+        torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", one_shot.group_name)
         return staged.view(x.shape)
 
     kernels = {"nccl": nccl, "symm_one_shot": one_shot, "symm_two_shot": two_shot}
@@ -126,7 +109,7 @@ def main() -> None:
         sys.exit(f"{args.gpus} GPUs asked for, {torch.cuda.device_count()} visible")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, args.gpus, port, args, q)) for r in range(args.gpus)]
     for p in procs:
         p.start()

@@ -88,17 +88,9 @@ def sum_in_norms(model, tp, max_tokens: int, dtype: torch.dtype) -> None:
 def try_flashinfer_all_reduce(tp, max_tokens: int, hidden: int, dtype: torch.dtype) -> FlashInferAllReduce | None:
     """The custom all-reduce where every rank could build it (None, on every rank, where one could
     not: then NCCL, said once in the log)."""
-    ar, why = None, ""
-    try:
-        ar = FlashInferAllReduce(tp.rank, tp.size, max_tokens, hidden, dtype)
-    except Exception as e:                       # not importable, not JIT-able, no IPC between the GPUs
-        why = f"{type(e).__name__}: {e}"
-    if tp.min_int(1 if ar is not None else 0) == 1:
+    ar = tp.on_every_rank(lambda: FlashInferAllReduce(tp.rank, tp.size, max_tokens, hidden, dtype),
+                          "FlashInfer's custom all-reduce")
+    if ar is not None:
         log.info("tensor parallelism: FlashInfer's custom all-reduce (fused with the residual add and RMSNorm) "
                  "up to %d tokens, NCCL above", max_tokens)
-        return ar
-    if ar is not None:
-        ar.close()
-    log.warning("tensor parallelism: FlashInfer's custom all-reduce is not available on every rank (%s); using "
-                "NCCL", why or "another rank failed")
-    return None
+    return ar

@@ -97,6 +97,23 @@ class TpGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
+    def on_every_rank(self, build, what: str):
+        """`build()` on every rank, kept where every rank built it: None on every rank where one
+        could not (then NCCL, said once in the log), so no rank waits in a kernel its peers never
+        launch. What `build` returns has `close()`."""
+        made, why = None, ""
+        try:
+            made = build()
+        except Exception as e:              # not importable, not buildable, no IPC between the GPUs
+            why = f"{type(e).__name__}: {e}"
+        if self.min_int(1 if made is not None else 0) == 1:
+            return made
+        if made is not None:
+            made.close()
+        log.warning("tensor parallelism: %s is not available on every rank (%s); using NCCL", what,
+                    why or "another rank failed")
+        return None
+
     def barrier(self) -> None:
         if self.size > 1:
             t = torch.zeros(1, device=self.device)

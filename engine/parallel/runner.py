@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 
 import torch
@@ -29,6 +28,7 @@ from runtime.config import EngineConfig
 from runtime.errors import InvalidRequest
 from runtime.logging import component_name
 from runtime.model_config import ModelConfig
+from runtime.net import free_port
 from runtime.tensor_parallel import check_tensor_parallel, check_tp_engine
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class TpRunner(Runner):
         worker = worker or component_name() or "worker"
         size = cfg.tensor_parallel_size
         _check(cfg)
-        store = f"127.0.0.1:{_free_port()}"
+        store = f"127.0.0.1:{free_port()}"       # rank 0 binds it at once
         self.ranks = RankSet(cfg, size, store, worker, on_lost)
         try:
             device = resolve_device(cfg.device)
@@ -118,10 +118,3 @@ def _check(cfg: EngineConfig) -> None:
         raise InvalidRequest(f"--tensor-parallel-size {cfg.tensor_parallel_size} needs as many GPUs; this worker "
                              f"sees {torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES="
                              f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
-
-
-def _free_port() -> int:
-    """A loopback port for the process group's store (rank 0 binds it at once)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -59,22 +59,18 @@ def try_symm_mem_all_reduce(tp, dtype: torch.dtype) -> SymmMemAllReduce | None:
     if tp.device.type != "cuda":
         log.warning("--tp-all-reduce symm_mem runs on GPUs only; on the CPU the ranks sum over gloo")
         return None
-    ar, why = None, ""
-    try:
+
+    def build() -> SymmMemAllReduce:
         ar = SymmMemAllReduce(tp.device, dtype)
         probe = torch.full((8, 64), float(tp.rank + 1), dtype=dtype, device=tp.device)
         got = ar(probe)                              # the kernel runs and sums: 1 + 2 + ... + size
         want = tp.size * (tp.size + 1) / 2
         if not bool((got.float() == want).all()):
+            ar.close()
             raise RuntimeError(f"the probe summed to {got.flatten()[0].item()}, not {want}")
-    except Exception as e:                           # no symmetric memory on this build or between these GPUs
-        why, ar = f"{type(e).__name__}: {e}", None
-    if tp.min_int(1 if ar is not None else 0) == 1:
+        return ar
+    ar = tp.on_every_rank(build, "the symmetric-memory all-reduce")
+    if ar is not None:
         log.info("tensor parallelism: symmetric-memory one-shot all-reduce up to %d KiB, NCCL above",
                  ar.buffer.numel() * dtype.itemsize // 1024)
-        return ar
-    if ar is not None:
-        ar.close()
-    log.warning("tensor parallelism: the symmetric-memory all-reduce is not available on every rank (%s); "
-                "using NCCL", why or "another rank failed")
-    return None
+    return ar

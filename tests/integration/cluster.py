@@ -199,6 +199,10 @@ PORT_TAKEN = re.compile(r"address already in use|is the port in use", re.IGNOREC
 START_ATTEMPTS = 3
 
 
+class PortTaken(AssertionError):
+    """serve exited during start-up because a port picked for it was taken."""
+
+
 def start_cluster(tmp_dir: Path, *args: str, redis_url: str | None = None, env: dict | None = None,
                   min_workers: int = 1) -> Cluster:
     """`serve` on free ports, healthy. The ports are picked here and bound by serve's frontend a
@@ -210,10 +214,6 @@ def start_cluster(tmp_dir: Path, *args: str, redis_url: str | None = None, env: 
         except PortTaken:
             if attempt == START_ATTEMPTS:
                 raise
-
-
-class PortTaken(AssertionError):
-    """serve exited during start-up because a port picked for it was taken."""
 
 
 def _start_cluster(tmp_dir: Path, *args: str, redis_url: str | None = None, env: dict | None = None,

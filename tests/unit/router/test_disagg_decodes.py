@@ -50,12 +50,19 @@ def test_decodes_of_disaggregated_requests_steer_new_requests_away_from_their_de
     assert picks["d0"] > 0 and picks["d1"] > 0, picks
 
 
-def test_the_decode_count_lands_on_the_decode_worker_and_leaves_with_the_request():
+def routed_twice(*others: str, cached: int = 0) -> PrefillQueues:
+    """Queues of d0, p0 and `others`, with request "r" routed to decode worker d0 (0.2 s of prefill
+    there, `cached` tokens) and then to prefill worker p0 (0.1 s)."""
     q = PrefillQueues(clock=lambda: 0.0)
-    for w in ("d0", "p0"):
+    for w in ("d0", "p0", *others):
         q.add_worker(w)
-    q.route("r", "d0", 0.2, 0)
+    q.route("r", "d0", 0.2, cached)
     q.route("r", "p0", 0.1, 0)
+    return q
+
+
+def test_the_decode_count_lands_on_the_decode_worker_and_leaves_with_the_request():
+    q = routed_twice()
     assert q.busy_until[q.row["d0"]] == 0.0 and q.busy_until[q.row["p0"]] == 0.1
     q.first_token("r")
     assert q.decoding[q.row["d0"]] == 1 and q.decoding[q.row["p0"]] == 0
@@ -68,11 +75,7 @@ def test_the_decode_count_lands_on_the_decode_worker_and_leaves_with_the_request
 def test_a_prefill_half_released_before_the_first_token_still_decodes_on_its_decode_worker():
     """The simulator releases the prefill worker when the prompt is computed (the KV lands later);
     the frontend, when the prefill pool is saturated and the decode worker computes the prompt."""
-    q = PrefillQueues(clock=lambda: 0.0)
-    for w in ("d0", "p0"):
-        q.add_worker(w)
-    q.route("r", "d0", 0.2, 32)
-    q.route("r", "p0", 0.1, 0)
+    q = routed_twice(cached=32)
     q.finished("r", "p0")
     assert q.queued("p0") == 0 and q.busy_until[q.row["p0"]] == 0.0
     q.first_token("r")
@@ -82,11 +85,7 @@ def test_a_prefill_half_released_before_the_first_token_still_decodes_on_its_dec
 
 
 def test_a_decode_worker_that_lets_a_queued_request_go_takes_it_off_every_queue():
-    q = PrefillQueues(clock=lambda: 0.0)
-    for w in ("d0", "d1", "p0"):
-        q.add_worker(w)
-    q.route("r", "d0", 0.2, 0)
-    q.route("r", "p0", 0.1, 0)
+    q = routed_twice("d1")
     q.finished("r", "d0")                   # d0 was lost: the request is routed anew
     assert not q.is_queued("r") and q.queued("p0") == 0
     q.route("r", "d1", 0.2, 0)
@@ -96,11 +95,7 @@ def test_a_decode_worker_that_lets_a_queued_request_go_takes_it_off_every_queue(
 
 
 def test_a_decode_worker_removed_meanwhile_counts_nothing():
-    q = PrefillQueues(clock=lambda: 0.0)
-    for w in ("d0", "p0"):
-        q.add_worker(w)
-    q.route("r", "d0", 0.2, 0)
-    q.route("r", "p0", 0.1, 0)
+    q = routed_twice()
     q.remove_worker("d0")
     q.first_token("r")
     assert q.decoding_total == 0

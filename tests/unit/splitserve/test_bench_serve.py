@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import socket
 import threading
 import time
 from concurrent import futures
@@ -14,6 +13,7 @@ from concurrent import futures
 import numpy as np
 import pytest
 
+from runtime.net import free_port
 from splitserve.bench import clients as bc
 from splitserve.bench import serve as bs
 from splitserve.bench import stats as st
@@ -282,12 +282,6 @@ def test_plot_writes_a_png(tmp_path):
 # The whole command against real local servers
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class FakeOpenAI:
     """A FastAPI app that streams `max_tokens` deterministic tokens, 1-3 per chunk."""
 
@@ -296,7 +290,7 @@ class FakeOpenAI:
         self.delay_s, self.max_chunk = delay_s, max_chunk
         self.counter = itertools.count()
         self.prompts: list[list[int]] = []
-        self.port = _free_port()
+        self.port = free_port()
 
     def app(self):
         from fastapi import FastAPI, Request
@@ -475,7 +469,7 @@ def test_api_key_and_unreachable_server(capsys):
     wrong, _, right, _ = _lines(capsys)
     assert wrong["error_kinds"] == {"http_401": 4}
     assert right["errors"] == 0 and right["output_tokens"] == 16
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     assert bs.main(_args(url=dead, model="m", isl=8, osl=4, concurrency="2", num_requests=3,
                          warmup=0, timeout_s=5.0)) == 0
     level, _ = _lines(capsys)
