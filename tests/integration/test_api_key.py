@@ -44,16 +44,21 @@ def descendants(pid: int) -> list[int]:
 
 @pytest.fixture(scope="module", params=["flag", "env"])
 def keyed(request, tmp_path_factory):
-    env = dict(os.environ)
-    args = ["--model", "tiny"]
-    if request.param == "flag":
-        args += ["--api-key", KEY, "--admin-token", ADMIN]
-    else:
-        env["SPLITSERVE_API_KEY"] = KEY
-        env["SPLITSERVE_ADMIN_TOKEN"] = ADMIN
-    c = start_cluster(tmp_path_factory.mktemp("keyed"), *args, env=env)
-    yield c
-    assert c.stop() == 0
+    # a state directory of its own (admin token files: runtime/admin_auth.py), for the cluster, the
+    # CLI and the checks below: the token file a test looks at is then this cluster's, never one that
+    # a serve killed elsewhere left for the same port number
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_RUNTIME_DIR", str(tmp_path_factory.mktemp("state")))
+        env = dict(os.environ)
+        args = ["--model", "tiny"]
+        if request.param == "flag":
+            args += ["--api-key", KEY, "--admin-token", ADMIN]
+        else:
+            env["SPLITSERVE_API_KEY"] = KEY
+            env["SPLITSERVE_ADMIN_TOKEN"] = ADMIN
+        c = start_cluster(tmp_path_factory.mktemp("keyed"), *args, env=env)
+        yield c
+        assert c.stop() == 0
 
 
 def completion(c, headers=None) -> httpx.Response:
