@@ -262,13 +262,8 @@ class Planner:
         cfg, o = self.config, obs.outcomes
         allowance = 1 - cfg.pool_goal
         rate = obs.num_arrivals / obs.interval_s
-        # A prompt whose own prefill takes longer than the TTFT target misses it at any pool size:
-        # its misses are allowed on top of the goal's (the share the model asks for, as
-        # _prefill_meets does), or the lift would grow the pool for misses no worker removes.
-        reach = float((service < cfg.ttft_target_s).mean()) if len(service) else 1.0
-        self.ttft_lift.observe(o.ttft_count, o.ttft_missed - o.ttft_missed_decode, 1 - cfg.pool_goal * reach,
-                               obs.prefill.ready, lambda: self._prefill_meets(obs.prefill.ready, rate, service),
-                               cfg.min_records)
+        self.ttft_lift.observe(o.ttft_count, o.ttft_missed - o.ttft_missed_decode, allowance, obs.prefill.ready,
+                               lambda: self._prefill_meets(obs.prefill.ready, rate, service), cfg.min_records)
         wl = lambda: self._decode_workload(prompt, output, service, obs.prefill.ready, rate)  # noqa: E731
         self.itl_lift.observe(max(o.ttft_count, o.itl_count), o.ttft_missed_decode + o.itl_missed, allowance,
                               obs.decode.ready, lambda: self._decode_meets(obs.decode.ready, rate, wl()),

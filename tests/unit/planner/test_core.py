@@ -261,29 +261,3 @@ def test_observed_misses_lift_a_pool_whatever_the_model_says(pool):
     assert all(b > a for a, b in zip(sizes[9:16], sizes[10:16]))             # the pool grows every interval
     assert sizes[15] >= before + 6
     assert lifts[-1] < 1.02 and sizes[-1] <= before  # undone once the model agrees
-
-
-def test_misses_no_worker_removes_do_not_lift_the_prefill_pool():
-    """Prompts whose own prefill outlasts the TTFT target miss it at any pool size. A pool that
-    misses exactly those (a Mooncake-like mix) is not lifted, where the same count of misses
-    among prompts that could have met the target is (the test above)."""
-    from planner import Outcomes
-
-    planner = Planner(config(), PROFILE)
-    rng = np.random.default_rng(11)
-    huge = 120_000                      # tokens: several seconds of prefill alone on this profile
-    assert PROFILE.prefill_s(huge) > 2.0
-    p, d, sizes, lifts = 0, 0, [], []
-    for k in range(30):
-        now = (k + 1) * INTERVAL
-        reqs = list(arrivals(rng, now, 30.0))
-        for i in range(0, len(reqs), 20):   # one prompt in 20 cannot meet the target
-            reqs[i] = RequestSample(reqs[i].arrival_s, huge, reqs[i].output_tokens)
-        unreachable = len(range(0, len(reqs), 20))
-        dec = planner.decide(observe(now, tuple(reqs), PoolState(p), PoolState(d),
-                                     outcomes=Outcomes(ttft_count=len(reqs), ttft_missed=unreachable)))
-        p, d = dec.desired_prefill, dec.desired_decode
-        sizes.append(dec.prefill.desired)
-        lifts.append(dec.prefill.lift)
-    assert all(x == 1.0 for x in lifts), lifts
-    assert max(sizes[10:]) <= max(sizes[:10]) + 1
