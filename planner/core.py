@@ -91,7 +91,7 @@ class Planner:
         # the closed loop: the prefill pool lifted by its TTFT misses, the decode pool by its own
         # (ITL misses, and TTFT misses spent waiting for a decode worker)
         self.ttft_lift = MissLift()
-        self.itl_lift = MissLift()
+        self.itl_lift = MissLift(judge_gain=False)
         self._burst = {Pool.PREFILL: 1.0, Pool.DECODE: 1.0}
         self._arrivals: deque[tuple[float, float, np.ndarray, float]] = deque(maxlen=BURST_INTERVALS)
         self._history: dict[Pool, deque[tuple[float, int]]] = {Pool.PREFILL: deque(), Pool.DECODE: deque()}

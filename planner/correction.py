@@ -52,6 +52,7 @@ class Correction:
 LIFT_STEP = 0.25        # each interval of significant misses raises a pool's lift by a quarter ...
 LIFT_MAX = 4.0          # ... up to 4x its planned load
 LIFT_DECAY = 0.2        # an agreeing interval takes a fifth of the lift above 1 back (half in about 3)
+LIFT_MIN_GAIN = 0.25    # a lift that more workers served must cut the miss share by a quarter to rise again
 MISS_Z = 2.0            # misses count when above the allowance by two binomial standard deviations
 
 
@@ -74,10 +75,21 @@ class MissLift:
     prediction agrees again: in an interval where the pool met its target and the model, without
     the lift, predicted that it would at the load and the workers it had, `value` loses LIFT_DECAY
     of its excess over 1 and the floor goes. An interval where the model predicts misses the pool
-    did not have leaves the lift as it is (the model asks for more workers anyway)."""
+    did not have leaves the lift as it is (the model asks for more workers anyway).
+
+    A lift must earn the next one: when the misses go on while more workers serve each request
+    judged than at the last lift (more workers, not just more load), and their share has not
+    fallen by LIFT_MIN_GAIN of what it was then, more workers are not what removes them (prompts
+    that miss behind one another whatever the pool's size, a wait in another pool), and the lift
+    stays where it is instead of rising (`futile` counts those intervals). In a burst the load
+    rises with the pool, and the lift keeps rising with it."""
     value: float = 1.0
     floor: int = 0
     lifts: int = 0
+    judge_gain: bool = True     # whether a lift must cut the misses to rise again (below)
+    futile: int = 0
+    _share: float = -1.0        # the miss share of the last lift in this run of misses (-1: none)
+    _served: float = 0.0        # the workers that served then, per request judged
 
     def observe(self, num: int, missed: int, allowance: float, served: int, model_meets: Callable[[], bool],
                 min_records: int) -> None:
@@ -86,10 +98,17 @@ class MissLift:
         if num < min_records:
             return
         if significant_misses(num, missed, allowance):
+            share, per_request = missed / num, served / num
+            if self.judge_gain and self._share >= 0 and per_request > self._served and share > self._share * (1 - LIFT_MIN_GAIN):
+                self.futile += 1
+                return
             self.value = min(self.value * (1 + LIFT_STEP), LIFT_MAX)
             self.floor = max(self.floor, served + 1)
             self.lifts += 1
-        elif model_meets():
+            self._share, self._served = share, per_request
+            return
+        self._share = -1.0
+        if model_meets():
             self.value = 1 + (self.value - 1) * (1 - LIFT_DECAY)
             if self.value < 1.01:
                 self.value = 1.0

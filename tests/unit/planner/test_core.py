@@ -234,9 +234,10 @@ def test_deadline_queues_need_fewer_prefill_workers_than_fifo_ones():
 @pytest.mark.parametrize("pool", ["prefill", "decode"])
 def test_observed_misses_lift_a_pool_whatever_the_model_says(pool):
     """A steady load the model sizes comfortably, but the pool is observed missing its target (a
-    wait the model does not know): each interval of misses grows the pool and moves its
-    correction (the lift), though the model's own requirement stays put; once the misses stop and
-    the model agrees, the lift is undone and the pool returns to the model's size."""
+    wait the model does not know, which more workers shorten): each interval of misses grows the
+    pool and moves its correction (the lift), though the model's own requirement stays put; once
+    the misses stop and the model agrees, the lift is undone and the pool returns to the model's
+    size."""
     from planner import Outcomes
 
     planner = Planner(config(), PROFILE)
@@ -247,9 +248,9 @@ def test_observed_misses_lift_a_pool_whatever_the_model_says(pool):
         now = (k + 1) * INTERVAL
         reqs = arrivals(rng, now, 30.0)
         n = len(reqs)
-        missing = 10 <= k < 16
-        outcomes = (Outcomes(ttft_count=n, ttft_missed=n // 10 if missing else 0) if pool == "prefill" else
-                    Outcomes(ttft_count=n, itl_count=n, itl_missed=n // 10 if missing else 0))
+        missed = int(n * 0.15 * 0.7 ** (k - 10)) if 10 <= k < 16 else 0     # each lift helps
+        outcomes = (Outcomes(ttft_count=n, ttft_missed=missed) if pool == "prefill" else
+                    Outcomes(ttft_count=n, itl_count=n, itl_missed=missed))
         dec = planner.decide(observe(now, reqs, PoolState(p), PoolState(d), outcomes=outcomes))
         p, d = dec.desired_prefill, dec.desired_decode
         chosen = dec.prefill if pool == "prefill" else dec.decode
@@ -261,3 +262,33 @@ def test_observed_misses_lift_a_pool_whatever_the_model_says(pool):
     assert all(b > a for a, b in zip(sizes[9:16], sizes[10:16]))             # the pool grows every interval
     assert sizes[15] >= before + 6
     assert lifts[-1] < 1.02 and sizes[-1] <= before  # undone once the model agrees
+
+
+@pytest.mark.parametrize("pool", ["prefill", "decode"])
+def test_a_lift_that_does_not_cut_the_misses_stops_rising(pool):
+    """Misses that more workers do not remove (their share the same however large the pool):
+    the pool is lifted, and once a lift has served without cutting them it rises no further,
+    where it used to grow by a quarter every interval up to four times its load."""
+    from planner import Outcomes
+
+    planner = Planner(config(), PROFILE)
+    rng = np.random.default_rng(7)
+    p, d, sizes, lifts = 0, 0, [], []
+    for k in range(30):
+        now = (k + 1) * INTERVAL
+        reqs = arrivals(rng, now, 30.0)
+        n = len(reqs)
+        missed = n // 20 if k >= 10 else 0
+        outcomes = (Outcomes(ttft_count=n, ttft_missed=missed) if pool == "prefill" else
+                    Outcomes(ttft_count=n, itl_count=n, itl_missed=missed))
+        dec = planner.decide(observe(now, reqs, PoolState(p), PoolState(d), outcomes=outcomes))
+        p, d = dec.desired_prefill, dec.desired_decode
+        chosen = dec.prefill if pool == "prefill" else dec.decode
+        sizes.append(chosen.desired)
+        lifts.append(chosen.lift)
+    before = sizes[9]
+    assert lifts[10] > 1.0 and sizes[10] > before          # the misses lift the pool once ...
+    assert max(lifts) <= lifts[10] * 1.25 + 1e-9           # ... and at most once more
+    assert lifts[-1] == lifts[12] and sizes[-1] <= sizes[12] + 1
+    lift = planner.ttft_lift if pool == "prefill" else planner.itl_lift
+    assert lift.futile >= 15
