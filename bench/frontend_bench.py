@@ -110,6 +110,27 @@ def _extra_path() -> list[str]:
     return [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT.resolve()]
 
 
+def cpu_list(text: str | None) -> set[int] | None:
+    """A CPU list as taskset writes it ("0-11,16"), or None for no pinning."""
+    if not text:
+        return None
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise ValueError(f"not a CPU list: {text!r}")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    usable = os.sched_getaffinity(0)
+    if not cpus <= usable:
+        raise ValueError(f"CPUs {sorted(cpus - usable)} are not usable here (this process may use {len(usable)})")
+    return cpus
+
+
+def pinned(cpus: set[int] | None):
+    """A preexec_fn that pins a child (and everything it starts) to `cpus`."""
+    return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+
+
 class Cluster:
     """`serve --mock` from a tree, on free ports; `frontend_pids` once it is healthy."""
 
@@ -124,7 +145,7 @@ class Cluster:
             argv += ["--mock-profile", str(Path(args.mock_profile).resolve())]
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(argv, cwd=tree.path, env=tree.env(), stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=pinned(args.server_cpus))
         self.frontends = frontends
         self.url = f"http://127.0.0.1:{self.http_port}"
 
@@ -163,7 +184,8 @@ def bench_serve(url: str, args: argparse.Namespace, num_requests: int, seed: int
             "--osl", str(args.osl), "--concurrency", str(args.concurrency), "--num-requests", str(num_requests),
             "--warmup", "0", "--seed", str(seed), "--no-progress", "--processes", str(args.processes)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *_extra_path()]), OMP_NUM_THREADS="1")
-    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.level_timeout_s)
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.level_timeout_s,
+                          preexec_fn=pinned(args.client_cpus))
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     level = next((r for r in records if r.get("bench") == "serve"), None)
     if proc.returncode or level is None:
@@ -185,6 +207,7 @@ def measure(tree: Tree, args: argparse.Namespace, api: str, frontends: int, repe
         url = cluster.url if api == "http" else f"grpc://127.0.0.1:{cluster.grpc_port}"
         bench_serve(url, args, max(args.concurrency, 2 * frontends), seed=1000 + repeat)     # warm-up
         pids = cluster.frontend_pids()
+        frontend_cpus = sorted({len(os.sched_getaffinity(p)) for p in pids})   # what pinning they got
         user0, sys0 = cpu_of(pids)
         level = bench_serve(url, args, args.num_requests or 4 * args.concurrency, seed=repeat)
         user1, sys1 = cpu_of(pids)
@@ -197,6 +220,7 @@ def measure(tree: Tree, args: argparse.Namespace, api: str, frontends: int, repe
     itl = level["itl_p50_s"]
     return {"bench": "frontend", "tree": tree.sha, "baseline": tree.commit is not None, "api": api,
             "frontends": frontends, "repeat": repeat, "output_tokens": tokens,
+            "frontend_cpus_allowed": frontend_cpus,
             "frontend_cpu_s": round(cpu_s, 3), "frontend_user_s": round(user_s, 3), "frontend_sys_s": round(sys_s, 3),
             "frontend_cpu_us_per_token": round(cpu_s / tokens * 1e6, 2) if tokens else None,
             "frontend_cpu_s_per_1k_tokens": round(cpu_s / tokens * 1e3, 5) if tokens else None,
@@ -247,14 +271,25 @@ def main() -> int:
     ap.add_argument("--level-timeout-s", type=float, default=600.0)
     ap.add_argument("--output", default=None, help="append the JSON lines to this file")
     ap.add_argument("--label", default="")
+    ap.add_argument("--server-cpus", default=None,
+                    help="pin the cluster (workers and frontends) to these CPUs, e.g. 0-15 (default: unpinned)")
+    ap.add_argument("--client-cpus", default=None,
+                    help="pin the load generator to these CPUs, e.g. 16-31, so that its lag does not shape the ITL")
     args = ap.parse_args()
+    try:
+        server_cpus, client_cpus = cpu_list(args.server_cpus), cpu_list(args.client_cpus)
+    except ValueError as e:
+        ap.error(str(e))
+    args.server_cpus, args.client_cpus = server_cpus, client_cpus
     counts = [int(x) for x in args.frontends.split(",")]
     apis = [a.strip() for a in args.api.split(",")]
     if any(n < 1 for n in counts) or not set(apis) <= {"http", "grpc"} or args.repeats < 1:
         ap.error("--frontends takes counts >= 1, --api http and/or grpc, --repeats >= 1")
     common = {"git_sha": git_sha(), "label": args.label, "device": f"cpu ({os.cpu_count()} cores, "
               f"{platform.machine()})", "cpu_model": cpu_model(), "workers": args.workers, "isl": args.isl,
-              "osl": args.osl, "concurrency": args.concurrency, "processes": args.processes}
+              "osl": args.osl, "concurrency": args.concurrency, "processes": args.processes,
+              "server_cpus": len(server_cpus) if server_cpus else None,
+              "client_cpus": len(client_cpus) if client_cpus else None}
     rows = []
     with tempfile.TemporaryDirectory(prefix="frontend-bench-") as tmp_name, \
             open(args.output, "a") if args.output else contextlib.nullcontext() as out:
