@@ -245,6 +245,10 @@ class Planner:
         own compute) and may wait for admission as long as its TTFT slack."""
         cfg = self.config
         _, wait = prefill_wait(prefill_workers, rate, service, self._burst[Pool.PREFILL], self.wait_correction.value)
+        if self.ttft_lift.value > 1.0:
+            # the prefill pool was seen missing its target: until its lift is undone, prompts
+            # wait up to their TTFT slack (not the model's wait), holding their decode slots
+            wait = cfg.ttft_target_s
         hold = service + min(wait, cfg.ttft_target_s)
         return DecodeWorkload.from_lengths(prompt, output, hold, cfg.ttft_target_s - service)
 

@@ -297,3 +297,40 @@ def test_a_prefill_lift_that_does_not_cut_the_misses_stops_rising(pool):
     assert lifts[-1] == lifts[12] and sizes[-1] <= sizes[12] + 1
     lift = planner.ttft_lift if pool == "prefill" else planner.itl_lift
     assert lift.futile >= 15
+
+
+def test_while_the_prefill_pool_misses_the_decode_pool_plans_for_requests_held_to_their_ttft():
+    """A decode worker admits a request before its prefill and holds its slot and KV until the
+    prompt is computed. While the prefill pool's lift is up (it was seen missing the TTFT
+    target), prompts may wait up to their TTFT slack, not the model's short wait: the decode pool
+    is sized for that hold (short outputs at a high rate, where the slots bind), and comes back
+    once the lift is undone."""
+    from planner import Outcomes
+
+    def requests(rng, now: float) -> tuple[RequestSample, ...]:
+        n = rng.poisson(120.0 * INTERVAL)
+        times = np.sort(rng.uniform(now - INTERVAL, now, n))
+        prompt = np.clip(rng.lognormal(np.log(1500), 0.7, n), 16, 16000).astype(int)
+        output = np.clip(rng.lognormal(np.log(20), 0.7, n), 2, 2000).astype(int)
+        return tuple(RequestSample(float(t), int(p), int(o)) for t, p, o in zip(times, prompt, output))
+
+    def run(prefill_misses: bool) -> tuple[list[int], list[float]]:
+        planner = Planner(config(), PROFILE)
+        rng = np.random.default_rng(3)
+        p, d, sizes, lifts = 0, 0, [], []
+        for k in range(60):
+            now = (k + 1) * INTERVAL
+            reqs = requests(rng, now)
+            n = len(reqs)
+            missed = n // 10 if prefill_misses and 10 <= k < 14 else 0
+            dec = planner.decide(observe(now, reqs, PoolState(p), PoolState(d),
+                                         outcomes=Outcomes(ttft_count=n, ttft_missed=missed)))
+            p, d = dec.desired_prefill, dec.desired_decode
+            sizes.append(dec.decode.required)
+            lifts.append(dec.prefill.lift)
+        return sizes, lifts
+
+    (calm, _), (missing, lifts) = run(False), run(True)
+    assert missing[:10] == calm[:10]
+    assert all(m > c for m, c in zip(missing[10:14], calm[10:14]))
+    assert lifts[-1] == 1.0 and missing[-1] == calm[-1]
