@@ -99,7 +99,8 @@ class MissLift:
             return
         if significant_misses(num, missed, allowance):
             share, per_request = missed / num, served / num
-            if self.judge_gain and self._share >= 0 and per_request > self._served and share > self._share * (1 - LIFT_MIN_GAIN):
+            more_workers = self._share >= 0 and per_request > self._served
+            if self.judge_gain and more_workers and share > self._share * (1 - LIFT_MIN_GAIN):
                 self.futile += 1
                 return
             self.value = min(self.value * (1 + LIFT_STEP), LIFT_MAX)

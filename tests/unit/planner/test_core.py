@@ -231,24 +231,19 @@ def test_deadline_queues_need_fewer_prefill_workers_than_fifo_ones():
     assert (sizes[True], sizes[False]) == (2, 3)
 
 
-@pytest.mark.parametrize("pool", ["prefill", "decode"])
-def test_observed_misses_lift_a_pool_whatever_the_model_says(pool):
-    """A steady load the model sizes comfortably, but the pool is observed missing its target (a
-    wait the model does not know, which more workers shorten): each interval of misses grows the
-    pool and moves its correction (the lift), though the model's own requirement stays put; once
-    the misses stop and the model agrees, the lift is undone and the pool returns to the model's
-    size."""
+def observed_misses(pool: str, intervals: int, missed_of) -> tuple[Planner, list[int], list[float]]:
+    """The closed loop at a steady 30 req/s with `missed_of(k, n)` of the n requests of interval k
+    observed missing `pool`'s target; the planner, and that pool's desired sizes and lifts."""
     from planner import Outcomes
 
     planner = Planner(config(), PROFILE)
     rng = np.random.default_rng(7)
-    p, d = 0, 0
-    sizes, lifts = [], []
-    for k in range(40):
+    p, d, sizes, lifts = 0, 0, [], []
+    for k in range(intervals):
         now = (k + 1) * INTERVAL
         reqs = arrivals(rng, now, 30.0)
         n = len(reqs)
-        missed = int(n * 0.15 * 0.7 ** (k - 10)) if 10 <= k < 16 else 0     # each lift helps
+        missed = missed_of(k, n)
         outcomes = (Outcomes(ttft_count=n, ttft_missed=missed) if pool == "prefill" else
                     Outcomes(ttft_count=n, itl_count=n, itl_missed=missed))
         dec = planner.decide(observe(now, reqs, PoolState(p), PoolState(d), outcomes=outcomes))
@@ -256,6 +251,18 @@ def test_observed_misses_lift_a_pool_whatever_the_model_says(pool):
         chosen = dec.prefill if pool == "prefill" else dec.decode
         sizes.append(chosen.desired)
         lifts.append(chosen.lift)
+    return planner, sizes, lifts
+
+
+@pytest.mark.parametrize("pool", ["prefill", "decode"])
+def test_observed_misses_lift_a_pool_whatever_the_model_says(pool):
+    """A steady load the model sizes comfortably, but the pool is observed missing its target (a
+    wait the model does not know, which more workers shorten): each interval of misses grows the
+    pool and moves its correction (the lift), though the model's own requirement stays put; once
+    the misses stop and the model agrees, the lift is undone and the pool returns to the model's
+    size."""
+    _, sizes, lifts = observed_misses(                                      # each lift helps
+        pool, 40, lambda k, n: int(n * 0.15 * 0.7 ** (k - 10)) if 10 <= k < 16 else 0)
     before = sizes[9]
     assert lifts[9] == 1.0 and all(x > 1.0 for x in lifts[10:16])           # the correction moves
     assert lifts[15] > lifts[10] > 1.0                                       # and keeps moving while misses last
@@ -268,26 +275,10 @@ def test_observed_misses_lift_a_pool_whatever_the_model_says(pool):
 def test_a_prefill_lift_that_does_not_cut_the_misses_stops_rising(pool):
     """Misses that more workers do not remove (their share the same however large the pool):
     the prefill pool is lifted, and once a lift has served without cutting them it rises no
-    further, where it used to grow by a quarter every interval up to four times its load. The
-    decode pool's lift keeps rising (its new workers take new arrivals only, so one interval
-    after a lift is too early to judge it)."""
-    from planner import Outcomes
-
-    planner = Planner(config(), PROFILE)
-    rng = np.random.default_rng(7)
-    p, d, sizes, lifts = 0, 0, [], []
-    for k in range(30):
-        now = (k + 1) * INTERVAL
-        reqs = arrivals(rng, now, 30.0)
-        n = len(reqs)
-        missed = n // 20 if k >= 10 else 0
-        outcomes = (Outcomes(ttft_count=n, ttft_missed=missed) if pool == "prefill" else
-                    Outcomes(ttft_count=n, itl_count=n, itl_missed=missed))
-        dec = planner.decide(observe(now, reqs, PoolState(p), PoolState(d), outcomes=outcomes))
-        p, d = dec.desired_prefill, dec.desired_decode
-        chosen = dec.prefill if pool == "prefill" else dec.decode
-        sizes.append(chosen.desired)
-        lifts.append(chosen.lift)
+    further, rather than by a quarter every interval up to four times its load. The decode
+    pool's lift keeps rising (its new workers take new arrivals only, so one interval after a
+    lift is too early to judge it)."""
+    planner, sizes, lifts = observed_misses(pool, 30, lambda k, n: n // 20 if k >= 10 else 0)
     before = sizes[9]
     assert lifts[10] > 1.0 and sizes[10] > before          # the misses lift the pool once ...
     if pool == "decode":
@@ -295,8 +286,7 @@ def test_a_prefill_lift_that_does_not_cut_the_misses_stops_rising(pool):
         return
     assert max(lifts) <= lifts[10] * 1.25 + 1e-9           # ... and at most once more
     assert lifts[-1] == lifts[12] and sizes[-1] <= sizes[12] + 1
-    lift = planner.ttft_lift if pool == "prefill" else planner.itl_lift
-    assert lift.futile >= 15
+    assert planner.ttft_lift.futile >= 15
 
 
 def test_while_the_prefill_pool_misses_the_decode_pool_plans_for_requests_held_to_their_ttft():
