@@ -9,7 +9,9 @@ arrival) / (tokens after the first chunk); with one token a chunk that is DistSe
 count. A request with no token after its first chunk meets the ITL target by definition; a failed
 request (error, timeout, truncated stream) meets neither.
 
-How it runs: a warm-up; then `ALONE_REQUESTS` requests one at a time. If those already miss the
+How it runs: a warm-up (by default two requests per GPU of `--gpus`, all at once, so that every
+worker of a fleet has served before anything is measured: a worker's first request is slower
+than the rest, and one cold worker among three is enough to fail the requests sent alone); then `ALONE_REQUESTS` requests one at a time. If those already miss the
 targets more often than the goal allows, no rate can meet them: the command says so and reports a
 goodput of 0 without searching. Otherwise each probe sends Poisson arrivals at one rate for
 `--duration-s` (at least `--min-requests` requests), waits for every response, and counts the
@@ -48,6 +50,7 @@ from splitserve.bench.records import git_sha
 from splitserve.bench.stats import percentile, summarize_level
 from splitserve.bench.workloads import BenchInputError, synthetic_specs, trace_specs
 
+WARMUP_PER_GPU = 2             # without --warmup: warm-up requests per GPU (every worker serves some)
 ALONE_REQUESTS = 3             # sent one at a time before the search: can an idle server meet the targets?
 ALONE_SALT = 1 << 30           # their prompts' seed, apart from the probes' and the warm-up's
 ITL_DEFINITION = ("per request: (last token time - first token time) / (tokens after the first chunk), "
@@ -102,7 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start no probe that would end past this many seconds; none: no limit")
     bench_serve.add_report_arguments(p, "attainment against request rate")
     # bench serve's plan reader wants these; a goodput probe sets its own count and arrival times
-    p.set_defaults(concurrency=None, num_requests=None, speedup=1.0)
+    p.set_defaults(concurrency=None, num_requests=None, speedup=1.0, warmup=None)
 
 
 def check_args(args: argparse.Namespace) -> tuple[Targets, bench_serve.Plan]:
@@ -114,6 +117,8 @@ def check_args(args: argparse.Namespace) -> tuple[Targets, bench_serve.Plan]:
         raise BenchInputError(f"--attainment must lie in (0, 1], got {args.attainment}")
     if args.min_requests < 1:
         raise BenchInputError(f"--min-requests must be >= 1, got {args.min_requests}")
+    if args.warmup is None:
+        args.warmup = WARMUP_PER_GPU * max(args.gpus, 1)
     if args.warmup < 0:
         raise BenchInputError(f"--warmup must be >= 0, got {args.warmup}")
     if not args.start_in_flight > 0:

@@ -140,6 +140,17 @@ def test_the_azure_trace_reads_as_rows_of_its_lengths(azure):
     assert all(len(r.hash_ids) == -(-r.input_len // block) for r in rows)
 
 
+def test_the_default_warm_up_reaches_every_gpu_of_the_fleet():
+    base = ("--ttft-ms", "1000", "--itl-ms", "50", "--isl", "8", "--osl", "4")
+    for gpus, warmup in (("1", 2), ("4", 8)):
+        args = parse(*base, "--gpus", gpus)
+        gp.check_args(args)
+        assert args.warmup == warmup
+    args = parse(*base, "--gpus", "4", "--warmup", "0")
+    gp.check_args(args)
+    assert args.warmup == 0                         # an explicit count stands
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--ttft-ms", "0", "--itl-ms", "10", "--isl", "8", "--osl", "4"], "--ttft-ms"),
     (["--ttft-ms", "nan", "--itl-ms", "10", "--isl", "8", "--osl", "4"], "--ttft-ms"),
