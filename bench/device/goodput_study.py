@@ -7,8 +7,9 @@ per workload and latency-target pair, measured by `splitserve bench goodput`.
 
 Configurations (`--configs`, comma-separated, or all): `aggN`, N aggregated workers, and every
 `xPyD` with x + y = N, each worker one process on its own GPU (CUDA_VISIBLE_DEVICES: prefill workers
-on the first GPUs, then decode workers). Until `serve --gpus` exists, this starts what `serve` would,
-by hand: an embedded Redis, each worker (`splitserve prefill-worker|decode-worker`, random bf16
+on the first GPUs, then decode workers; the study's GPUs are those its own CUDA_VISIBLE_DEVICES
+lists, else 0..N-1, so two studies can share a host). It starts what `serve` would, by hand: an
+embedded Redis, each worker (`splitserve prefill-worker|decode-worker`, random bf16
 weights of --arch, `--load-format dummy`, the tiny model's tokenizer) and a frontend. The workers of
 a configuration stay up for all its runs; the frontend is started per target pair, with
 `--itl-target-ms` set to the pair's ITL target (unless --itl-guard off), so that a saturated
@@ -119,8 +120,9 @@ class Cluster:
 
     def _spawn(self, name: str, argv: list[str], gpu: int | None) -> subprocess.Popen:
         env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
-        if gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        if gpu is not None:     # the gpu-th of the GPUs this study may use (all, or its CUDA_VISIBLE_DEVICES)
+            visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+            env["CUDA_VISIBLE_DEVICES"] = visible[gpu] if gpu < len(visible) else str(gpu)
         log = self.out / f"{self.cfg.name}_{name}.log"
         self.logs.append(log)
         with open(log, "ab") as f:
