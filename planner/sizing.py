@@ -384,7 +384,10 @@ def aggregated_attainment(workers: int, rate: float, prompts: PromptWork, wl: De
        prefill pool: a prompt is bound to its decode worker when it is routed.
     3. Admission as in disaggregated decode: a request waits for a batch slot and KV before its
        prompt is computed, within its TTFT slack less that compute, and holds its KV through its
-       wait for a lane and its compute."""
+       wait for a lane and its compute.
+    4. The ITL of short outputs (chunk_itl_ok): the stretched step is a mean over many steps, but
+       a request of few steps meets its ITL target only if few of them carry a chunk.
+    A request meets both with the product of the chances of 3 and 4 (taken as independent)."""
     if workers <= 0 or not len(wl.steps):
         return AggregatedSizing(workers, float(workers > 0), float(workers > 0), 0.0, 0.0, 0.0, "")
     share = rate * float(prompts.prefill_s.mean()) / workers
@@ -404,7 +407,29 @@ def aggregated_attainment(workers: int, rate: float, prompts: PromptWork, wl: De
     held = DecodeWorkload(wl.steps, wl.context, wl.kv_tokens, compute_s + min(lane.mean_wait_s, m.ttft_target_s),
                           m.ttft_target_s - compute_s)
     dec = decode_attainment(workers, rate, held, stretched, m.itl_target_s, cap, limit, m.bursts[1], m.kv_capacity)
-    return AggregatedSizing(workers, lane.attainment, dec.attainment, share, dec.batch, dec.itl_s, dec.limit)
+    chunks = float(np.ceil(prompts.uncached / max(prompts.chunk_tokens - math.ceil(batch), 1)).mean())
+    step_s = m.step(max(batch, 1.0), wl.context)
+    carry = min(rate / workers * chunks * step_s / (1 - share), 1.0)     # chunk steps / decode steps
+    itl_ok = chunk_itl_ok(wl.steps, carry, float(prompts.prefill_s.mean()) / chunks, step_s, m.itl_target_s)
+    return AggregatedSizing(workers, lane.attainment, dec.attainment * float(itl_ok.mean()), share, dec.batch,
+                            dec.itl_s, dec.limit)
+
+
+_erf = np.frompyfunc(math.erf, 1, 1)
+
+
+def chunk_itl_ok(steps: np.ndarray, carry: float, chunk_s: float, step_s: float, itl_target_s: float) -> np.ndarray:
+    """Per request, the chance that its mean inter-token gap meets the target on a worker whose
+    decode steps take step_s and a share `carry` of which also carry a prompt's chunk of chunk_s:
+    over its s steps, K ~ Binomial(s, carry) carry one, and its mean gap step_s + chunk_s K / s
+    meets the target iff K <= s (target - step_s) / chunk_s (normal approximation, continuity
+    corrected). A request of one token (s = 0) has no gap to miss."""
+    room = steps * (itl_target_s - step_s) / max(chunk_s, 1e-12)
+    if carry <= 0 or carry >= 1:
+        return np.where((steps == 0) | (room >= steps * carry), 1.0, 0.0)
+    sd = np.sqrt(np.maximum(steps * carry * (1 - carry), 1e-12))
+    z = (room + 0.5 - steps * carry) / (sd * math.sqrt(2))
+    return np.where(steps == 0, 1.0, 0.5 * (1 + _erf(z).astype(np.float64)))
 
 
 def size_aggregated(rate: float, prompts: PromptWork, wl: DecodeWorkload, m: AggregatedModel, goal: float,
