@@ -37,6 +37,10 @@ and the pool needs the least D with attainment(D) >= goal (of the requests that 
 step-weighted: a sequence of o output tokens stays o - 1 steps, so C = sum (o-1)(p + o/2) /
 sum (o-1) over the sample. Its ITL is then f(B, C), within the target while B is within the cap.
 
+Aggregated (no prefill pool, each decode worker computing its own prompts): the decode model with
+each step stretched by the prompts' chunks, f(B, C) / (1 - u), u the share of a worker's time its
+prompts take, and the prompts queued FIFO on the workers (aggregated_attainment says how).
+
 It knows nothing of time, predictors, hysteresis or budgets.
 """
 
