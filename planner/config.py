@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from perf.profile import DEFAULT_STARTUP_S
 from planner.predictors import make_predictor
-from runtime.config_planner import DEFAULT_POOL_LIMITS, PoolLimits, PoolLimitsConfig, SlaConfig
+from runtime.config_planner import DEFAULT_POOL_LIMITS, PoolLimits, PoolLimitsConfig, ServingMode, SlaConfig
 
 _DECLARED = SlaConfig()          # the declared defaults
 
@@ -41,6 +41,8 @@ class PlannerConfig:
     min_records: int = _DECLARED.min_records   # fewer observations than this leave a correction alone
     prefill_deadline: bool = _DECLARED.deadline_ordered   # prefill workers queue in deadline order (as the
     #                                       planner's clusters run them: WorkerConfig.prefill_deadline_ms), else FIFO
+    mode: ServingMode = _DECLARED.mode    # disaggregated, aggregated (a prefill pool of 0) or auto (planner/mode.py)
+    mode_switch_intervals: int = _DECLARED.mode_switch_intervals   # auto: decisions in a row the other mode must win
     prefill_gpus: int = 1                 # GPUs one prefill worker holds (its tensor-parallel size) ...
     decode_gpus: int = 1                  # ... and one decode worker: what each costs against gpu_budget
 
@@ -59,7 +61,8 @@ class PlannerConfig:
             arrival_quantile=sla.arrival_quantile, hysteresis=sla.hysteresis,
             prefill_down_delay_s=sla.prefill_down_delay_s, decode_down_delay_s=sla.decode_down_delay_s,
             num_samples=sla.num_samples, min_records=sla.min_records,
-            prefill_deadline=sla.deadline_ordered, prefill_gpus=gpus_per_worker[0], decode_gpus=gpus_per_worker[1])
+            prefill_deadline=sla.deadline_ordered, mode=sla.mode, mode_switch_intervals=sla.mode_switch_intervals,
+            prefill_gpus=gpus_per_worker[0], decode_gpus=gpus_per_worker[1])
 
     def __post_init__(self) -> None:
         if self.ttft_target_s <= 0 or self.itl_target_s <= 0 or self.interval_s <= 0:
@@ -74,6 +77,11 @@ class PlannerConfig:
         for limits in (self.prefill, self.decode):
             if not 0 <= limits.min_workers <= limits.max_workers:
                 raise ValueError(f"bad pool limits {limits}")
+        if self.mode is not ServingMode.DISAGGREGATED and self.prefill.min_workers > 0:
+            raise ValueError(f"--planner-mode {self.mode} needs the prefill pool's minimum at 0 (got "
+                             f"{self.prefill.min_workers}): aggregated serving has no prefill worker")
+        if self.mode_switch_intervals < 1:
+            raise ValueError("mode_switch_intervals must be >= 1")
         if self.prefill_gpus < 1 or self.decode_gpus < 1:
             raise ValueError("a worker holds at least one GPU")
         if self.gpu_budget is not None and self.gpu_budget < self.min_gpus:

@@ -41,12 +41,15 @@ import numpy as np
 
 from planner.config import PlannerConfig, PoolLimits
 from planner.correction import Correction, MissLift
-from planner.decision import (Bound, Decision, LoadEstimate, Observation, Pool, PoolDecision, PoolState,
-                              RequestSample)
+from planner.decision import (FIXED_DISAGGREGATED, Bound, Decision, LoadEstimate, ModeDecision, Observation, Pool,
+                              PoolDecision, PoolState, RequestSample)
+from planner.mode import ModeChooser, ModeCosts
 from planner.predictors import Forecast, Predictor, make_predictor
-from planner.sizing import (DecodeWorkload, decode_attainment, decode_batch_cap, prefill_attainment,
-                            prefill_wait, size_decode, size_prefill)
+from planner.sizing import (AggregatedModel, DecodeWorkload, PromptWork, aggregated_attainment, aggregated_needs,
+                            decode_attainment, decode_batch_cap, prefill_attainment, prefill_wait, size_aggregated,
+                            size_decode, size_prefill)
 from perf.profile import Profile
+from runtime.config_planner import ServingMode
 
 BURST_INTERVALS = 10         # burstiness is pooled over this many recent intervals
 WAIT_FLOOR_SHARE = 0.05      # waits below 5% of the TTFT target are noise to the wait correction
@@ -96,6 +99,7 @@ class Planner:
         self._arrivals: deque[tuple[float, float, np.ndarray, float]] = deque(maxlen=BURST_INTERVALS)
         self._history: dict[Pool, deque[tuple[float, int]]] = {Pool.PREFILL: deque(), Pool.DECODE: deque()}
         self._first_s: float | None = None
+        self.modes = ModeChooser(config.mode, config.mode_switch_intervals)
         self.last: Decision | None = None
 
     # ---- the two entry points -----------------------------------------------------------------
@@ -134,20 +138,10 @@ class Planner:
         if not len(prompt):
             pre = self._hold(Pool.PREFILL, obs.prefill, cfg.prefill)
             dec = self._hold(Pool.DECODE, obs.decode, cfg.decode)
+            mode = self.modes.hold()
         else:
-            service = service * self.service_correction.value
-            self._close_loop(obs, service, prompt, output)
-            rates = (plan_rate, plan_rate * (1 + cfg.hysteresis))
-            lift = self.ttft_lift.value
-            pre = self._pool(Pool.PREFILL, obs.now_s, obs.prefill, cfg.prefill,
-                             *(self._prefill_workers(r * lift, service) for r in rates), self.ttft_lift)
-            workload = self._decode_workload(prompt, output, service, pre.desired, plan_rate)
-            lift = self.itl_lift.value
-            dec = self._pool(Pool.DECODE, obs.now_s, obs.decode, cfg.decode,
-                             *(self._decode_workers(r * lift, workload) for r in rates), self.itl_lift)
-            pre, dec = self._fit_budget(pre, dec, obs)
-            pre, dec = self._predict(pre, plan_rate, service), self._predict_decode(dec, plan_rate, workload)
-        self.last = Decision(obs.now_s, pre, dec, load, self.wait_correction.value)
+            pre, dec, mode = self._size(obs, plan_rate, prompt, cached, output, service)
+        self.last = Decision(obs.now_s, pre, dec, load, self.wait_correction.value, mode)
         return self.last
 
     def _horizon(self) -> int:
@@ -183,7 +177,21 @@ class Planner:
         st = obs.decode_stats
         if st.num_steps >= cfg.min_records and st.mean_batch > 0:
             modelled = self.profile.decode_step_s(st.mean_batch, st.mean_context)
+            if self._aggregated_serving(obs):
+                # the aggregated model prices the prompts' chunks in the steps itself (the stretch,
+                # planner/sizing.py): compare against the stretched step, or they count twice
+                modelled /= 1 - self._prefill_share(obs)
             self.decode_correction.update(st.mean_step_s, modelled)
+
+    def _prefill_share(self, obs: Observation) -> float:
+        """The share of each ready decode worker's time the interval's prompts took (their profile
+        prefill, corrected), for aggregated serving; inf past 1 (no step time to compare with)."""
+        if not obs.requests or not obs.decode.ready:
+            return 0.0
+        seconds = sum(self.profile.prefill_s(r.prompt_tokens, r.cached_tokens) for r in obs.requests)
+        share = (seconds * obs.num_arrivals / len(obs.requests) * self.service_correction.value
+                 / (obs.interval_s * obs.decode.ready))
+        return share if share < 1 else math.inf
 
     def _add_samples(self, samples: Sequence[RequestSample]) -> None:
         prefill_s = self.profile.prefill_s
@@ -230,6 +238,36 @@ class Planner:
 
     # ---- sizing -------------------------------------------------------------------------------
 
+    def _size(self, obs: Observation, plan_rate: float, prompt: np.ndarray, cached: np.ndarray,
+              output: np.ndarray, service: np.ndarray) -> tuple[PoolDecision, PoolDecision, ModeDecision]:
+        """Steps 3-6 of a decision with requests to size from: both pools of the disaggregated
+        mode; with the mode choice on, the aggregated pool too and the mode (planner/mode.py);
+        then the pools for the chosen mode, fitted in the budget, with their predictions."""
+        cfg = self.config
+        service = service * self.service_correction.value
+        prompts = PromptWork(service, prompt - cached, self.profile.max_num_batched_tokens)
+        alone = DecodeWorkload.from_lengths(prompt, output)     # the decode side of aggregated serving
+        self._close_loop(obs, service, prompt, output, prompts, alone)
+        rates = (plan_rate, plan_rate * (1 + cfg.hysteresis))
+        lift = self.ttft_lift.value
+        pre = self._pool(Pool.PREFILL, obs.now_s, obs.prefill, cfg.prefill,
+                         *(self._prefill_workers(r * lift, service) for r in rates), self.ttft_lift)
+        workload = self._decode_workload(prompt, output, service, pre.desired, plan_rate)
+        lift = self.itl_lift.value
+        split = [self._decode_workers(r * lift, workload) for r in rates]
+        if cfg.mode is ServingMode.DISAGGREGATED:
+            mode, decode_need = FIXED_DISAGGREGATED, split
+        else:
+            aggregated = [self._aggregated_workers(r * lift, prompts, alone) for r in rates]
+            mode = self.modes.choose(self._costs(pre, split, aggregated))
+            decode_need = aggregated if mode.mode is ServingMode.AGGREGATED else split
+        dec = self._pool(Pool.DECODE, obs.now_s, obs.decode, cfg.decode, *decode_need, self.itl_lift)
+        if mode.mode is ServingMode.AGGREGATED:
+            pre, dec = self._fit_budget(self._drain_prefill(pre, obs, dec.desired), dec, obs)
+            return (*self._predict_aggregated(pre, dec, plan_rate, prompts, alone), mode)
+        pre, dec = self._fit_budget(pre, dec, obs)
+        return self._predict(pre, plan_rate, service), self._predict_decode(dec, plan_rate, workload), mode
+
     def _prefill_workers(self, rate: float, service: np.ndarray) -> int:
         return size_prefill(rate, service, self.config.ttft_target_s, self.config.pool_goal,
                             self._burst[Pool.PREFILL], self.wait_correction.value,
@@ -258,14 +296,55 @@ class Planner:
                            self._burst[Pool.DECODE], p.max_num_seqs, p.kv_capacity_tokens,
                            self.config.decode.max_workers + 1).workers
 
+    def _aggregated_model(self) -> AggregatedModel:
+        cfg, p = self.config, self.profile
+        return AggregatedModel(self._decode_step, cfg.ttft_target_s, cfg.itl_target_s, p.max_num_seqs,
+                               p.kv_capacity_tokens, (self._burst[Pool.PREFILL], self._burst[Pool.DECODE]))
+
+    def _aggregated_workers(self, rate: float, prompts: PromptWork, alone: DecodeWorkload) -> int:
+        return size_aggregated(rate, prompts, alone, self._aggregated_model(), self.config.pool_goal,
+                               self.config.decode.max_workers + 1).workers
+
+    # ---- the serving mode (planner/mode.py) ---------------------------------------------------
+
+    def _costs(self, pre: PoolDecision, split: list[int], aggregated: list[int]) -> ModeCosts:
+        """The GPUs of each mode's requirements at the planned load and with the hysteresis margin."""
+        gp, gd = self.config.prefill_gpus, self.config.decode_gpus
+        return ModeCosts(pre.required * gp + split[0] * gd, aggregated[0] * gd,
+                         pre.required_down * gp + split[1] * gd, aggregated[1] * gd)
+
+    def _drain_prefill(self, pre: PoolDecision, obs: Observation, decode_desired: int) -> PoolDecision:
+        """Aggregated serving's prefill pool: 0, once the decode pool has the ready workers to
+        compute every prompt; until then (a switch's decode workers still starting) it keeps the
+        workers it has, so prompts are not piled on the decode workers that were sized beside it."""
+        desired = 0 if obs.decode.ready >= decode_desired else pre.current
+        return replace(pre, desired=desired, bound=Bound.MODE)
+
+    def _aggregated_serving(self, obs: Observation) -> bool:
+        """No prefill worker was ready in the interval, with the mode choice on: the decode workers
+        computed every prompt (the frontend's no_prefill_pool), so the interval is aggregated
+        serving whatever the mode planned, and the aggregated model is what it is judged against."""
+        return self.config.mode is not ServingMode.DISAGGREGATED and obs.prefill.ready == 0
+
     # ---- the closed loop --------------------------------------------------------------------
 
-    def _close_loop(self, obs: Observation, service: np.ndarray, prompt: np.ndarray, output: np.ndarray) -> None:
+    def _close_loop(self, obs: Observation, service: np.ndarray, prompt: np.ndarray, output: np.ndarray,
+                    prompts: PromptWork, alone: DecodeWorkload) -> None:
         """Feed each pool's lift the interval's outcomes, with whether the model (without the
-        lift) predicted that the pool meets its goal at the interval's load and ready workers."""
+        lift) predicted that the pool meets its goal at the interval's load and ready workers.
+        In aggregated serving the decode pool is the one pool: its lift takes every miss, TTFT and
+        ITL, against the allowance of both targets, judged by the aggregated model."""
         cfg, o = self.config, obs.outcomes
         allowance = 1 - cfg.pool_goal
         rate = obs.num_arrivals / obs.interval_s
+        if self._aggregated_serving(obs):
+            ready = obs.decode.ready
+            model = self._aggregated_model()
+            needs = aggregated_needs(prompts, alone, model, cfg.pool_goal)
+            self.itl_lift.observe(max(o.ttft_count, o.itl_count), o.ttft_missed + o.itl_missed, 2 * allowance, ready,
+                                  lambda: aggregated_attainment(ready, rate, prompts, alone, model).meets(needs),
+                                  cfg.min_records)
+            return
         self.ttft_lift.observe(o.ttft_count, o.ttft_missed - o.ttft_missed_decode, allowance, obs.prefill.ready,
                                lambda: self._prefill_meets(obs.prefill.ready, rate, service), cfg.min_records)
         wl = lambda: self._decode_workload(prompt, output, service, obs.prefill.ready, rate)  # noqa: E731
@@ -345,6 +424,14 @@ class Planner:
                                 (cfg.prefill.min_workers, cfg.decode.min_workers))
         return (replace(pre, desired=p, bound=Bound.BUDGET) if p < pre.desired else pre,
                 replace(dec, desired=d, bound=Bound.BUDGET) if d < dec.desired else dec)
+
+    def _predict_aggregated(self, pre: PoolDecision, dec: PoolDecision, rate: float, prompts: PromptWork,
+                            alone: DecodeWorkload) -> tuple[PoolDecision, PoolDecision]:
+        """Aggregated serving's predictions at the decode pool's size: the TTFT attainment and each
+        worker's prefill share on the prefill line, the stretched ITL and the batch on decode's."""
+        s = aggregated_attainment(max(dec.desired, 1), rate, prompts, alone, self._aggregated_model())
+        return (replace(pre, predicted=s.ttft_attainment, per_worker=s.prefill_share),
+                replace(dec, predicted=s.itl_s, per_worker=s.batch, limit=s.limit))
 
     def _predict(self, d: PoolDecision, rate: float, service: np.ndarray) -> PoolDecision:
         s = prefill_attainment(d.desired, rate, service, self.config.ttft_target_s, self._burst[Pool.PREFILL],

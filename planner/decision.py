@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from runtime.config_planner import ServingMode
+
 
 class Pool(Enum):
     PREFILL = "prefill"
@@ -106,6 +108,7 @@ class Bound(Enum):
     MAX = "max"
     BUDGET = "budget"              # cut to fit the GPU budget
     LIFT = "lift"                  # held above the model by observed misses (planner/correction.py MissLift)
+    MODE = "mode"                  # set by the serving mode: aggregated serving's prefill pool of 0 (planner/mode.py)
     NO_DATA = "no_data"            # nothing observed yet: keep what there is
 
 
@@ -146,6 +149,35 @@ class LoadEstimate:
     burst_decode: float            # ... at the prefill and decode time scales
 
 
+class ModeReason(Enum):
+    """Why a decision serves in its mode (planner/mode.py)."""
+    FIXED = "fixed"                # the configured mode (--planner-mode disaggregated or aggregated)
+    FIRST = "first"                # auto: the cheaper mode at the first decision with requests to size
+    SWITCH = "switch"              # auto: the other mode won enough decisions in a row
+    HOLD = "hold"                  # auto: the mode in force, the other not cheaper by the margin for long enough
+    NO_DATA = "no_data"            # auto: nothing to size yet
+
+
+@dataclass(frozen=True, slots=True)
+class ModeDecision:
+    """The serving mode a decision sizes the pools for, and the GPUs each mode needs at the planned
+    load (None: not sized, e.g. the aggregated mode when the mode is fixed to disaggregated)."""
+    mode: ServingMode              # AGGREGATED or DISAGGREGATED
+    reason: ModeReason
+    disaggregated_gpus: int | None = None   # P * prefill_gpus + D * decode_gpus
+    aggregated_gpus: int | None = None      # n * decode_gpus
+    streak: int = 0                # decisions in a row the other mode has been cheaper by the margin
+
+    def summary(self) -> str:
+        costs = (f", GPUs disagg {self.disaggregated_gpus} / agg {self.aggregated_gpus}"
+                 if self.disaggregated_gpus is not None and self.aggregated_gpus is not None else "")
+        streak = f", other cheaper {self.streak}x" if self.streak else ""
+        return f"mode {self.mode.value} ({self.reason.value}{costs}{streak})"
+
+
+FIXED_DISAGGREGATED = ModeDecision(ServingMode.DISAGGREGATED, ModeReason.FIXED)
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     now_s: float
@@ -153,6 +185,7 @@ class Decision:
     decode: PoolDecision
     load: LoadEstimate
     wait_correction: float         # observed / modelled prefill queue wait
+    mode: ModeDecision = FIXED_DISAGGREGATED
 
     @property
     def desired_prefill(self) -> int:
@@ -173,7 +206,8 @@ class Decision:
         return (f"t={self.now_s:.0f}s {pool(self.prefill)}; {pool(self.decode)}; "
                 f"rate {ld.rate_rps:.2f} plan {ld.plan_rate_rps:.2f} req/s ({ld.predictor}), "
                 f"prompt p50/p90 {ld.prompt_p50:.0f}/{ld.prompt_p90:.0f} hit {ld.prefix_hit_rate:.2f}, "
-                f"ttft attain {self.prefill.predicted:.3f}, itl {self.decode.predicted * 1e3:.1f} ms")
+                f"ttft attain {self.prefill.predicted:.3f}, itl {self.decode.predicted * 1e3:.1f} ms"
+                + ("" if self.mode == FIXED_DISAGGREGATED else f"; {self.mode.summary()}"))
 
     def metrics(self) -> dict[str, float]:
         """Flat gauges (Prometheus names without the splitserve_planner_ prefix)."""
@@ -185,4 +219,9 @@ class Decision:
             out |= {f"{p}_desired": d.desired, f"{p}_required": d.required, f"{p}_current": d.current,
                     f"{p}_correction": d.correction, f"{p}_lift": d.lift, f"{p}_predicted": d.predicted,
                     f"{p}_per_worker": d.per_worker}
+        out["mode_aggregated"] = float(self.mode.mode is ServingMode.AGGREGATED)
+        for name, gpus in (("disaggregated_gpus", self.mode.disaggregated_gpus),
+                           ("aggregated_gpus", self.mode.aggregated_gpus)):
+            if gpus is not None:
+                out[name] = gpus
         return out

@@ -37,6 +37,10 @@ and the pool needs the least D with attainment(D) >= goal (of the requests that 
 step-weighted: a sequence of o output tokens stays o - 1 steps, so C = sum (o-1)(p + o/2) /
 sum (o-1) over the sample. Its ITL is then f(B, C), within the target while B is within the cap.
 
+Aggregated (no prefill pool, each decode worker computing its own prompts): the decode model with
+each step stretched by the prompts' chunks, f(B, C) / (1 - u), u the share of a worker's time its
+prompts take, and the prompts queued FIFO on the workers (aggregated_attainment says how).
+
 It knows nothing of time, predictors, hysteresis or budgets.
 """
 
@@ -313,3 +317,135 @@ def size_decode(rate: float, wl: DecodeWorkload, step: StepFn, itl_target_s: flo
         if s.attainment >= need or d >= max_workers:
             return s
         d += 1
+
+
+# ---- aggregated serving ------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class PromptWork:
+    """The prompts an aggregated worker computes itself, over a sample of requests."""
+    prefill_s: np.ndarray      # S_i: each prompt's compute alone (the profile's prefill, corrected)
+    uncached: np.ndarray       # the tokens it computes (prompt less its cached prefix)
+    chunk_tokens: int          # a step's token budget (the engine's max_num_batched_tokens)
+
+    def beside_decodes_s(self, batch: float, step_s: float) -> np.ndarray:
+        """Each prompt's compute on a worker decoding `batch` sequences: one chunk of the budget the
+        decodes leave per step, and each of its k_i steps also pays the decodes' step_s."""
+        chunk = max(self.chunk_tokens - math.ceil(batch), 1)
+        return self.prefill_s + np.ceil(self.uncached / chunk) * step_s
+
+
+@dataclass(frozen=True, slots=True)
+class AggregatedModel:
+    """What an aggregated pool is sized against, besides the load."""
+    step: StepFn               # the decode step, corrected
+    ttft_target_s: float
+    itl_target_s: float
+    max_num_seqs: int
+    kv_capacity: float = math.inf
+    bursts: tuple[float, float] = (1.0, 1.0)   # the arrivals' burstiness at the prefill and decode time scales
+
+
+@dataclass(frozen=True, slots=True)
+class AggregatedSizing:
+    workers: int
+    ttft_attainment: float     # predicted share whose wait for and compute on their worker fit the TTFT target
+    attainment: float          # predicted share admitted in time with the ITL target held (decode_attainment's)
+    prefill_share: float       # u: the share of a worker's time its prompts' chunks take
+    batch: float               # mean sequences decoding per worker
+    itl_s: float               # the mean step, stretched by the chunks
+    limit: str                 # what bounds the decode side (itl | max_num_seqs | kv)
+
+    def meets(self, needs: tuple[float, float]) -> bool:
+        """Whether both attainments reach `needs` (aggregated_needs)."""
+        return self.workers > 0 and self.ttft_attainment >= needs[0] and self.attainment >= needs[1]
+
+
+def aggregated_needs(prompts: PromptWork, wl: DecodeWorkload, m: AggregatedModel, goal: float) -> tuple[float, float]:
+    """The (TTFT, decode) attainments aggregated workers must reach: `goal` of the requests that can
+    meet each target at all, counted as size_prefill and size_decode count them (from the prompt's
+    compute alone, so that a request a prefill pool could serve is not written off here)."""
+    slack = m.ttft_target_s - prompts.prefill_s
+    feasible = (slack > 0) & ((wl.steps == 0) | (m.step(1, wl.context) < m.itl_target_s))
+    return goal * float((slack > 0).mean()), goal * float(feasible.mean())
+
+
+def aggregated_attainment(workers: int, rate: float, prompts: PromptWork, wl: DecodeWorkload,
+                          m: AggregatedModel) -> AggregatedSizing:
+    """Predicted attainments of `workers` aggregated workers: no prefill pool, each worker computes
+    the prompts routed to it in its own decode steps (the frontend's behaviour without prefill
+    workers, chunked prefill in the engine).
+
+    1. The stretch: a worker computes rate / workers * E[S] seconds of prompt chunks per second, u.
+       The engine fills each step's token budget with its decodes and then the next chunk, so in a
+       second it runs (1 - u) / f(B, C) decode steps: the mean step, every decode's ITL, is
+       f(B, C) / (1 - u). That stretched step goes through the decode model unchanged (the batch's
+       fixed point, the batch cap under the ITL target, admission).
+    2. The TTFT: a prompt is computed one chunk a step, each step also carrying its worker's B
+       decodes (PromptWork.beside_decodes_s), and a worker computes the prompts routed to it one at
+       a time in arrival order: an M/G/1 FIFO queue at its share of the arrivals
+       (prefill_attainment), with that compute as the service time. Not one shared queue as in a
+       prefill pool: a prompt is bound to its decode worker when it is routed.
+    3. Admission as in disaggregated decode: a request waits for a batch slot and KV before its
+       prompt is computed, within its TTFT slack less that compute, and holds its KV through its
+       wait for a lane and its compute.
+    4. The ITL of short outputs (chunk_itl_ok): the stretched step is a mean over many steps, but
+       a request of few steps meets its ITL target only if few of them carry a chunk.
+    A request meets both with the product of the chances of 3 and 4 (taken as independent)."""
+    if workers <= 0 or not len(wl.steps):
+        return AggregatedSizing(workers, float(workers > 0), float(workers > 0), 0.0, 0.0, 0.0, "")
+    share = rate * float(prompts.prefill_s.mean()) / workers
+    if share >= 1:
+        return AggregatedSizing(workers, 0.0, 0.0, share, math.inf, math.inf, "")
+
+    def stretched(batch: float, context: float) -> float:
+        return m.step(batch, context) / (1 - share)
+
+    cap, limit = decode_batch_cap(stretched, wl.context, m.itl_target_s, m.max_num_seqs)
+    cap = max(cap, 1)
+    batch = decode_batch(workers, rate, wl, stretched, ceiling=cap)
+    if not math.isfinite(batch):
+        return AggregatedSizing(workers, 0.0, 0.0, share, batch, math.inf, limit)
+    compute_s = prompts.beside_decodes_s(batch, m.step(max(batch, 1.0), wl.context))
+    lane = prefill_attainment(workers, rate, compute_s, m.ttft_target_s, m.bursts[0])
+    held = DecodeWorkload(wl.steps, wl.context, wl.kv_tokens, compute_s + min(lane.mean_wait_s, m.ttft_target_s),
+                          m.ttft_target_s - compute_s)
+    dec = decode_attainment(workers, rate, held, stretched, m.itl_target_s, cap, limit, m.bursts[1], m.kv_capacity)
+    chunks = float(np.ceil(prompts.uncached / max(prompts.chunk_tokens - math.ceil(batch), 1)).mean())
+    step_s = m.step(max(batch, 1.0), wl.context)
+    carry = min(rate / workers * chunks * step_s / (1 - share), 1.0)     # chunk steps / decode steps
+    itl_ok = chunk_itl_ok(wl.steps, carry, float(prompts.prefill_s.mean()) / chunks, step_s, m.itl_target_s)
+    return AggregatedSizing(workers, lane.attainment, dec.attainment * float(itl_ok.mean()), share, dec.batch,
+                            dec.itl_s, dec.limit)
+
+
+_erf = np.frompyfunc(math.erf, 1, 1)
+
+
+def chunk_itl_ok(steps: np.ndarray, carry: float, chunk_s: float, step_s: float, itl_target_s: float) -> np.ndarray:
+    """Per request, the chance that its mean inter-token gap meets the target on a worker whose
+    decode steps take step_s and a share `carry` of which also carry a prompt's chunk of chunk_s:
+    over its s steps, K ~ Binomial(s, carry) carry one, and its mean gap step_s + chunk_s K / s
+    meets the target iff K <= s (target - step_s) / chunk_s (normal approximation, continuity
+    corrected). A request of one token (s = 0) has no gap to miss."""
+    room = steps * (itl_target_s - step_s) / max(chunk_s, 1e-12)
+    if carry <= 0 or carry >= 1:
+        return np.where((steps == 0) | (room >= steps * carry), 1.0, 0.0)
+    sd = np.sqrt(np.maximum(steps * carry * (1 - carry), 1e-12))
+    z = (room + 0.5 - steps * carry) / (sd * math.sqrt(2))
+    return np.where(steps == 0, 1.0, 0.5 * (1 + _erf(z).astype(np.float64)))
+
+
+def size_aggregated(rate: float, prompts: PromptWork, wl: DecodeWorkload, m: AggregatedModel, goal: float,
+                    max_workers: int = 4096) -> AggregatedSizing:
+    """The least number of aggregated workers whose TTFT and decode attainments both reach `goal`
+    of the requests that can meet them (at most max_workers), from the least that keeps u < 1."""
+    if rate <= 0 or not len(wl.steps):
+        return AggregatedSizing(0, 1.0, 1.0, 0.0, 0.0, 0.0, "")
+    needs = aggregated_needs(prompts, wl, m, goal)
+    n = max(1, math.floor(rate * float(prompts.prefill_s.mean())) + 1)
+    while True:
+        s = aggregated_attainment(n, rate, prompts, wl, m)
+        if s.meets(needs) or n >= max_workers:
+            return s
+        n += 1

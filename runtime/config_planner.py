@@ -30,6 +30,18 @@ class PrefillOrder(StrEnum):
     FIFO = "fifo"           # arrival order
 
 
+class ServingMode(StrEnum):
+    """Which serving modes the planner may choose between (docs/planner.md "Aggregated or
+    disaggregated"). Aggregated serving is a prefill pool of 0: every decode worker computes its
+    own prompts in its decode steps."""
+    DISAGGREGATED = "disaggregated"   # a prefill pool and a decode pool, each sized for its target
+    AGGREGATED = "aggregated"         # no prefill pool; the decode pool sized for both targets
+    AUTO = "auto"                     # whichever of the two needs fewer GPUs, switched with hysteresis
+
+
+MAX_MODE_SWITCH_INTERVALS = 1000    # bounded input: a switch that waits longer than this never comes
+
+
 class PredictorKind(StrEnum):
     """The load predictors (planner/predictors.py); a predictor setting is one of these names,
     optionally with parameters: `ewma(0.3)`, `holt(0.5,0.2,0.9)`."""
@@ -103,6 +115,12 @@ class SlaConfig:
                                       "for: deadline (the oldest prompt that can still meet the TTFT target first; "
                                       "serve, Ray and the Helm chart start them so with the planner) or fifo "
                                       "(arrival order; serve then starts them so)")
+    mode: ServingMode = arg(ServingMode.DISAGGREGATED, "the serving mode the planner sizes for: disaggregated "
+                            "(prefill and decode pools), aggregated (no prefill pool: the decode workers "
+                            "compute their own prompts) or auto (whichever needs fewer GPUs, with hysteresis; "
+                            "aggregated and auto need the prefill pool's minimum at 0)", flag="--planner-mode")
+    mode_switch_intervals: int = arg(3, "with --planner-mode auto, switch only after the other mode has been "
+                                     "cheaper at this many decisions in a row", flag="--planner-mode-switch-intervals")
     num_samples: int = arg(4096, "recent requests whose lengths make the length distribution the pools are "
                            "sized for", flag="--planner-num-samples")
     min_records: int = arg(20, "a correction (prefill compute, prefill wait, decode step against the profile) "
@@ -111,6 +129,10 @@ class SlaConfig:
 
     def __post_init__(self) -> None:     # a choice given as its string (code, tests) is held as the enum
         object.__setattr__(self, "prefill_order", PrefillOrder(self.prefill_order))
+        object.__setattr__(self, "mode", ServingMode(self.mode))
+        if not 1 <= self.mode_switch_intervals <= MAX_MODE_SWITCH_INTERVALS:
+            raise ConfigError(f"mode_switch_intervals must be in 1..{MAX_MODE_SWITCH_INTERVALS} "
+                              f"(got {self.mode_switch_intervals})")
 
     @property
     def deadline_ordered(self) -> bool:
@@ -120,4 +142,4 @@ class SlaConfig:
     def targets(self) -> str:
         """What the planner keeps, for the startup log of serve, Ray and `splitserve planner`."""
         return (f"TTFT {self.ttft_ms:.0f} ms, ITL {self.itl_ms:.0f} ms, a decision every {self.interval_s:.0f} s, "
-                f"prefill queues in {self.prefill_order} order")
+                f"prefill queues in {self.prefill_order} order, {self.mode} serving")

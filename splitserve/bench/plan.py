@@ -25,6 +25,8 @@ Definitions (docs/planner.md):
   static_disaggregated: the best static configuration of each mode at the planner's attainment
   (config, GPU-hours, attainment). static_gpu_hours: the static
   split's workers times the same span.
+- planner_mode: --planner-mode; mode_share: the share of the planner's decisions in each serving
+  mode; mode_switches: how often it changed mode.
 - scaling_actions: planner decisions that changed a pool's size (one per pool and decision).
 
 Prints one JSON line (the last line of stdout); --backtest prints the predictor backtest instead.
@@ -38,24 +40,27 @@ import os
 import platform
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from runtime.cli_args import add_config_args, config_from_args, flag_values
 from runtime.config import FrontendConfig
 from runtime.config_fields import ConfigError
-from runtime.config_planner import HARD_MAX_WORKERS, PoolLimitsConfig, SlaConfig
+from runtime.config_planner import HARD_MAX_WORKERS, PoolLimitsConfig, ServingMode, SlaConfig
 from splitserve.bench.serve import emit, git_sha
 
 DEFAULT_WARM_START_S = 120.0
 BACKTEST_PREDICTORS = ("constant", "ewma(0.2)", "ewma(0.5)", "ewma(0.8)", "holt(0.2,0.1,0.9)",
                        "holt(0.3,0.1,0.9)", "holt(0.5,0.2,0.9)", "holt(0.5,0.1,1)")
-# The simulated pools: both at least one worker (the simulator has no aggregated mode, so a prefill
-# pool of 0 would only queue prompts) and no cap below the hard one, so that a run shows what the
-# planner wants rather than where a deployment's limits stop it. Pass the pool flags to simulate those.
+# The simulated pools: both at least one worker and no cap below the hard one, so that a run shows what
+# the planner wants rather than where a deployment's limits stop it. Pass the pool flags to simulate those.
+# With the mode choice on (--planner-mode aggregated or auto) the prefill pool's minimum is 0 unless
+# given: aggregated serving is a prefill pool of 0 (the simulator then computes every prompt on its
+# decode worker, as the frontend does).
 SIMULATED_POOLS = PoolLimitsConfig(min_prefill_workers=1, max_prefill_workers=HARD_MAX_WORKERS,
                                    min_decode_workers=1, max_decode_workers=HARD_MAX_WORKERS)
+MIN_PREFILL_FLAG = "pools.min_prefill_workers"
 # The flags `bench plan` spelled its own way before its planner flags were generated; they still work.
 OLD_SPELLINGS = {"sla.interval_s": ("--interval-s",), "sla.profile": ("--profile",), "sla.startup_s": ("--startup-s",),
                  "pools.min_prefill_workers": ("--min-prefill",), "pools.max_prefill_workers": ("--max-prefill",),
@@ -105,8 +110,12 @@ class PlanInputError(ValueError):
 
 
 def plan_settings(args: argparse.Namespace) -> PlanSettings:
-    """The planner settings the flags describe (ConfigError for a bad one)."""
-    return config_from_args(PlanSettings, args)
+    """The planner settings the flags describe (ConfigError for a bad one); with the mode choice on,
+    the simulated prefill pool may go to 0 unless its minimum is given."""
+    settings = config_from_args(PlanSettings, args)
+    if settings.sla.mode is ServingMode.DISAGGREGATED or MIN_PREFILL_FLAG in flag_values(PlanSettings, args):
+        return settings
+    return replace(settings, pools=replace(settings.pools, min_prefill_workers=0))
 
 
 def _configs(args: argparse.Namespace, settings: PlanSettings, profile_startup_s: float):
@@ -265,7 +274,17 @@ def _record(args: argparse.Namespace, sla: SlaConfig, planner_cfg, sim_cfg, plan
         "mean_prefill_workers": round(float(np.mean([p.prefill_active for p in timeline])), 3) if timeline else None,
         "mean_decode_workers": round(float(np.mean([p.decode_active for p in timeline])), 3) if timeline else None,
         "duration_s": round(result.end_s, 1),
+        "planner_mode": sla.mode.value, **planner_modes(result.decisions),
     }
+
+
+def planner_modes(decisions) -> dict:
+    """The serving modes the planner chose over the run: the share of decisions in each and the
+    number of switches between them."""
+    modes = [d.mode.mode for d in decisions]
+    share = {m.value: round(modes.count(m) / len(modes), 4) if modes else None
+             for m in (ServingMode.AGGREGATED, ServingMode.DISAGGREGATED)}
+    return {"mode_share": share, "mode_switches": sum(a is not b for a, b in zip(modes, modes[1:]))}
 
 
 def write_decisions(decisions, path: str) -> None:

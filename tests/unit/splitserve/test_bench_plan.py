@@ -111,3 +111,29 @@ def test_the_simulated_frontend_takes_the_frontends_flags_and_defaults():
                                              "4096", "--handoff-ms", "20"])
     _, sim = _configs(args, plan_settings(args), 16.5)
     assert (sim.remote_prefill_min_tokens, sim.max_prefill_queue_tokens, sim.handoff_s) == (256, 4096, 0.02)
+
+
+def test_the_planners_serving_modes_are_reported(tmp_path, capsys):
+    """With --planner-mode auto the simulated prefill pool may go to 0 (unless its minimum is given)
+    and the record says which mode the planner chose, how often, and how often it switched; the
+    default keeps the simulated pools and reports every decision disaggregated."""
+    trace = tmp_path / "azure.csv"
+    small_trace(trace)
+    base = ["bench", "plan", "--trace", str(trace), "--ttft-ms", "2000", "--itl-ms", "50", "--startup-s", "30",
+            "--warm-start-s", "60", "--no-progress", "--no-static", "--decisions", str(tmp_path / "d.jsonl")]
+    assert plan_settings(build_parser().parse_args(base + ["--planner-mode", "auto"])).pools.min_prefill_workers == 0
+    given = build_parser().parse_args(base + ["--planner-mode", "auto", "--min-prefill", "0", "--max-prefill", "2"])
+    assert plan_settings(given).pools.max_prefill_workers == 2
+    assert main(base + ["--planner-mode", "auto", "--min-prefill", "1"]) == 2          # aggregated needs 0
+    assert "prefill pool's minimum at 0" in capsys.readouterr().err
+    for mode in ("disaggregated", "auto"):
+        assert main(base + ["--planner-mode", mode]) == 0
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert out["planner_mode"] == mode and sum(out["mode_share"].values()) == pytest.approx(1.0)
+        decisions = [json.loads(x)["mode"] for x in (tmp_path / "d.jsonl").read_text().splitlines()]
+        aggregated = sum(d["mode"] == "aggregated" for d in decisions) / len(decisions)
+        assert out["mode_share"]["aggregated"] == pytest.approx(aggregated, abs=1e-4)
+        if mode == "disaggregated":
+            assert aggregated == 0 and out["mode_switches"] == 0 and out["mean_prefill_workers"] >= 1
+        else:
+            assert all(d["aggregated_gpus"] >= 1 and d["disaggregated_gpus"] >= 2 for d in decisions)
