@@ -382,10 +382,11 @@ def aggregated_attainment(workers: int, rate: float, prompts: PromptWork, wl: De
        f(B, C) / (1 - u). That stretched step goes through the decode model unchanged (the batch's
        fixed point, the batch cap under the ITL target, admission).
     2. The TTFT: a prompt is computed one chunk a step, each step also carrying its worker's B
-       decodes (PromptWork.beside_decodes_s), and a worker computes the prompts routed to it one at
-       a time in arrival order: an M/G/1 FIFO queue at its share of the arrivals
-       (prefill_attainment), with that compute as the service time. Not one shared queue as in a
-       prefill pool: a prompt is bound to its decode worker when it is routed.
+       decodes (PromptWork.beside_decodes_s), and a worker computes its prompts one at a time in
+       arrival order: the prefill pool's M/G/c FIFO model over the `workers` (prefill_attainment),
+       with that compute as the service time. One shared queue is optimistic: a prompt is bound to
+       its decode worker when it is routed (the router counts each worker's waiting prefill tokens,
+       which keeps the queues close to one); an M/G/1 queue per worker is the other bound.
     3. Admission as in disaggregated decode: a request waits for a batch slot and KV before its
        prompt is computed, within its TTFT slack less that compute, and holds its KV through its
        wait for a lane and its compute.
