@@ -19,11 +19,17 @@ search, is what the cell reports).
 Per cell: the planner replays the workload (its first 120 s are the warm-start history), then the
 static search finds the cheapest fixed split reaching attainment 0.99 (`static_*`; where none
 does, e.g. prompts whose prefill alone exceeds the TTFT target, the cheapest reaching the planner's
-own attainment, `static_target` saying which). The cell passes if the planner's attainment is at least 0.99 where a static
-split reaches it, and its GPU-hours are at most 0.85 x that split's.
+own attainment, `static_target` saying which). The static configurations of both serving modes
+are searched, the cheapest split and the fewest aggregated workers (no prefill pool, each worker
+computing its own prompts); the cell is judged against the cheaper (`static_mode`; a tie: the
+split). The cell passes if the planner's attainment is at least 0.99 where a static configuration
+reaches it, and its GPU-hours are at most 0.85 x that configuration's.
+
+`--planner-mode` is the planner's (docs/planner.md "Aggregated or disaggregated"): disaggregated
+(the default) or auto, which may serve aggregated (its prefill pool may then go to 0).
 
     python bench/plan_suite.py [--workloads ...] [--gpus 2 5 10 20 40] [--seeds 0 1] \\
-        [--processes 2] [--output FILE] [--table FILE]
+        [--planner-mode disaggregated|auto] [--processes 2] [--output FILE] [--table FILE]
 
 One JSON line per cell on stdout (and --output) as cells finish; with --table a Markdown table of
 every cell. Run it niced: each cell is one process.
@@ -38,7 +44,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing import Pool
 from pathlib import Path
 
@@ -50,6 +56,7 @@ from planner import Planner, PlannerConfig  # noqa: E402
 from planner.sizing import DecodeWorkload, size_decode, size_prefill  # noqa: E402
 from sim.plan.simulator import SimConfig, Simulation  # noqa: E402
 from sim.plan.static import StaticSearch  # noqa: E402
+from runtime.config_planner import ServingMode  # noqa: E402
 from sim.workload import Workload, load_workload, scale_load, split_history, synthetic_workload  # noqa: E402
 from splitserve.bench.plan import SIMULATED_POOLS  # noqa: E402
 from splitserve.bench.serve import git_sha  # noqa: E402
@@ -70,6 +77,7 @@ class Cell:
     seed: int
     trace_s: float
     synthetic_s: float
+    mode: ServingMode = ServingMode.DISAGGREGATED
 
 
 _TRACE_CACHE: dict[str, Workload] = {}
@@ -124,18 +132,24 @@ def run_cell(cell: Cell) -> dict:
                                     WARM_START_S)
     # the pools `bench plan` simulates: at least one worker each and no deployment's cap (the
     # default cap of 8 a pool would stop the 10-40 GPU cells short of what their static split runs)
-    planner_cfg = PlannerConfig(TTFT_S, ITL_S, startup_s=profile.startup_s,
-                                prefill=SIMULATED_POOLS.prefill, decode=SIMULATED_POOLS.decode)
+    prefill = SIMULATED_POOLS.prefill
+    if cell.mode is not ServingMode.DISAGGREGATED:      # aggregated serving is a prefill pool of 0
+        prefill = replace(prefill, min_workers=0)
+    planner_cfg = PlannerConfig(TTFT_S, ITL_S, startup_s=profile.startup_s, prefill=prefill,
+                                decode=SIMULATED_POOLS.decode, mode=cell.mode)
     sim_cfg = SimConfig(TTFT_S, ITL_S, planner_cfg.interval_s, profile.startup_s, cell.seed, TTFT_S)
     r = Simulation(replay, profile, sim_cfg, planner=Planner(planner_cfg, profile), history=history).run()
     planner_s = time.perf_counter() - t0
     attainment = r.attainment(TTFT_S, ITL_S)
     hint = (max(d.prefill.desired for d in r.decisions), max(d.decode.desired for d in r.decisions))
-    static = StaticSearch(replay, profile, sim_cfg, GOAL).run(hint)
     static_at = GOAL
-    if static is None:          # no split reaches the goal: compare at the planner's own attainment
-        static, static_at = StaticSearch(replay, profile, sim_cfg, attainment).run(hint), attainment
+    split, aggregated = static_configs(StaticSearch(replay, profile, sim_cfg, GOAL), hint)
+    if split is None and aggregated is None:    # none reaches the goal: compare at the planner's attainment
+        split, aggregated = static_configs(StaticSearch(replay, profile, sim_cfg, attainment), hint)
+        static_at = attainment
+    static = min((c for c in (split, aggregated) if c), key=lambda c: c.workers, default=None)
     static_h = static.workers * r.end_s / 3600 if static else None
+    modes = [d.mode.mode for d in r.decisions]
     gpu_h = r.gpu_s / 3600
     ratio = gpu_h / static_h if static_h else None
     timeline = r.timeline
@@ -152,8 +166,13 @@ def run_cell(cell: Cell) -> dict:
         "mean_decode_workers": round(float(np.mean([p.decode_active for p in timeline])), 3) if timeline else None,
         "local_prefill_share": round(float(r.local_prefill.mean()), 4),
         "scaling_actions": r.scaling_actions,
+        "planner_mode": cell.mode.value,
+        "mode_share_aggregated": round(modes.count(ServingMode.AGGREGATED) / len(modes), 4) if modes else None,
+        "mode_switches": sum(a is not b for a, b in zip(modes, modes[1:])) if modes else 0,
         "static_target": round(static_at, 5),
+        "static_mode": None if static is None else "aggregated" if static is aggregated else "disaggregated",
         "static_config": {"prefill": static.prefill, "decode": static.decode} if static else None,
+        "static_disaggregated": _static_record(split), "static_aggregated": _static_record(aggregated),
         "static_sla_attainment": round(static.attainment, 5) if static else None,
         "static_gpu_hours": round(static_h, 4) if static_h else None,
         "gpu_hours_ratio": round(ratio, 4) if ratio else None,
@@ -163,9 +182,20 @@ def run_cell(cell: Cell) -> dict:
     }
 
 
+def static_configs(search: StaticSearch, hint: tuple[int, int]):
+    """The cheapest split and the fewest aggregated workers reaching the search's target (either
+    None where none does), the aggregated search starting at the split's size."""
+    split = search.run(hint)
+    return split, search.aggregated(split.workers if split else sum(hint))
+
+
+def _static_record(c) -> dict | None:
+    return None if c is None else {"prefill": c.prefill, "decode": c.decode, "attainment": round(c.attainment, 5)}
+
+
 def table(records: list[dict]) -> str:
     head = ("| workload | GPUs (target) | seed | requests | attainment (TTFT / ITL) | GPU-hours | mean P + D | "
-            "static split at 0.99 (attainment) | static GPU-hours | ratio | meets |\n"
+            "static configuration at 0.99 (attainment) | static GPU-hours | ratio | meets |\n"
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
     rows = []
     order = {w: i for i, w in enumerate(WORKLOADS)}
@@ -174,7 +204,9 @@ def table(records: list[dict]) -> str:
             rows.append(f"| {r['workload']} | {r['gpus_target']} | {r['seed']} | | {r['skipped']} | | | | | | n/a |")
             continue
         st = r["static_config"]
-        split = f"{st['prefill']} + {st['decode']} ({r['static_sla_attainment']})" if st else "none found"
+        split = ("none found" if not st else
+                 f"{st['decode']} aggregated ({r['static_sla_attainment']})" if r.get("static_mode") == "aggregated"
+                 else f"{st['prefill']} + {st['decode']} ({r['static_sla_attainment']})")
         if r["static_target"] < GOAL:
             split = "none reaches 0.99; at the planner's: " + split
         meets = ("yes" if r["attainment_ok"] and r["ratio_ok"] else
@@ -194,6 +226,8 @@ def main() -> int:
     p.add_argument("--trace-s", type=float, default=1200.0, help="seconds of each public trace replayed")
     p.add_argument("--synthetic-s", type=float, default=1200.0,
                    help="seconds of each generated workload (the flash crowd: at least 3,000, its whole shape)")
+    p.add_argument("--planner-mode", default=ServingMode.DISAGGREGATED.value,
+                   choices=[ServingMode.DISAGGREGATED.value, ServingMode.AUTO.value])
     p.add_argument("--processes", type=int, default=2)
     p.add_argument("--output", default=None)
     p.add_argument("--table", default=None)
@@ -201,7 +235,7 @@ def main() -> int:
     if min(args.gpus) < 1 or args.processes < 1 or args.trace_s <= 0 or args.synthetic_s <= 0:
         print("plan_suite: --gpus, --processes, --trace-s and --synthetic-s must be positive", file=sys.stderr)
         return 2
-    cells = [Cell(w, g, s, args.trace_s, args.synthetic_s) for g in sorted(args.gpus)
+    cells = [Cell(w, g, s, args.trace_s, args.synthetic_s, ServingMode(args.planner_mode)) for g in sorted(args.gpus)
              for w in args.workloads for s in args.seeds]
     records = []
     with Pool(args.processes) as pool:

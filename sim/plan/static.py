@@ -19,10 +19,7 @@ through when first tokens come out). So the search runs the pools apart:
 
 `aggregated` searches the other mode: N workers and no prefill pool, each computing its prompts
 in its own decode steps (the frontend's behaviour without prefill workers), the least N whose
-joint run reaches the target. (Until
-   `bf7cbac` only splits whose union of misses from the separate runs fit were run together; the
-   D run was fed the P_min run's first tokens, so that union could reject a split that reaches
-   the target together, and the search then returned a costlier one.)
+joint run reaches the target.
 
 A run gives up as soon as its misses exceed the allowance, so the failing probes of a bisection
 cost a fraction of a run. Assumes more workers never make a pool worse (true of these pools up
