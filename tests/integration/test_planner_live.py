@@ -158,3 +158,56 @@ def test_mock_workers_serve_disaggregated_through_nixl(tmp_path):
         assert metric(c.url, "splitserve_kv_handoffs_total") == 6
         assert metric(c.url, "splitserve_prefill_fallback_total") == 0
     assert_clean_log(c.log())
+
+
+def test_the_planner_switches_to_aggregated_serving_without_cutting_a_request(tmp_path):
+    """`serve --mock --planner --planner-mode auto`, started disaggregated (one prefill and one
+    decode worker): on prompts of a few hundred tokens with 40 out, aggregated serving needs fewer
+    GPUs on this profile, so the planner switches to it and drains the prefill pool to 0 once the
+    decode pool can take the prompts. The prompts long enough to go remote before the switch
+    (over NIXL) and every request after it complete with all their tokens."""
+    from kvstore.movers.transfer import nixl_available
+
+    if not nixl_available():
+        pytest.skip("NIXL is not installed")
+    profile = tmp_path / "slow-mock.json"
+    profile.write_text(json.dumps(PROFILE))
+    with own_cluster("--mock", "--prefill-workers", "1", "--decode-workers", "1", "--max-decode-workers", "4",
+                     "--max-num-seqs", "2", "--mock-profile", str(profile), "--planner",
+                     "--planner-profile", str(profile), "--planner-mode", "auto", "--ttft-ms", "2000",
+                     "--itl-ms", "100", "--planner-interval-s", "1", "--drain-timeout-s", "10",
+                     "--lease-ttl-s", "2", tmp_dir=tmp_path) as c:
+        seen = {"prefill_ready": [], "decode_ready": []}
+
+        async def watch(stop: asyncio.Event) -> None:
+            while not stop.is_set():
+                p, d = await asyncio.gather(asyncio.to_thread(pool, c, "prefill"), asyncio.to_thread(pool, c, "decode"))
+                seen["prefill_ready"].append(p.ready)
+                seen["decode_ready"].append(d.ready)
+                await asyncio.sleep(0.5)
+
+        async def run() -> list:
+            stop = asyncio.Event()
+            watcher = asyncio.create_task(watch(stop))
+            async with httpx.AsyncClient(limits=httpx.Limits(max_connections=200)) as client:
+                tasks, t0 = [], time.monotonic()
+                for i, p in enumerate(prompts(45, seed=4, lengths=(150, 400))):
+                    await asyncio.sleep(max(t0 + i / 3.0 - time.monotonic(), 0))
+                    tasks.append(asyncio.create_task(stream_one(client, c.url, p, MAX_TOKENS)))
+                streams = await asyncio.gather(*tasks)
+            stop.set()
+            await watcher
+            return streams
+
+        streams = asyncio.run(run())
+        bad = [s for s in streams if not s.ok or len(s.tokens) != MAX_TOKENS]
+        assert not bad, f"{len(bad)} of {len(streams)} requests failed or came back short: {bad[:3]}"
+        until(lambda: pool(c, "prefill").ready == 0 and pool(c, "prefill").desired == 0, 30, 0.5,
+              "the prefill pool drained to 0")
+        assert 1 in seen["prefill_ready"] and 0 in seen["prefill_ready"], seen    # drained under load
+        assert max(seen["decode_ready"]) >= 2, seen
+        assert metric(c.url, "splitserve_prefill_remote_total") >= 1               # went remote before
+        assert metric(c.url, "splitserve_prefill_local_total", reason="no_prefill_pool") >= 1   # ... and after
+    log = c.log()
+    assert "mode aggregated (first" in log or "mode aggregated (switch" in log, log[-3000:]
+    assert_clean_log(log)
