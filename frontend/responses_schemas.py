@@ -86,7 +86,11 @@ class FunctionCallOutputItem(_Strict):
 
 
 def _item_kind(value: Any) -> str:
+    """The input item's model, by its `type`; anything else (a missing, unknown or non-string type)
+    is validated as a message, whose own `type` check then refuses it with a 400."""
     kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "message")
+    if not isinstance(kind, str):
+        return "MessageItem"
     return {"function_call": "FunctionCallItem", "function_call_output": "FunctionCallOutputItem"}.get(
         kind, "MessageItem")
 

@@ -70,3 +70,10 @@ def test_unknown_fields_and_coercion_fail_validation():
                                                                                                "content": "x"}]}):
         with pytest.raises(ValidationError):
             _req(**body)
+
+
+@pytest.mark.parametrize("kind", [[], {}, 3, None])
+def test_an_input_item_whose_type_is_not_a_string_fails_validation(kind):
+    """A 400 (a ValidationError), not a 500 from looking up an unhashable type (found by the fuzzer)."""
+    with pytest.raises(ValidationError):
+        _req(input=[{"type": kind, "role": "user", "content": "x"}])
