@@ -44,6 +44,8 @@ class InputOther(_Strict):
 
 def _part_kind(value: Any) -> str | None:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    if not isinstance(kind, str):       # a list or a dict cannot be looked up: the catch-all refuses it
+        return "InputOther"
     return {"input_text": "InputText", "output_text": "OutputText"}.get(kind, "InputOther")
 
 

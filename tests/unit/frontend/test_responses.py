@@ -77,3 +77,9 @@ def test_an_input_item_whose_type_is_not_a_string_fails_validation(kind):
     """A 400 (a ValidationError), not a 500 from looking up an unhashable type (found by the fuzzer)."""
     with pytest.raises(ValidationError):
         _req(input=[{"type": kind, "role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize("kind", [[], {}])
+def test_a_content_part_whose_type_is_not_a_string_fails_validation(kind):
+    with pytest.raises(ValidationError, match="InputOther.type"):
+        _req(input=[{"role": "user", "content": [{"type": kind, "text": "x"}]}])
