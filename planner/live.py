@@ -101,13 +101,19 @@ def sla_planner_config(sla: SlaConfig, profile: Profile, pools: dict[str, PoolVi
                                        (profile.prefill_tp, profile.decode_tp))
 
 
-def check_sla(sla: SlaConfig, quantization: str | None = None, tp: tuple[int, int] | None = None) -> Profile:
+def check_sla(sla: SlaConfig, quantization: str | None = None, tp: tuple[int, int] | None = None,
+              limits: PoolLimitsConfig | None = None) -> Profile:
     """The planner's profile, its settings checked by building the core's config (ValueError, OSError).
     `quantization`: the workers' weights ("none" | "fp8"), where known: the default profile is the one
     for them, and a profile measured with other weights is refused; `tp` (the prefill and decode
-    workers' tensor-parallel sizes), where known, likewise."""
+    workers' tensor-parallel sizes), where known, likewise; `limits`, the pools' bounds where known
+    (serve's), so that settings at odds with them (a mode choice beside a prefill minimum above 0)
+    are refused at start-up rather than at every decision."""
     profile = load_profile(sla.profile, quantization, tp)
-    sla_planner_config(sla, profile)
+    if limits is None:
+        sla_planner_config(sla, profile)
+    else:
+        PlannerConfig.from_settings(sla, profile.startup_s, limits, (profile.prefill_tp, profile.decode_tp))
     return profile
 
 

@@ -156,7 +156,8 @@ def serve(cfg: ServeConfig, launcher: type[Launcher] | None = None, connect=None
     if cfg.planner.enabled:
         try:
             from planner.live import check_sla
-            profile = check_sla(cfg.planner, weights, (pool_tp(cfg, "prefill"), pool_tp(cfg, "decode")))
+            profile = check_sla(cfg.planner, weights, (pool_tp(cfg, "prefill"), pool_tp(cfg, "decode")),
+                                cfg.controller)
         except (InvalidRequest, ValueError, OSError) as e:
             print(f"splitserve serve: --planner: {getattr(e, 'message', e)}", file=sys.stderr)
             return 2

@@ -11,6 +11,7 @@ import pytest
 
 from planner.live import AdminTarget, LoadReader, PlannerLoop, PoolView, check_sla, direction, sla_planner_config
 from runtime.config import SlaConfig
+from runtime.config_planner import PoolLimitsConfig
 from runtime.metrics import PlannerMetrics
 from runtime.pool_record import LatencyRecord, read_latencies, write_latency
 from perf.profile import CURVE_PROFILE_PATH
@@ -94,6 +95,12 @@ def test_bad_settings_are_refused_before_anything_starts():
         check_sla(SlaConfig(ttft_ms=0))
     with pytest.raises(ValueError, match="cannot read profile"):
         check_sla(SlaConfig(profile="/nonexistent/profile.json"))
+    # a mode choice beside serve's prefill minimum above 0: refused at start-up, not at each decision
+    auto = SlaConfig(mode="auto")
+    check_sla(auto)
+    check_sla(auto, limits=PoolLimitsConfig(min_prefill_workers=0))
+    with pytest.raises(ValueError, match="prefill pool's minimum at 0"):
+        check_sla(auto, limits=PoolLimitsConfig(min_prefill_workers=1))
 
 
 def test_set_pool_targets_through_the_admin_api():
