@@ -328,11 +328,15 @@ class PromptWork:
     uncached: np.ndarray       # the tokens it computes (prompt less its cached prefix)
     chunk_tokens: int          # a step's token budget (the engine's max_num_batched_tokens)
 
+    def chunks(self, batch: float) -> np.ndarray:
+        """k_i: the steps each prompt takes on a worker decoding `batch` sequences, one chunk of the
+        budget the decodes leave per step."""
+        return np.ceil(self.uncached / max(self.chunk_tokens - math.ceil(batch), 1))
+
     def beside_decodes_s(self, batch: float, step_s: float) -> np.ndarray:
-        """Each prompt's compute on a worker decoding `batch` sequences: one chunk of the budget the
-        decodes leave per step, and each of its k_i steps also pays the decodes' step_s."""
-        chunk = max(self.chunk_tokens - math.ceil(batch), 1)
-        return self.prefill_s + np.ceil(self.uncached / chunk) * step_s
+        """Each prompt's compute on a worker decoding `batch` sequences: its k_i steps each also pay
+        the decodes' step_s."""
+        return self.prefill_s + self.chunks(batch) * step_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -407,13 +411,13 @@ def aggregated_attainment(workers: int, rate: float, prompts: PromptWork, wl: De
     batch = decode_batch(workers, rate, wl, stretched, ceiling=cap)
     if not math.isfinite(batch):
         return AggregatedSizing(workers, 0.0, 0.0, share, batch, math.inf, limit)
-    compute_s = prompts.beside_decodes_s(batch, m.step(max(batch, 1.0), wl.context))
+    step_s = m.step(max(batch, 1.0), wl.context)
+    compute_s = prompts.beside_decodes_s(batch, step_s)
     lane = prefill_attainment(workers, rate, compute_s, m.ttft_target_s, m.bursts[0])
     held = DecodeWorkload(wl.steps, wl.context, wl.kv_tokens, compute_s + min(lane.mean_wait_s, m.ttft_target_s),
                           m.ttft_target_s - compute_s)
     dec = decode_attainment(workers, rate, held, stretched, m.itl_target_s, cap, limit, m.bursts[1], m.kv_capacity)
-    chunks = float(np.ceil(prompts.uncached / max(prompts.chunk_tokens - math.ceil(batch), 1)).mean())
-    step_s = m.step(max(batch, 1.0), wl.context)
+    chunks = float(prompts.chunks(batch).mean())
     carry = min(rate / workers * chunks * step_s / (1 - share), 1.0)     # chunk steps / decode steps
     itl_ok = chunk_itl_ok(wl.steps, carry, float(prompts.prefill_s.mean()) / chunks, step_s, m.itl_target_s)
     return AggregatedSizing(workers, lane.attainment, dec.attainment * float(itl_ok.mean()), share, dec.batch,
