@@ -39,9 +39,10 @@ def pool(cluster, name: str) -> admin_pb2.PoolStatus:
     return next(p for p in r.pools if p.pool == name)
 
 
-async def load(url: str, rate_rps: float, duration_s: float) -> list:
+async def load(url: str, rate_rps: float, duration_s: float, lengths: tuple[int, int] = (20, 60),
+               seed: int = 3) -> list:
     """Open-loop arrivals at `rate_rps` for `duration_s`; every stream's outcome."""
-    rng_prompts = prompts(int(rate_rps * duration_s) + 1, seed=3, lengths=(20, 60))
+    rng_prompts = prompts(int(rate_rps * duration_s) + 1, seed=seed, lengths=lengths)
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=200)) as client:
         tasks = []
         t0 = time.monotonic()
@@ -49,6 +50,27 @@ async def load(url: str, rate_rps: float, duration_s: float) -> list:
             await asyncio.sleep(max(t0 + i / rate_rps - time.monotonic(), 0))
             tasks.append(asyncio.create_task(stream_one(client, url, p, MAX_TOKENS)))
         return await asyncio.gather(*tasks)
+
+
+def load_watching(cluster, pools: tuple[str, ...], watch, rate_rps: float, duration_s: float, **kw) -> list:
+    """`load` on the cluster while `watch` gets the named pools' status (a dict by name) every 0.5 s."""
+    async def run() -> list:
+        stop = asyncio.Event()
+
+        async def poll() -> None:
+            while not stop.is_set():
+                status = await asyncio.gather(*(asyncio.to_thread(pool, cluster, name) for name in pools))
+                watch(dict(zip(pools, status)))
+                await asyncio.sleep(0.5)
+
+        poller = asyncio.create_task(poll())
+        try:
+            return await load(cluster.url, rate_rps, duration_s, **kw)
+        finally:
+            stop.set()
+            await poller
+
+    return asyncio.run(run())
 
 
 def test_the_planner_scales_decode_up_and_down_with_no_failed_request(tmp_path):
@@ -61,21 +83,11 @@ def test_the_planner_scales_decode_up_and_down_with_no_failed_request(tmp_path):
                      tmp_dir=tmp_path) as c:
         peak = {"desired": 1, "ready": 1}
 
-        async def watch(stop: asyncio.Event) -> None:
-            while not stop.is_set():
-                d = await asyncio.to_thread(pool, c, "decode")
-                peak["desired"], peak["ready"] = max(peak["desired"], d.desired), max(peak["ready"], d.ready)
-                await asyncio.sleep(0.5)
+        def watch(status: dict) -> None:
+            d = status["decode"]
+            peak["desired"], peak["ready"] = max(peak["desired"], d.desired), max(peak["ready"], d.ready)
 
-        async def run() -> list:
-            stop = asyncio.Event()
-            watcher = asyncio.create_task(watch(stop))
-            streams = await load(c.url, RATE_RPS, 15.0)
-            stop.set()
-            await watcher
-            return streams
-
-        streams = asyncio.run(run())
+        streams = load_watching(c, ("decode",), watch, RATE_RPS, 15.0)
         bad = [s for s in streams if not s.ok or len(s.tokens) != MAX_TOKENS]
         assert not bad, f"{len(bad)} of {len(streams)} requests failed: {bad[:3]}"
         assert peak["desired"] >= 2 and peak["ready"] >= 2, (peak, c.log()[-3000:])
@@ -179,27 +191,11 @@ def test_the_planner_switches_to_aggregated_serving_without_cutting_a_request(tm
                      "--lease-ttl-s", "2", tmp_dir=tmp_path) as c:
         seen = {"prefill_ready": [], "decode_ready": []}
 
-        async def watch(stop: asyncio.Event) -> None:
-            while not stop.is_set():
-                p, d = await asyncio.gather(asyncio.to_thread(pool, c, "prefill"), asyncio.to_thread(pool, c, "decode"))
-                seen["prefill_ready"].append(p.ready)
-                seen["decode_ready"].append(d.ready)
-                await asyncio.sleep(0.5)
+        def watch(status: dict) -> None:
+            seen["prefill_ready"].append(status["prefill"].ready)
+            seen["decode_ready"].append(status["decode"].ready)
 
-        async def run() -> list:
-            stop = asyncio.Event()
-            watcher = asyncio.create_task(watch(stop))
-            async with httpx.AsyncClient(limits=httpx.Limits(max_connections=200)) as client:
-                tasks, t0 = [], time.monotonic()
-                for i, p in enumerate(prompts(45, seed=4, lengths=(150, 400))):
-                    await asyncio.sleep(max(t0 + i / 3.0 - time.monotonic(), 0))
-                    tasks.append(asyncio.create_task(stream_one(client, c.url, p, MAX_TOKENS)))
-                streams = await asyncio.gather(*tasks)
-            stop.set()
-            await watcher
-            return streams
-
-        streams = asyncio.run(run())
+        streams = load_watching(c, ("prefill", "decode"), watch, 3.0, 15.0, lengths=(150, 400), seed=4)
         bad = [s for s in streams if not s.ok or len(s.tokens) != MAX_TOKENS]
         assert not bad, f"{len(bad)} of {len(streams)} requests failed or came back short: {bad[:3]}"
         until(lambda: pool(c, "prefill").ready == 0 and pool(c, "prefill").desired == 0, 30, 0.5,
