@@ -58,7 +58,7 @@ from sim.plan.simulator import SimConfig, Simulation  # noqa: E402
 from sim.plan.static import StaticSearch  # noqa: E402
 from runtime.config_planner import ServingMode  # noqa: E402
 from sim.workload import Workload, load_workload, scale_load, split_history, synthetic_workload  # noqa: E402
-from splitserve.bench.plan import SIMULATED_POOLS  # noqa: E402
+from splitserve.bench.plan import SIMULATED_POOLS, planner_modes  # noqa: E402
 from splitserve.bench.serve import git_sha  # noqa: E402
 
 TRACES = Path(os.environ.get("SPLITSERVE_TRACES", "/work/shared/data/traces"))
@@ -143,13 +143,13 @@ def run_cell(cell: Cell) -> dict:
     attainment = r.attainment(TTFT_S, ITL_S)
     hint = (max(d.prefill.desired for d in r.decisions), max(d.decode.desired for d in r.decisions))
     static_at = GOAL
-    split, aggregated = static_configs(StaticSearch(replay, profile, sim_cfg, GOAL), hint)
+    split, aggregated = StaticSearch(replay, profile, sim_cfg, GOAL).both_modes(hint)
     if split is None and aggregated is None:    # none reaches the goal: compare at the planner's attainment
-        split, aggregated = static_configs(StaticSearch(replay, profile, sim_cfg, attainment), hint)
+        split, aggregated = StaticSearch(replay, profile, sim_cfg, attainment).both_modes(hint)
         static_at = attainment
     static = min((c for c in (split, aggregated) if c), key=lambda c: c.workers, default=None)
     static_h = static.workers * r.end_s / 3600 if static else None
-    modes = [d.mode.mode for d in r.decisions]
+    modes = planner_modes(r.decisions)
     gpu_h = r.gpu_s / 3600
     ratio = gpu_h / static_h if static_h else None
     timeline = r.timeline
@@ -167,8 +167,8 @@ def run_cell(cell: Cell) -> dict:
         "local_prefill_share": round(float(r.local_prefill.mean()), 4),
         "scaling_actions": r.scaling_actions,
         "planner_mode": cell.mode.value,
-        "mode_share_aggregated": round(modes.count(ServingMode.AGGREGATED) / len(modes), 4) if modes else None,
-        "mode_switches": sum(a is not b for a, b in zip(modes, modes[1:])) if modes else 0,
+        "mode_share_aggregated": modes["mode_share"][ServingMode.AGGREGATED.value],
+        "mode_switches": modes["mode_switches"],
         "static_target": round(static_at, 5),
         "static_mode": None if static is None else "aggregated" if static is aggregated else "disaggregated",
         "static_config": {"prefill": static.prefill, "decode": static.decode} if static else None,
@@ -180,13 +180,6 @@ def run_cell(cell: Cell) -> dict:
         "ratio_ok": bool(ratio is not None and ratio <= RATIO_BAR),
         "planner_wall_s": round(planner_s, 1), "wall_s": round(time.perf_counter() - t0, 1),
     }
-
-
-def static_configs(search: StaticSearch, hint: tuple[int, int]):
-    """The cheapest split and the fewest aggregated workers reaching the search's target (either
-    None where none does), the aggregated search starting at the split's size."""
-    split = search.run(hint)
-    return split, search.aggregated(split.workers if split else sum(hint))
 
 
 def _static_record(c) -> dict | None:

@@ -87,6 +87,12 @@ class StaticSearch:
                     return StaticResult(p, d, float(ok.mean()), self.runs)
         return None
 
+    def both_modes(self, hint: tuple[int, int] = (1, 1)) -> tuple[StaticResult | None, StaticResult | None]:
+        """The cheapest split (`run`) and the fewest aggregated workers (`aggregated`, its search
+        starting at the split's size, else at the hint's), either None where none reaches the target."""
+        split = self.run(hint)
+        return split, self.aggregated(split.workers if split else sum(hint))
+
     def aggregated(self, hint: int = 1) -> StaticResult | None:
         """The fewest aggregated workers (no prefill pool: each decode worker computes its prompts
         in its own steps, as the frontend does without prefill workers) whose joint run reaches the

@@ -226,9 +226,7 @@ def _static(args: argparse.Namespace, result, replay, profile, planner_cfg, sim_
     # the exact share, not the summary's rounded one: rounded up, it would ask the static
     # split for one miss fewer than the planner had
     met = float((result.ttft_ok(ttft_s) & result.itl_ok(itl_s)).mean())
-    search = StaticSearch(replay, profile, sim_cfg, met, not args.no_progress)
-    split = search.run(hint)
-    return split, search.aggregated(split.workers if split else sum(hint))
+    return StaticSearch(replay, profile, sim_cfg, met, not args.no_progress).both_modes(hint)
 
 
 def _modes(split, aggregated, end_s: float) -> dict:
