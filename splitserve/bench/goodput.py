@@ -11,9 +11,10 @@ request (error, timeout, truncated stream) meets neither.
 
 How it runs: a warm-up (by default two requests per GPU of `--gpus`, all at once, so that every
 worker of a fleet has served before anything is measured: a worker's first request is slower
-than the rest, and one cold worker among three is enough to fail the requests sent alone); then `ALONE_REQUESTS` requests one at a time. If those already miss the
-targets more often than the goal allows, no rate can meet them: the command says so and reports a
-goodput of 0 without searching. Otherwise each probe sends Poisson arrivals at one rate for
+than the rest, and one cold worker among three is enough to fail the requests sent alone); then
+`ALONE_REQUESTS` requests one at a time. If those already miss the targets more often than the
+goal allows, no rate can meet them: the command says so and reports a goodput of 0 without
+searching. Otherwise each probe sends Poisson arrivals at one rate for
 `--duration-s` (at least `--min-requests` requests), waits for every response, and counts the
 requests that met both targets; rate_search.py picks the rates (doubling/halving to a bracket,
 then bisection) and says when to stop. The first rate is `--start-rate`, else `--start-in-flight`
