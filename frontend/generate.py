@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
 
 from runtime.types import SamplingParams
-from perf.itl_guard import ItlGuard, must_wait
+from perf.itl_guard import Guard, must_wait
 from frontend.generation import Delta, Generation  # noqa: F401 (Delta: the APIs' type)
 from frontend.tokenizer import ModelTokenizer
 from frontend.workers import SHUTTING_DOWN, WorkerPool
@@ -96,7 +97,7 @@ class Generator:
     def __init__(self, pool: WorkerPool, tokenizer: ModelTokenizer, metrics: FrontendMetrics,
                  max_model_len: int, wait_for_workers_s: float = 10.0,
                  remote_prefill_min_tokens: int = 128, max_prefill_queue_tokens: int = 32768,
-                 itl_guard: ItlGuard | None = None) -> None:
+                 itl_guard: Guard | None = None) -> None:
         self.pool, self.tokenizer, self.metrics = pool, tokenizer, metrics
         self.max_model_len = max_model_len
         self.wait_for_workers_s = wait_for_workers_s
@@ -159,11 +160,11 @@ class Generator:
         return max_tokens
 
     def _remote_prefill(self, rid: str, hashes: list[int], inp: GenerateInput, overlap_blocks: int,
-                        migrated: bool, decode_batch: int) -> worker_pb2.RemotePrefill | None:
+                        migrated: bool, decode_worker: str, decode_batch: int) -> worker_pb2.RemotePrefill | None:
         """Conditional disaggregation (docs/architecture.md, step 3): a prefill worker computes the prompt
         when the decode worker would have many uncached tokens and the prefill pool has room, or
         when computing it on the decode worker (`decode_batch` requests there) would break the ITL
-        target (perf/itl_guard.py)."""
+        target by the guard's rule (perf/itl_guard.py)."""
         to_prefill = len(inp.prompt_token_ids) - overlap_blocks * self.pool.block_size
         local = self.metrics.prefill_local
         if migrated or not self.pool.num_alive(prefill=True):
@@ -178,7 +179,8 @@ class Generator:
             local.labels("no_prefill_pool").inc()
             return None
         if self.pool.router.queued_prefill_tokens(choice.conn.worker_id) > self.max_prefill_queue_tokens:
-            if not must_wait(self.itl_guard, len(inp.prompt_token_ids), to_prefill, decode_batch):
+            if not must_wait(self.itl_guard, len(inp.prompt_token_ids), to_prefill, decode_batch,
+                             decode_worker, time.monotonic()):
                 self.pool.router.finished(rid, choice.conn.worker_id)
                 local.labels("saturated").inc()
                 return None

@@ -187,7 +187,7 @@ class Generation:
                     hashes = block_hashes(inp.prompt_token_ids, g.pool.block_size)
                 conn = self.conn = await self._choose(hashes, exclude)
                 self.remote = g._remote_prefill(rid, hashes, inp, self.overlap_blocks, bool(self.output),
-                                                conn.num_active)
+                                                conn.worker_id, conn.num_active)
                 conn.submit(worker_pb2.WorkerSubmit(
                     request_id=rid, prompt_token_ids=inp.prompt_token_ids,
                     sampling=submitted_sampling(inp.sampling, self.output),

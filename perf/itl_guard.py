@@ -23,13 +23,27 @@ a prefill worker computes the same prompt in full-budget chunks beside no decode
 only the prompt's own TTFT, which the prefill worker's deadline order and its lease bound
 (docs/disaggregation.md has the figures).
 
+`LocalPrefillBudget` (`--itl-guard budget`) reads the target as what it is in the goodput and the
+planner's attainment: a bound on each request's *mean* ITL, not on every step. Then a decode worker
+may spend part of its time on prompts from a saturated prefill worker's queue: if local prefills take
+a share f of its time and its decode steps alone take b, its requests' mean ITL is about b / (1 - f),
+so up to f = 1 - b / (aim x target) keeps them at `aim` (0.8) of the target. The frontend meters
+each decode worker's local prefills to that share: a credit of prefill seconds, none when the worker
+is first seen, grows at f per second of wall time (its current decode batch sets b), capped at the
+prompt in hand's cost, and a prompt runs locally only when the credit covers it (the extra time its
+chunks add to the worker's steps, priced with the profile like the step rule).
+A saturated prefill worker's overflow then spreads over the decode workers' slack instead of waiting
+(the step rule) or landing on them all at once (no guard). With N frontends (`serve --frontends N`)
+each meters 1/N of that share.
+
 Plain numbers in, a decision out: it knows nothing of gRPC, routers, workers or metrics.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import StrEnum
 
 from perf.profile import Profile, load_profile
 
@@ -66,23 +80,86 @@ class ItlGuard:
         longer than the ITL target."""
         return self.local_step_s(prompt_tokens, cached_tokens, decode_batch, decode_context) > self.itl_target_s
 
+    def must_wait(self, worker_id: str, now_s: float, prompt_tokens: int, uncached_tokens: int,
+                  decode_batch: int) -> bool:
+        """The step rule for a prompt past the queue gate: wait when computing it on the decode
+        worker (running `decode_batch` requests, priced at this prompt's length: the frontend does
+        not see the others') would make one of its steps longer than the target."""
+        return self.breaks_target(prompt_tokens, prompt_tokens - uncached_tokens, decode_batch, prompt_tokens)
+
     def _step_s(self, chunks: Sequence[tuple[int, int]]) -> float:
         return self.profile.timing.step_s(chunks)
 
 
-def must_wait(guard: ItlGuard | None, prompt_tokens: int, uncached_tokens: int, decode_batch: int) -> bool:
+@dataclass(slots=True)
+class LocalPrefillBudget:
+    """Meters each decode worker's local prefills to the share of its time that keeps its
+    requests' mean ITL at `aim` of the target (module docstring)."""
+
+    guard: ItlGuard
+    share: float = 1.0          # this frontend's part of each decode worker's budget (1/N of N frontends)
+    aim: float = 0.8
+    _credit: dict[str, tuple[float, float]] = field(default_factory=dict)   # worker -> (seconds, as of)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.share <= 1:
+            raise ValueError(f"a frontend's share of the local-prefill budget must be in (0, 1], got {self.share}")
+        if not 0 < self.aim <= 1:
+            raise ValueError(f"the budget's aim must be in (0, 1], got {self.aim}")
+
+    def spare_share(self, decode_batch: int, decode_context: float) -> float:
+        """The share of the decode worker's time this frontend may fill with local prefills."""
+        b = self.guard.profile.decode_step_s(max(decode_batch, 1), max(decode_context, 1.0))
+        return max(0.0, 1.0 - b / (self.aim * self.guard.itl_target_s)) * self.share
+
+    def cost_s(self, prompt_tokens: int, cached_tokens: int, decode_batch: int, decode_context: float) -> float:
+        """What computing the prompt on the decode worker adds to its steps: each chunk's step less
+        the decode step it rides on."""
+        chunk = max(self.guard.profile.max_num_batched_tokens - decode_batch, 1)
+        start = min(max(cached_tokens, 0), max(prompt_tokens - 1, 0))
+        decodes = [(max(int(decode_context), 1) - 1, 1)] * max(decode_batch, 0)
+        step = self.guard.profile.timing.step_s
+        alone = step(decodes) if decodes else 0.0
+        cost = 0.0
+        for s in range(start, prompt_tokens, chunk):
+            cost += step([(s, min(chunk, prompt_tokens - s)), *decodes]) - alone
+        return cost
+
+    def must_wait(self, worker_id: str, now_s: float, prompt_tokens: int, uncached_tokens: int,
+                  decode_batch: int) -> bool:
+        """True when the decode worker's credit does not cover the prompt (it waits at its prefill
+        worker); otherwise the credit pays for it and it runs locally."""
+        cost = self.cost_s(prompt_tokens, prompt_tokens - uncached_tokens, decode_batch, prompt_tokens)
+        credit, as_of = self._credit.get(worker_id, (0.0, now_s))    # a worker first seen has earned none
+        credit = min(credit + self.spare_share(decode_batch, prompt_tokens) * max(now_s - as_of, 0.0), cost)
+        wait = credit < cost
+        self._credit[worker_id] = (credit if wait else credit - cost, now_s)
+        return wait
+
+
+class ItlGuardMode(StrEnum):
+    STEP = "step"           # wait when one step with the prompt's chunk would pass the target
+    BUDGET = "budget"       # meter local prefills to the decode workers' slack under a mean-ITL target
+
+
+Guard = ItlGuard | LocalPrefillBudget
+
+
+def must_wait(guard: Guard | None, prompt_tokens: int, uncached_tokens: int, decode_batch: int,
+              worker_id: str = "", now_s: float = 0.0) -> bool:
     """A prompt whose prefill worker is saturated: True when it must wait there anyway, because
-    computing it on its decode worker (running `decode_batch` requests) would break the ITL target.
-    D's decodes are priced at this prompt's length, the context of a workload of such prompts (the
-    frontend does not see the others'). No guard: never (the queue threshold alone decides)."""
+    computing it on its decode worker `worker_id` (running `decode_batch` requests) would break the
+    ITL target, by the guard's rule. No guard: never (the queue threshold alone decides)."""
     if guard is None:
         return False
-    return guard.breaks_target(prompt_tokens, prompt_tokens - uncached_tokens, decode_batch, prompt_tokens)
+    return guard.must_wait(worker_id, now_s, prompt_tokens, uncached_tokens, decode_batch)
 
 
-def make_itl_guard(itl_target_ms: float | None, profile_path: str | None) -> ItlGuard | None:
+def make_itl_guard(itl_target_ms: float | None, profile_path: str | None,
+                   mode: ItlGuardMode = ItlGuardMode.STEP, share: float = 1.0) -> Guard | None:
     """The guard of a frontend's settings (None without a target: the queue-token rule alone).
-    Raises ValueError for a bad target or an unreadable profile."""
+    Raises ValueError for a bad target, share or an unreadable profile."""
     if itl_target_ms is None:
         return None
-    return ItlGuard(load_profile(profile_path), itl_target_ms / 1000.0)
+    guard = ItlGuard(load_profile(profile_path), itl_target_ms / 1000.0)
+    return guard if ItlGuardMode(mode) is ItlGuardMode.STEP else LocalPrefillBudget(guard, share)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field
 from enum import StrEnum
 
+from perf.itl_guard import ItlGuardMode
 from runtime.config_fields import arg
 from runtime.quantization import QUANTIZATION_CHOICES
 from runtime.config_planner import (HARD_MAX_WORKERS, PLANNER_INTERVAL_S, PoolLimitsConfig, PrefillOrder,  # noqa: F401
@@ -190,6 +191,14 @@ class FrontendConfig:
                                       "in a saturated prefill worker's queue instead (docs/disaggregation.md); "
                                       "none: `serve --planner` passes its --itl-ms, else the queue threshold "
                                       "alone decides")
+    itl_guard_mode: ItlGuardMode = arg(ItlGuardMode.STEP, "how --itl-target-ms keeps prompts off the decode "
+                                       "workers: step (a prompt whose prefill there would make one step pass "
+                                       "the target waits for its prefill worker) or budget (the target bounds "
+                                       "each request's mean ITL: a decode worker computes prompts from saturated "
+                                       "prefill workers for as much of its time as keeps its requests' mean ITL "
+                                       "at 0.8 of the target)")
+    itl_budget_share: float = arg(1.0, "with --itl-guard-mode budget, the part of each decode worker's budget "
+                                  "this frontend meters (1/N of N frontends; `serve --frontends N` sets it)")
     decode_profile: str | None = arg(None, "JSON performance profile of the decode workers (format 2, "
                                      "`splitserve profile`) that prices a local prefill for --itl-target-ms; "
                                      "none: `serve --planner` passes its --planner-profile, else the shipped "

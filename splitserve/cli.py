@@ -233,7 +233,9 @@ def check_itl_guard(cfg: FrontendConfig) -> None:
     """A bad --itl-target-ms or --decode-profile is a start-up error, not a frontend that dies later."""
     from perf.itl_guard import make_itl_guard
     from runtime.config_fields import ConfigError
+    if not 0 < cfg.itl_budget_share <= 1:
+        raise ConfigError(f"--itl-budget-share must be in (0, 1], got {cfg.itl_budget_share}")
     try:
-        make_itl_guard(cfg.itl_target_ms, cfg.decode_profile)
+        make_itl_guard(cfg.itl_target_ms, cfg.decode_profile, cfg.itl_guard_mode, cfg.itl_budget_share)
     except ValueError as e:
         raise ConfigError(f"--itl-target-ms / --decode-profile: {e}") from None

@@ -100,6 +100,7 @@ def frontend_config(cfg: ServeConfig, model_dir: str) -> FrontendConfig:
         max_model_len = DEFAULT_MAX_MODEL_LEN
     return dataclasses.replace(cfg.frontend, model=model_dir, model_name=model_name, api_key=None,
                                max_model_len=max_model_len, reuse_port=cfg.frontend.reuse_port or cfg.frontends > 1,
+                               itl_budget_share=cfg.frontend.itl_budget_share / cfg.frontends,
                                **itl_guard_settings(cfg))
 
 

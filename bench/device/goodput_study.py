@@ -13,7 +13,9 @@ embedded Redis, each worker (`splitserve prefill-worker|decode-worker`, random b
 weights of --arch, `--load-format dummy`, the tiny model's tokenizer) and a frontend. The workers of
 a configuration stay up for all its runs; the frontend is started per target pair, with
 `--itl-target-ms` set to the pair's ITL target (unless --itl-guard off), so that a saturated
-prefill worker never sends a long prompt back to a decode worker whose ITL it would break.
+prefill worker never sends a long prompt back to a decode worker whose ITL it would break
+(--frontend-args adds flags such as `--itl-guard-mode budget --decode-profile P`; --worker-args
+the workers').
 
 Workloads (`--workloads`): 1k1k (1024 in / 1024 out), 8k256, 3k150, azure (the lengths of the Azure
 LLM conversation trace: --azure-trace FILE), or any ISL/OSL such as 128/8. Targets (`--targets`):
@@ -146,7 +148,7 @@ class Cluster:
         if self.args.mock:
             from perf.profile import DEFAULT_MAX_MODEL_LEN     # the mock's context, as `serve --mock` sets it
             argv += ["--max-model-len", str(DEFAULT_MAX_MODEL_LEN)]
-        return argv
+        return argv + shlex.split(" ".join(self.args.frontend_args))
 
     def start_workers(self) -> None:
         for gpu, role in enumerate(self.cfg.roles()):
@@ -285,6 +287,7 @@ def one_run(run: Run, cluster: Cluster, args, out: Path, share_s: float) -> None
         rc = "timeout"                    # the last probe ran long; its lines up to then are written
     after = _counters(cluster.url)
     emit({"bench": "goodput_study_run", **fields, "exit": rc, "budget_s": round(share_s, 1),
+          "worker_args": " ".join(args.worker_args), "frontend_args": " ".join(args.frontend_args),
           "counters": {k: round(v - before.get(k, 0.0), 3) for k, v in after.items() if "_mean_ms" not in k}}, out)
 
 
@@ -326,6 +329,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     ap.add_argument("--itl-guard", default="on", choices=("on", "off"),
                     help="on: the frontend gets the target pair's --itl-target-ms (splits only)")
     ap.add_argument("--worker-args", action="append", default=[], help="extra worker flags, shell-quoted")
+    ap.add_argument("--frontend-args", action="append", default=[],
+                    help="extra frontend flags, shell-quoted (e.g. --itl-guard-mode budget --decode-profile P)")
     ap.add_argument("--budget-s", type=float, default=540.0, help="the whole call ends before this")
     ap.add_argument("--min-run-s", type=float, default=90.0, help="a run with less time than this is skipped")
     ap.add_argument("--probe-duration-s", type=float, default=20.0)

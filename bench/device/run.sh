@@ -63,10 +63,12 @@ for stage in "$@"; do
              done ;;
     startup) timeout "$(left 0 "${T_STARTUP:-300}")" python3 bench/device/startup.py --out "$OUT/startup.jsonl" \
                ${STARTUP_ARGS:-} 2>&1 | tee "$OUT/startup.log" | tail -20 ;;
-    profile) # the planner's profile of the 8B architecture (random weights), format 2 (docs/planner.md)
+    profile) # the planner's profile of the 8B architecture (random weights), format 2 (docs/planner.md);
+             # PROFILE_NAME names it (the card), PROFILE_ENGINE_ARGS adds engine flags (--kv-cache-dtype fp8)
              python3 -c "from engine.loader import write_arch_dir; write_arch_dir('llama-3.1-8b', '/tmp/splitserve-models/llama-3.1-8b')" \
              && timeout "$(left 0 "${T_PROFILE:-300}")" python3 -m splitserve profile --model /tmp/splitserve-models/llama-3.1-8b \
-               --load-format dummy --device cuda --out "$OUT/h100-llama-3.1-8b.json" --name h100-llama-3.1-8b \
+               --load-format dummy --device cuda --out "$OUT/${PROFILE_NAME:-h100-llama-3.1-8b}.json" \
+               --name "${PROFILE_NAME:-h100-llama-3.1-8b}" ${PROFILE_ENGINE_ARGS:-} \
                ${PROFILE_ARGS:---prefill-tokens 128,512,1024,2048,4096,8192,16384,32768 --cached-fractions 0,0.5,0.9 --decode-batches 1,8,32,64,128,256 --decode-contexts 512,2048,8192,32768 --steps 16 --repeats 3} \
                2>&1 | tee "$OUT/profile.log" | grep -v Warning | tail -20 ;;
     sampling) timeout "$(left 0 "${T_SAMPLING:-180}")" python3 bench/device/sampling_bench.py --out "$OUT/sampling_bench.jsonl" \

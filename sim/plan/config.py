@@ -49,6 +49,9 @@ class SimConfig:
     # ... but a prompt past that gate waits at the prefill worker when computing it on the decode
     # worker would slow a step past the ITL target (perf/itl_guard.py; on in `serve --planner`)
     itl_guard: bool = True
+    # the guard's rule: "step" (one step with the prompt's chunk past the target) or "budget" (local
+    # prefills metered to the decode workers' slack under a mean-ITL target; perf/itl_guard.py)
+    itl_guard_mode: str = "step"
     # a prefill worker refuses a prompt it expects to finish later than this (prefill_worker/admission.py)
     prefill_lease_s: float = _default(WorkerConfig, "prefill_lease_s")
 

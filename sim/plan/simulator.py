@@ -60,7 +60,7 @@ import numpy as np
 from kvstore.events import KvEventBatch
 from planner import Planner
 from router import NoWorkerAvailable, Router, RouterConfig, WorkerRole
-from perf.itl_guard import ItlGuard, must_wait
+from perf.itl_guard import ItlGuard, ItlGuardMode, LocalPrefillBudget, must_wait
 from perf.profile import Profile
 from sim.plan.config import SimConfig, SimResult, TimelinePoint
 from sim.plan.decode import DecodeWorker, Kind
@@ -96,7 +96,10 @@ class Simulation(PlannerTicks):
         self.progress, self.desc = progress, desc
         self.now = 0.0
         # the production router's KV policy, costed with the same profile the simulated workers run on
-        self._itl_guard = ItlGuard(profile, config.itl_target_s) if config.itl_guard else None
+        guard = ItlGuard(profile, config.itl_target_s) if config.itl_guard else None
+        if guard is not None and ItlGuardMode(config.itl_guard_mode) is ItlGuardMode.BUDGET:
+            guard = LocalPrefillBudget(guard)
+        self._itl_guard = guard
         self.router = Router(RouterConfig(timing=profile.timing, chunk_tokens=profile.max_num_batched_tokens),
                              block_size=TRACE_BLOCK_TOKENS, seed=config.seed, clock=lambda: self.now)
         self.heap: list[tuple] = []
@@ -230,7 +233,7 @@ class Simulation(PlannerTicks):
                 self._pending[WorkerRole.PREFILL].append(rid)
             return False
         if (not direct and self.router.load(p.worker_id) * TRACE_BLOCK_TOKENS > cfg.max_prefill_queue_tokens
-                and not self._must_wait(rid, p.overlap_blocks, decode)):
+                and not self._must_wait(t, rid, p.overlap_blocks, decode)):
             self.router.finished(rid, p.worker_id)
             # a prompt longer than the limit itself never goes remote: the decode pool's own
             self.decode_owned[rid] = p.prefill_blocks * TRACE_BLOCK_TOKENS > cfg.max_prefill_queue_tokens
@@ -243,7 +246,7 @@ class Simulation(PlannerTicks):
             self._prefill_of[rid] = p.worker_id
         return True
 
-    def _must_wait(self, rid: int, overlap_blocks: int, decode: str | None) -> bool:
+    def _must_wait(self, t: float, rid: int, overlap_blocks: int, decode: str | None) -> bool:
         """The ITL guard: a prompt past the queue gate waits at its prefill worker when computing
         it on its decode worker (that worker's requests, as the frontend counts them) would break
         the ITL target."""
@@ -252,7 +255,7 @@ class Simulation(PlannerTicks):
             return False
         prompt = int(self.prompt[rid])
         uncached = prompt - min(overlap_blocks * TRACE_BLOCK_TOKENS, prompt - 1)
-        return must_wait(self._itl_guard, prompt, uncached, w.load)
+        return must_wait(self._itl_guard, prompt, uncached, w.load, decode, t)
 
     def _report(self, t: float) -> None:
         """The workers' load reports, as the frontend polls them: the router's count of a worker's

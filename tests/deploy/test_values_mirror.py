@@ -31,7 +31,8 @@ def json_type(t: type) -> str:
 # Fields the chart sets itself, so that pods, Services and probes agree (or that come by environment).
 CHART_OWNED = {
     EngineConfig: {"model", "tensor_parallel_size"},         # the pool's `gpus`
-    FrontendConfig: {"model", "redis.url", "host", "http_port", "grpc_port", "api_key"},
+    FrontendConfig: {"model", "redis.url", "host", "http_port", "grpc_port", "api_key",
+                     "itl_budget_share"},                   # 1 / frontend.replicas
     WorkerConfig: {"engine.model", "engine.tensor_parallel_size", "redis.url", "role", "host", "advertise_host", "port", "metrics_port", "worker_id"},
     RedisConfig: {"url"},
 }

@@ -115,7 +115,8 @@ def test_device_study_runs_its_smallest_configuration_on_the_cpu(tmp_path):
     r = subprocess.run([sys.executable, "bench/device/goodput_study.py", "--mock", "--gpus", "1",
                         "--workloads", "64/8", "--targets", "loose", "--budget-s", "150", "--min-run-s", "20",
                         "--probe-duration-s", "2", "--max-probes", "2", "--start-in-flight", "2",
-                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=240)
+                        "--frontend-args=--itl-guard-mode budget", "--out", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [json.loads(x) for x in (tmp_path / "goodput_study.jsonl").read_text().splitlines()]
     kinds = [x["bench"] for x in lines]
@@ -124,6 +125,7 @@ def test_device_study_runs_its_smallest_configuration_on_the_cpu(tmp_path):
     assert result["goodput_req_s"] > 0 and result["total_errors"] == 0 and "agg1" in result["label"]
     run = lines[-2]
     assert (run["config"], run["workload"], run["target"], run["exit"]) == ("agg1", "64/8", "loose", 0)
+    assert run["frontend_args"] == "--itl-guard-mode budget"
     assert run["counters"]["splitserve_prefill_remote_total"] == 0          # aggregated: nothing remote
     assert all(log["error_lines"] == 0 and log["tracebacks"] == 0 for log in lines[-1]["logs"].values())
     assert (tmp_path / "goodput_agg1_64x8_loose.png").is_file()

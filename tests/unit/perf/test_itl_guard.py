@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from perf.itl_guard import ItlGuard, make_itl_guard, must_wait
+from perf.itl_guard import ItlGuard, ItlGuardMode, LocalPrefillBudget, make_itl_guard, must_wait
 from perf.profile import CurveTiming, load_profile
 
 CURVE = {"base_s": 0.005, "per_token_s": 2e-5, "per_attn_pair_s": 1e-9, "per_kv_token_s": 1e-8}
@@ -81,3 +81,55 @@ def test_without_a_guard_nothing_waits_and_with_one_long_prompts_do(curve_profil
     assert must_wait(guard, 4000, 4000, 4)
     assert must_wait(guard, 4000, 900, 4)                 # a cached prefix: its later chunks still attend to it
     assert not must_wait(guard, 4000, 400, 4)             # one short chunk left
+
+
+def test_the_budget_prices_a_local_prefill_as_what_its_chunks_add_to_the_steps(curve_profile):
+    budget = LocalPrefillBudget(ItlGuard(curve_profile, itl_target_s=0.05))
+    alone = step_s(0, 0, 4, 1000)                     # the 4 decodes' own step
+    want = sum(step_s(s, min(508, 2000 - s), 4, 1000) - alone for s in (0, 508, 1016, 1524))
+    assert budget.cost_s(2000, 0, 4, 1000) == pytest.approx(want)
+    assert budget.cost_s(2000, 1000, 4, 1000) < budget.cost_s(2000, 0, 4, 1000)     # a cached prefix is free
+    # the spare share keeps the decodes' mean ITL at 0.8 of the target: b / (1 - f) = 0.8 x 50 ms
+    b = step_s(0, 0, 4, 1000)
+    assert budget.spare_share(4, 1000) == pytest.approx(1 - b / 0.04)
+    assert LocalPrefillBudget(budget.guard, share=0.25).spare_share(4, 1000) == pytest.approx((1 - b / 0.04) / 4)
+    assert LocalPrefillBudget(ItlGuard(curve_profile, b / 0.8)).spare_share(4, 1000) == pytest.approx(0, abs=1e-12)
+
+
+def test_the_budget_meters_each_decode_workers_local_prefills_to_its_spare_share(curve_profile):
+    budget = LocalPrefillBudget(ItlGuard(curve_profile, itl_target_s=0.05))
+    cost, f = budget.cost_s(2000, 0, 4, 2000), budget.spare_share(4, 2000)
+    assert must_wait(budget, 2000, 2000, 4, "d0", now_s=100.0)          # first seen: no credit yet
+    assert must_wait(budget, 2000, 2000, 4, "d0", now_s=100.0 + 0.9 * cost / f)
+    assert not must_wait(budget, 2000, 2000, 4, "d0", now_s=100.0 + 1.01 * cost / f)   # earned: it runs locally
+    t = 100.0 + 1.01 * cost / f
+    assert must_wait(budget, 2000, 2000, 4, "d0", now_s=t + 0.5 * cost / f)    # paid: it earns again from ~0
+    assert not must_wait(budget, 2000, 2000, 4, "d0", now_s=t + 1.1 * cost / f)
+    # credit is capped at the prompt's cost: an idle hour buys one prompt, not a burst of them
+    t += 3600.0
+    assert not must_wait(budget, 2000, 2000, 4, "d0", now_s=t)
+    assert must_wait(budget, 2000, 2000, 4, "d0", now_s=t + 0.01 * cost / f)
+    # each decode worker has its own credit
+    assert must_wait(budget, 2000, 2000, 4, "d1", now_s=t)
+    assert not must_wait(budget, 2000, 2000, 4, "d1", now_s=t + 1.01 * cost / f)
+
+
+def test_a_decode_worker_without_slack_computes_no_prompt_of_a_saturated_prefill_worker(curve_profile):
+    b = step_s(0, 0, 64, 2000)
+    budget = LocalPrefillBudget(ItlGuard(curve_profile, itl_target_s=b / 0.8 * 0.99))
+    assert budget.spare_share(64, 2000) == 0
+    assert all(must_wait(budget, 2000, 2000, 64, "d0", now_s=t) for t in (0.0, 10.0, 3600.0))
+
+
+def test_settings_build_the_rule_asked_for(curve_profile, tmp_path):
+    path = tmp_path / "curve.json"
+    path.write_text(json.dumps({"curve": CURVE, "max_num_batched_tokens": 512}))
+    assert isinstance(make_itl_guard(15.0, str(path)), ItlGuard)
+    budget = make_itl_guard(15.0, str(path), ItlGuardMode.BUDGET, 0.5)
+    assert isinstance(budget, LocalPrefillBudget) and budget.share == 0.5
+    assert budget.guard.itl_target_s == pytest.approx(0.015)
+    for bad in (0.0, 1.5, -1.0):
+        with pytest.raises(ValueError, match="share"):
+            make_itl_guard(15.0, str(path), "budget", bad)
+    with pytest.raises(ValueError):
+        make_itl_guard(15.0, str(path), "sometimes")

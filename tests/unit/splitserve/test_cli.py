@@ -72,6 +72,9 @@ def test_every_frontend_field_reaches_the_frontend(model_dir):
         if s.path == "decode_profile":       # read when the config is built: a real profile
             flag_args, expected[s.path] = [s.flag, str(CURVE_PROFILE_PATH)], str(CURVE_PROFILE_PATH)
             argv += flag_args
+        elif s.path == "itl_budget_share":   # a share, in (0, 1]
+            argv += [s.flag, "0.5"]
+            expected[s.path] = 0.5
         elif s.path.split(".")[0] not in ("model", "block_size", "max_model_len", "api_key"):
             flag_args, expected[s.path] = not_default(s)
             argv += flag_args
@@ -166,6 +169,11 @@ def test_the_planners_itl_target_and_profile_reach_the_frontend_unless_it_has_it
     assert (fe.itl_target_ms, fe.decode_profile) == (20.0, str(CURVE_PROFILE_PATH))
     assert frontend("--planner", "--itl-ms", "20", "--itl-target-ms", "35").itl_target_ms == 35.0
     assert frontend("--itl-target-ms", "35").itl_target_ms == 35.0
+    # N frontends meter a decode worker's local-prefill budget together: each gets 1/N of it
+    assert (frontend().itl_budget_share, frontend("--frontends", "4").itl_budget_share) == (1.0, 0.25)
+    assert frontend("--itl-guard-mode", "budget").itl_guard_mode == "budget"
+    assert main(["serve", "--model", model_dir, "--itl-budget-share", "0"]) == 2
+    assert "--itl-budget-share must be in (0, 1]" in capsys.readouterr().err
     assert main(["serve", "--model", model_dir, "--itl-target-ms", "0"]) == 2
     assert "the ITL target must be > 0" in capsys.readouterr().err
     assert main(["frontend", "--model", model_dir, "--redis-url", "redis://h/0", "--itl-target-ms", "15",
