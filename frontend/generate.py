@@ -179,7 +179,8 @@ class Generator:
             local.labels("no_prefill_pool").inc()
             return None
         if self.pool.router.queued_prefill_tokens(choice.conn.worker_id) > self.max_prefill_queue_tokens:
-            if not must_wait(self.itl_guard, len(inp.prompt_token_ids), to_prefill, decode_batch,
+            decoding = sum(self.pool.router.decodes().get(decode_worker, (0, 0)))   # the fleet's, on D
+            if not must_wait(self.itl_guard, len(inp.prompt_token_ids), to_prefill, decode_batch, decoding,
                              decode_worker, time.monotonic()):
                 self.pool.router.finished(rid, choice.conn.worker_id)
                 local.labels("saturated").inc()

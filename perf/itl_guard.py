@@ -81,11 +81,12 @@ class ItlGuard:
         return self.local_step_s(prompt_tokens, cached_tokens, decode_batch, decode_context) > self.itl_target_s
 
     def must_wait(self, worker_id: str, now_s: float, prompt_tokens: int, uncached_tokens: int,
-                  decode_batch: int) -> bool:
+                  requests: int, decoding: int) -> bool:
         """The step rule for a prompt past the queue gate: wait when computing it on the decode
-        worker (running `decode_batch` requests, priced at this prompt's length: the frontend does
-        not see the others') would make one of its steps longer than the target."""
-        return self.breaks_target(prompt_tokens, prompt_tokens - uncached_tokens, decode_batch, prompt_tokens)
+        worker would make one of its steps longer than the target, with all its `requests`
+        (decoding or about to: waiting for their prefill) in the step, priced at this prompt's
+        length (the frontend does not see the others')."""
+        return self.breaks_target(prompt_tokens, prompt_tokens - uncached_tokens, requests, prompt_tokens)
 
     def _step_s(self, chunks: Sequence[tuple[int, int]]) -> float:
         return self.profile.timing.step_s(chunks)
@@ -126,12 +127,14 @@ class LocalPrefillBudget:
         return cost
 
     def must_wait(self, worker_id: str, now_s: float, prompt_tokens: int, uncached_tokens: int,
-                  decode_batch: int) -> bool:
+                  requests: int, decoding: int) -> bool:
         """True when the decode worker's credit does not cover the prompt (it waits at its prefill
-        worker); otherwise the credit pays for it and it runs locally."""
-        cost = self.cost_s(prompt_tokens, prompt_tokens - uncached_tokens, decode_batch, prompt_tokens)
+        worker); otherwise the credit pays for it and it runs locally. The worker's steps are priced
+        with the requests it is `decoding` now (those waiting for a saturated prefill worker
+        are not in its steps yet), at this prompt's length."""
+        cost = self.cost_s(prompt_tokens, prompt_tokens - uncached_tokens, decoding, prompt_tokens)
         credit, as_of = self._credit.get(worker_id, (0.0, now_s))    # a worker first seen has earned none
-        credit = min(credit + self.spare_share(decode_batch, prompt_tokens) * max(now_s - as_of, 0.0), cost)
+        credit = min(credit + self.spare_share(decoding, prompt_tokens) * max(now_s - as_of, 0.0), cost)
         wait = credit < cost
         self._credit[worker_id] = (credit if wait else credit - cost, now_s)
         return wait
@@ -145,14 +148,16 @@ class ItlGuardMode(StrEnum):
 Guard = ItlGuard | LocalPrefillBudget
 
 
-def must_wait(guard: Guard | None, prompt_tokens: int, uncached_tokens: int, decode_batch: int,
-              worker_id: str = "", now_s: float = 0.0) -> bool:
+def must_wait(guard: Guard | None, prompt_tokens: int, uncached_tokens: int, requests: int,
+              decoding: int | None = None, worker_id: str = "", now_s: float = 0.0) -> bool:
     """A prompt whose prefill worker is saturated: True when it must wait there anyway, because
-    computing it on its decode worker `worker_id` (running `decode_batch` requests) would break the
-    ITL target, by the guard's rule. No guard: never (the queue threshold alone decides)."""
+    computing it on its decode worker `worker_id` (holding `requests`, of which `decoding` are
+    decoding; None: all) would break the ITL target, by the guard's rule. No guard: never (the queue
+    threshold alone decides)."""
     if guard is None:
         return False
-    return guard.must_wait(worker_id, now_s, prompt_tokens, uncached_tokens, decode_batch)
+    return guard.must_wait(worker_id, now_s, prompt_tokens, uncached_tokens, requests,
+                           requests if decoding is None else decoding)
 
 
 def make_itl_guard(itl_target_ms: float | None, profile_path: str | None,

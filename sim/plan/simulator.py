@@ -255,7 +255,7 @@ class Simulation(PlannerTicks):
             return False
         prompt = int(self.prompt[rid])
         uncached = prompt - min(overlap_blocks * TRACE_BLOCK_TOKENS, prompt - 1)
-        return must_wait(self._itl_guard, prompt, uncached, w.load, decode, t)
+        return must_wait(self._itl_guard, prompt, uncached, w.load, w.batch, decode, t)
 
     def _report(self, t: float) -> None:
         """The workers' load reports, as the frontend polls them: the router's count of a worker's

@@ -99,26 +99,26 @@ def test_the_budget_prices_a_local_prefill_as_what_its_chunks_add_to_the_steps(c
 def test_the_budget_meters_each_decode_workers_local_prefills_to_its_spare_share(curve_profile):
     budget = LocalPrefillBudget(ItlGuard(curve_profile, itl_target_s=0.05))
     cost, f = budget.cost_s(2000, 0, 4, 2000), budget.spare_share(4, 2000)
-    assert must_wait(budget, 2000, 2000, 4, "d0", now_s=100.0)          # first seen: no credit yet
-    assert must_wait(budget, 2000, 2000, 4, "d0", now_s=100.0 + 0.9 * cost / f)
-    assert not must_wait(budget, 2000, 2000, 4, "d0", now_s=100.0 + 1.01 * cost / f)   # earned: it runs locally
+    assert must_wait(budget, 2000, 2000, 9, 4, "d0", now_s=100.0)          # first seen: no credit yet
+    assert must_wait(budget, 2000, 2000, 9, 4, "d0", now_s=100.0 + 0.9 * cost / f)
+    assert not must_wait(budget, 2000, 2000, 9, 4, "d0", now_s=100.0 + 1.01 * cost / f)   # earned: it runs locally
     t = 100.0 + 1.01 * cost / f
-    assert must_wait(budget, 2000, 2000, 4, "d0", now_s=t + 0.5 * cost / f)    # paid: it earns again from ~0
-    assert not must_wait(budget, 2000, 2000, 4, "d0", now_s=t + 1.1 * cost / f)
+    assert must_wait(budget, 2000, 2000, 9, 4, "d0", now_s=t + 0.5 * cost / f)    # paid: it earns again from ~0
+    assert not must_wait(budget, 2000, 2000, 9, 4, "d0", now_s=t + 1.1 * cost / f)
     # credit is capped at the prompt's cost: an idle hour buys one prompt, not a burst of them
     t += 3600.0
-    assert not must_wait(budget, 2000, 2000, 4, "d0", now_s=t)
-    assert must_wait(budget, 2000, 2000, 4, "d0", now_s=t + 0.01 * cost / f)
+    assert not must_wait(budget, 2000, 2000, 9, 4, "d0", now_s=t)
+    assert must_wait(budget, 2000, 2000, 9, 4, "d0", now_s=t + 0.01 * cost / f)
     # each decode worker has its own credit
-    assert must_wait(budget, 2000, 2000, 4, "d1", now_s=t)
-    assert not must_wait(budget, 2000, 2000, 4, "d1", now_s=t + 1.01 * cost / f)
+    assert must_wait(budget, 2000, 2000, 9, 4, "d1", now_s=t)
+    assert not must_wait(budget, 2000, 2000, 9, 4, "d1", now_s=t + 1.01 * cost / f)
 
 
 def test_a_decode_worker_without_slack_computes_no_prompt_of_a_saturated_prefill_worker(curve_profile):
     b = step_s(0, 0, 64, 2000)
     budget = LocalPrefillBudget(ItlGuard(curve_profile, itl_target_s=b / 0.8 * 0.99))
     assert budget.spare_share(64, 2000) == 0
-    assert all(must_wait(budget, 2000, 2000, 64, "d0", now_s=t) for t in (0.0, 10.0, 3600.0))
+    assert all(must_wait(budget, 2000, 2000, 64, 64, "d0", now_s=t) for t in (0.0, 10.0, 3600.0))
 
 
 def test_settings_build_the_rule_asked_for(curve_profile, tmp_path):
