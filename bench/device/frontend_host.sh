@@ -6,7 +6,8 @@
 #   --frontends 4 (bench/frontend_bench.py; the load from `bench serve --processes $PROCS`): output
 #   tokens/s (targets: >= 40k with one frontend, >= 120k with four), ITL p50 over the mock step
 #   (target <= 2 ms) and frontend CPU-seconds per 1,000 tokens.
-# gpus: the model in $MODEL_DIR (8B, fp8 KV), 1k in / 1k out over HTTP: one decode worker at
+# gpus: the model in $MODEL_DIR (default: the 8B architecture, random weights), fp8 KV, 1k in / 1k out
+#   over HTTP: one decode worker at
 #   concurrency 128, then two at 256 (target >= 1.9x the tokens/s, ITL p50 within 10%).
 # JSON lines go to $OUT; every stage has its own timeout and the call ends before $TOTAL_S (540 s).
 # SCALE=small runs the smallest configuration (one mock worker, a few streams), which runs on any
@@ -37,12 +38,19 @@ for stage in "${@:-mock}"; do
     mock) timeout "$(left 0 "${T_MOCK:-360}")" $PY bench/frontend_bench.py $MOCK_ARGS --api http --repeats 1 \
             --label "${LABEL:-frontend host}" --output "$OUT/frontend_host.jsonl" --level-timeout-s 240 \
             > "$OUT/frontend_host.log" 2>&1; echo "mock: exit $?"; grep summary "$OUT/frontend_host.jsonl" ;;
-    gpus) [ -n "$MODEL_DIR" ] || { echo "gpus: set MODEL_DIR"; continue; }
+    gpus) LOAD=""
+          if [ -z "${MODEL_DIR:-}" ]; then     # the 8B architecture, random weights, the tiny model's tokenizer
+            MODEL_DIR=/tmp/splitserve-models/llama-3.1-8b-tok LOAD="--load-format dummy"
+            $PY -c "import shutil, sys; from pathlib import Path; from engine.loader import write_arch_dir
+from splitserve.models import resolve_model
+d = write_arch_dir('llama-3.1-8b', sys.argv[1]); t = Path(resolve_model('tiny'))
+[shutil.copy(t / f, d / f) for f in ('tokenizer.json', 'tokenizer_config.json')]" "$MODEL_DIR" || continue
+          fi
           for pair in "1 128" "2 256"; do
             set -- $pair
             port=$(( 18600 + $1 ))
             $PY -m splitserve serve --model "$MODEL_DIR" --prefill-workers 0 --decode-workers "$1" \
-              --kv-cache-dtype fp8 --http-port "$port" --grpc-port $(( port + 100 )) --admin-port 0 \
+              --kv-cache-dtype fp8 $LOAD --http-port "$port" --grpc-port $(( port + 100 )) --admin-port 0 \
               > "$OUT/serve_gpus$1.log" 2>&1 &
             sp=$!
             ready_by=$(( $(date +%s) + $(left 90 300) ))      # leave the bench 90 s at least
