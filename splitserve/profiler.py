@@ -41,6 +41,7 @@ from runtime.errors import InvalidRequest
 from runtime.model_config import ModelConfig
 from runtime.quantization import quantization_name, resolve_quantization
 from perf.profile import PROFILE_FORMAT, load_profile, profile_json
+from splitserve.bench.records import git_sha
 
 DEFAULTS = {"prefill_tokens": "128,512,2048,8192", "cached_fractions": "0,0.5,0.9",
             "decode_batches": "1,8,32,128", "decode_contexts": "512,2048,8192"}
@@ -118,7 +119,7 @@ def main(args: argparse.Namespace) -> int:
         "model": Path(cfg.model).name,
         "source": "splitserve profile " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["profile"] else sys.argv[1:]),
         "note": args.note,
-        "git_sha": _git_sha(),
+        "git_sha": git_sha(),
         "machine": f"{platform.node()} ({platform.machine()})",
         "kv_capacity_tokens": kv_tokens,
         "max_num_seqs": cfg.max_num_seqs,
@@ -261,11 +262,3 @@ def _device(engine) -> str:
         return torch.cuda.get_device_name(dev)
     return f"cpu ({platform.processor() or platform.machine()})"
 
-
-def _git_sha() -> str:
-    import subprocess
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=5, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""

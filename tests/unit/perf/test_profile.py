@@ -96,3 +96,30 @@ def test_profiles_are_per_weight_quantization(tmp_path):
     assert load_profile(path, "fp8").quantization == "fp8" == load_profile(path).quantization
     with pytest.raises(ValueError, match="measured with fp8 weights; the workers run none"):
         load_profile(path, "none")
+
+
+MEASURED = sorted(p for p in DEFAULT_PROFILE_PATH.parent.glob("*.json") if p != CURVE_PROFILE_PATH)
+
+
+@pytest.mark.parametrize("path", MEASURED, ids=lambda p: p.stem)
+def test_every_shipped_profile_loads_and_prices_work_monotonically(path):
+    """The measured profiles (H100, H200 with the bf16 and the fp8 KV cache): format 2, named as
+    their file, and longer prompts, larger batches and longer contexts never cost less."""
+    spec = json.loads(path.read_text())
+    p = load_profile(path)
+    assert spec["format"] == 2 and p.name == path.stem and spec["device"].startswith("NVIDIA")
+    assert 0 < p.prefill_s(128) < p.prefill_s(2048) < p.prefill_s(8192) < p.prefill_s(32768)
+    assert p.prefill_s(8192, 4096) < p.prefill_s(8192)
+    for ctx in (512, 8192):
+        steps = [p.decode_step_s(b, ctx) for b in (1, 8, 32, 128)]
+        assert steps == sorted(steps) and steps[0] > 0
+    assert p.decode_step_s(32, 8192) >= p.decode_step_s(32, 512)
+
+
+def test_the_fp8_kv_cache_profile_reads_less_per_decode_step_than_the_bf16_one():
+    """On the same card, the fp8 KV cache halves the bytes a decode step reads from the cache: its
+    steps at long contexts are the cheaper ones, and it holds twice the tokens."""
+    bf16 = load_profile(DEFAULT_PROFILE_PATH.parent / "h200-llama-3.1-8b.json")
+    fp8 = load_profile(DEFAULT_PROFILE_PATH.parent / "h200-llama-3.1-8b-fp8kv.json")
+    assert fp8.decode_step_s(128, 8192) < bf16.decode_step_s(128, 8192)
+    assert fp8.kv_capacity_tokens == pytest.approx(2 * bf16.kv_capacity_tokens, rel=0.01)
