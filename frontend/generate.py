@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
 
 from runtime.types import SamplingParams
-from perf.itl_guard import Guard, must_wait
+from perf.itl_guard import Guard, must_wait, prefill_late
 from frontend.generation import Delta, Generation  # noqa: F401 (Delta: the APIs' type)
 from frontend.tokenizer import ModelTokenizer
 from frontend.workers import SHUTTING_DOWN, WorkerPool
@@ -178,7 +178,9 @@ class Generator:
         except Unavailable:
             local.labels("no_prefill_pool").inc()
             return None
-        if self.pool.router.queued_prefill_tokens(choice.conn.worker_id) > self.max_prefill_queue_tokens:
+        queued = self.pool.router.queued_prefill_tokens(choice.conn.worker_id)
+        if (queued > self.max_prefill_queue_tokens
+                or prefill_late(self.itl_guard, queued, len(inp.prompt_token_ids), to_prefill)):
             decoding = sum(self.pool.router.decodes().get(decode_worker, (0, 0)))   # the fleet's, on D
             if not must_wait(self.itl_guard, len(inp.prompt_token_ids), to_prefill, decode_batch, decoding,
                              decode_worker, time.monotonic()):

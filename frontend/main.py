@@ -119,7 +119,7 @@ async def serve_frontend(cfg: FrontendConfig) -> None:
                           remote_prefill_min_tokens=cfg.remote_prefill_min_tokens,
                           max_prefill_queue_tokens=cfg.max_prefill_queue_tokens,
                           itl_guard=make_itl_guard(cfg.itl_target_ms, cfg.decode_profile, cfg.itl_guard_mode,
-                                                   cfg.itl_budget_share))
+                                                   cfg.itl_budget_share, cfg.ttft_target_ms))
     latency = LatencyPublisher(redis, cfg.redis.namespace)
     generator.on_first_token, generator.on_itls = latency.first_token, latency.inter_tokens
     generator.on_arrival, generator.on_done = latency.arrival, latency.done

@@ -34,7 +34,9 @@ prompt in hand's cost, and a prompt runs locally only when the credit covers it 
 chunks add to the worker's steps, priced with the profile like the step rule).
 A saturated prefill worker's overflow then spreads over the decode workers' slack instead of waiting
 (the step rule) or landing on them all at once (no guard). With N frontends (`serve --frontends N`)
-each meters 1/N of that share.
+each meters 1/N of that share. Given a TTFT target too, the budget rule counts a prefill worker as
+saturated for a prompt as soon as its queue is more than `aim` of that target's work, rather than
+only past --max-prefill-queue-tokens: a prompt that would be late at P is offered to D's credit.
 
 Plain numbers in, a decision out: it knows nothing of gRPC, routers, workers or metrics.
 """
@@ -100,6 +102,7 @@ class LocalPrefillBudget:
     guard: ItlGuard
     share: float = 1.0          # this frontend's part of each decode worker's budget (1/N of N frontends)
     aim: float = 0.8
+    ttft_target_s: float | None = None     # opens the queue gate where a prompt at P would be late
     _credit: dict[str, tuple[float, float]] = field(default_factory=dict)   # worker -> (seconds, as of)
 
     def __post_init__(self) -> None:
@@ -107,6 +110,19 @@ class LocalPrefillBudget:
             raise ValueError(f"a frontend's share of the local-prefill budget must be in (0, 1], got {self.share}")
         if not 0 < self.aim <= 1:
             raise ValueError(f"the budget's aim must be in (0, 1], got {self.aim}")
+        if self.ttft_target_s is not None and not self.ttft_target_s > 0:
+            raise ValueError(f"the TTFT target must be > 0 s, got {self.ttft_target_s}")
+
+    def prefill_late(self, queued_tokens: float, prompt_tokens: int, uncached_tokens: int) -> bool:
+        """True when the prefill worker's queue (this prompt included, `queued_tokens` in all) is
+        more work than `aim` of the TTFT target, each queued token priced like this prompt's: the
+        prompt would be late there, so it may go to its decode worker before the queue reaches
+        --max-prefill-queue-tokens. False without a TTFT target."""
+        if self.ttft_target_s is None:
+            return False
+        todo = max(uncached_tokens, 1)
+        per_token = self.guard.profile.prefill_s(prompt_tokens, prompt_tokens - todo) / todo
+        return queued_tokens * per_token > self.aim * self.ttft_target_s
 
     def spare_share(self, decode_batch: int, decode_context: float) -> float:
         """The share of the decode worker's time this frontend may fill with local prefills."""
@@ -160,11 +176,20 @@ def must_wait(guard: Guard | None, prompt_tokens: int, uncached_tokens: int, req
                            requests if decoding is None else decoding)
 
 
+def prefill_late(guard: Guard | None, queued_tokens: float, prompt_tokens: int, uncached_tokens: int) -> bool:
+    """Whether the prompt's prefill worker counts as saturated for it before the token threshold:
+    only the budget rule with a TTFT target says so (LocalPrefillBudget.prefill_late)."""
+    return isinstance(guard, LocalPrefillBudget) and guard.prefill_late(queued_tokens, prompt_tokens, uncached_tokens)
+
+
 def make_itl_guard(itl_target_ms: float | None, profile_path: str | None,
-                   mode: ItlGuardMode = ItlGuardMode.STEP, share: float = 1.0) -> Guard | None:
+                   mode: ItlGuardMode = ItlGuardMode.STEP, share: float = 1.0,
+                   ttft_target_ms: float | None = None) -> Guard | None:
     """The guard of a frontend's settings (None without a target: the queue-token rule alone).
     Raises ValueError for a bad target, share or an unreadable profile."""
     if itl_target_ms is None:
         return None
     guard = ItlGuard(load_profile(profile_path), itl_target_ms / 1000.0)
-    return guard if ItlGuardMode(mode) is ItlGuardMode.STEP else LocalPrefillBudget(guard, share)
+    if ItlGuardMode(mode) is ItlGuardMode.STEP:
+        return guard
+    return LocalPrefillBudget(guard, share, ttft_target_s=None if ttft_target_ms is None else ttft_target_ms / 1000.0)

@@ -197,6 +197,10 @@ class FrontendConfig:
                                        "each request's mean ITL: a decode worker computes prompts from saturated "
                                        "prefill workers for as much of its time as keeps its requests' mean ITL "
                                        "at 0.8 of the target)")
+    ttft_target_ms: float | None = arg(None, "the TTFT target: with --itl-guard-mode budget, a prefill worker whose "
+                                       "queue is more than 0.8 of this much work counts as saturated for a "
+                                       "prompt even under --max-prefill-queue-tokens; none: `serve --planner` "
+                                       "passes its --ttft-ms, else the token threshold alone")
     itl_budget_share: float = arg(1.0, "with --itl-guard-mode budget, the part of each decode worker's budget "
                                   "this frontend meters (1/N of N frontends; `serve --frontends N` sets it)")
     decode_profile: str | None = arg(None, "JSON performance profile of the decode workers (format 2, "

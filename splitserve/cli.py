@@ -236,6 +236,7 @@ def check_itl_guard(cfg: FrontendConfig) -> None:
     if not 0 < cfg.itl_budget_share <= 1:
         raise ConfigError(f"--itl-budget-share must be in (0, 1], got {cfg.itl_budget_share}")
     try:
-        make_itl_guard(cfg.itl_target_ms, cfg.decode_profile, cfg.itl_guard_mode, cfg.itl_budget_share)
+        make_itl_guard(cfg.itl_target_ms, cfg.decode_profile, cfg.itl_guard_mode, cfg.itl_budget_share,
+                       cfg.ttft_target_ms)
     except ValueError as e:
-        raise ConfigError(f"--itl-target-ms / --decode-profile: {e}") from None
+        raise ConfigError(f"--itl-target-ms / --ttft-target-ms / --decode-profile: {e}") from None

@@ -105,12 +105,13 @@ def frontend_config(cfg: ServeConfig, model_dir: str) -> FrontendConfig:
 
 
 def itl_guard_settings(cfg: ServeConfig) -> dict:
-    """The frontend's --itl-target-ms and --decode-profile under `serve`: its own when given, else
-    the planner's --itl-ms and --planner-profile when the planner runs."""
+    """The frontend's --itl-target-ms, --ttft-target-ms and --decode-profile under `serve`: its own
+    when given, else the planner's --itl-ms, --ttft-ms and --planner-profile when the planner runs."""
     f, planner = cfg.frontend, cfg.planner
     if not planner.enabled:
         return {}
     return {"itl_target_ms": planner.itl_ms if f.itl_target_ms is None else f.itl_target_ms,
+            "ttft_target_ms": planner.ttft_ms if f.ttft_target_ms is None else f.ttft_target_ms,
             "decode_profile": planner.profile if f.decode_profile is None else f.decode_profile}
 
 

@@ -60,7 +60,7 @@ import numpy as np
 from kvstore.events import KvEventBatch
 from planner import Planner
 from router import NoWorkerAvailable, Router, RouterConfig, WorkerRole
-from perf.itl_guard import ItlGuard, ItlGuardMode, LocalPrefillBudget, must_wait
+from perf.itl_guard import ItlGuard, ItlGuardMode, LocalPrefillBudget, must_wait, prefill_late
 from perf.profile import Profile
 from sim.plan.config import SimConfig, SimResult, TimelinePoint
 from sim.plan.decode import DecodeWorker, Kind
@@ -98,7 +98,7 @@ class Simulation(PlannerTicks):
         # the production router's KV policy, costed with the same profile the simulated workers run on
         guard = ItlGuard(profile, config.itl_target_s) if config.itl_guard else None
         if guard is not None and ItlGuardMode(config.itl_guard_mode) is ItlGuardMode.BUDGET:
-            guard = LocalPrefillBudget(guard)
+            guard = LocalPrefillBudget(guard, ttft_target_s=config.ttft_target_s)
         self._itl_guard = guard
         self.router = Router(RouterConfig(timing=profile.timing, chunk_tokens=profile.max_num_batched_tokens),
                              block_size=TRACE_BLOCK_TOKENS, seed=config.seed, clock=lambda: self.now)
@@ -232,7 +232,8 @@ class Simulation(PlannerTicks):
             if direct:
                 self._pending[WorkerRole.PREFILL].append(rid)
             return False
-        if (not direct and self.router.load(p.worker_id) * TRACE_BLOCK_TOKENS > cfg.max_prefill_queue_tokens
+        queued = self.router.load(p.worker_id) * TRACE_BLOCK_TOKENS
+        if (not direct and (queued > cfg.max_prefill_queue_tokens or self._prefill_late(queued, rid, p.overlap_blocks))
                 and not self._must_wait(t, rid, p.overlap_blocks, decode)):
             self.router.finished(rid, p.worker_id)
             # a prompt longer than the limit itself never goes remote: the decode pool's own
@@ -245,6 +246,12 @@ class Simulation(PlannerTicks):
         else:
             self._prefill_of[rid] = p.worker_id
         return True
+
+    def _prefill_late(self, queued: float, rid: int, overlap_blocks: int) -> bool:
+        """The budget rule's TTFT gate (perf/itl_guard.py): the prefill worker's queue would make
+        this prompt late."""
+        prompt = int(self.prompt[rid])
+        return prefill_late(self._itl_guard, queued, prompt, prompt - min(overlap_blocks * TRACE_BLOCK_TOKENS, prompt - 1))
 
     def _must_wait(self, t: float, rid: int, overlap_blocks: int, decode: str | None) -> bool:
         """The ITL guard: a prompt past the queue gate waits at its prefill worker when computing

@@ -80,14 +80,19 @@ def test_saturated_prefill_queue_keeps_prompts_off_the_decode_worker_under_an_it
         assert_clean_log(c.log())
 
 
-def test_under_a_mean_itl_budget_a_decode_worker_with_slack_computes_saturated_prompts(reference):
+@pytest.mark.parametrize("gate", [("--max-prefill-queue-tokens", "0"),
+                                  ("--max-prefill-queue-tokens", "1000000", "--ttft-target-ms", "0.001")],
+                         ids=["token-threshold", "ttft-target"])
+def test_under_a_mean_itl_budget_a_decode_worker_with_slack_computes_saturated_prompts(reference, gate):
     """`--itl-guard-mode budget`: with a target far above the decode worker's step (1 s against a
     few ms of the shipped profile), the worker's credit pays for a saturated prefill worker's
     prompts. One request at a time: the first prompt finds no credit (a worker first seen has
     earned none) and waits at the prefill worker; each later one comes a whole request later, with
-    its cost earned, and runs on the decode worker. Tokens are an aggregated run's either way."""
+    its cost earned, and runs on the decode worker. Tokens are an aggregated run's either way. The
+    prefill worker counts as saturated by the token threshold (0: any queue), or, with the
+    threshold out of reach, by a TTFT target that the prompt's own prefill already passes."""
     with own_cluster("--prefill-workers", "1", "--decode-workers", "1", "--remote-prefill-min-tokens", "1",
-                     "--max-num-batched-tokens", "64", "--max-prefill-queue-tokens", "0",
+                     "--max-num-batched-tokens", "64", *gate,
                      "--itl-target-ms", "1000", "--itl-guard-mode", "budget") as c:
         got = asyncio.run(complete_each(c.url, parity_prompts(), 32))
         assert got == reference

@@ -13,6 +13,9 @@ SPLITSERVE_ADMIN_TOKEN).
 {{- if and .Values.planner.enabled (eq (toString $c.itl_target_ms) "<nil>") }}
 {{- $_ := set $c "itl_target_ms" .Values.planner.config.itl_ms }}
 {{- end }}
+{{- if and .Values.planner.enabled (eq (toString $c.ttft_target_ms) "<nil>") }}
+{{- $_ := set $c "ttft_target_ms" .Values.planner.config.ttft_ms }}
+{{- end }}
 {{- $_ := set $c "itl_budget_share" (divf 1 (max 1 (int .Values.frontend.replicas))) }}
 {{- $_ := set $c "model" (include "splitserve.modelDir" .) }}
 {{- $_ := set $c "host" "0.0.0.0" }}

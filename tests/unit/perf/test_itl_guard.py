@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from perf.itl_guard import ItlGuard, ItlGuardMode, LocalPrefillBudget, make_itl_guard, must_wait
+from perf.itl_guard import ItlGuard, ItlGuardMode, LocalPrefillBudget, make_itl_guard, must_wait, prefill_late
 from perf.profile import CurveTiming, load_profile
 
 CURVE = {"base_s": 0.005, "per_token_s": 2e-5, "per_attn_pair_s": 1e-9, "per_kv_token_s": 1e-8}
@@ -133,3 +133,26 @@ def test_settings_build_the_rule_asked_for(curve_profile, tmp_path):
             make_itl_guard(15.0, str(path), "budget", bad)
     with pytest.raises(ValueError):
         make_itl_guard(15.0, str(path), "sometimes")
+
+
+def test_with_a_ttft_target_a_queue_that_would_make_the_prompt_late_opens_the_gate(curve_profile):
+    """The budget rule's TTFT gate: the prefill worker's queue, each token priced like the prompt's
+    own, against 0.8 of the target. Without a TTFT target, or under the step rule, only the token
+    threshold opens it."""
+    budget = LocalPrefillBudget(ItlGuard(curve_profile, 0.05), ttft_target_s=1.0)
+    per_token = curve_profile.prefill_s(2000, 0) / 2000
+    edge = 0.8 / per_token                          # queued tokens worth 0.8 s of prefill
+    assert not prefill_late(budget, edge * 0.99, 2000, 2000)
+    assert prefill_late(budget, edge * 1.01, 2000, 2000)
+    # a cached prefix makes each of the prompt's remaining tokens dearer (they attend to it)
+    cached_per_token = curve_profile.prefill_s(2000, 1000) / 1000
+    assert prefill_late(budget, 0.81 / cached_per_token, 2000, 1000)
+    assert not prefill_late(budget, 0.79 / cached_per_token, 2000, 1000)
+    assert not prefill_late(LocalPrefillBudget(budget.guard), 1e12, 2000, 2000)      # no TTFT target
+    assert not prefill_late(budget.guard, 1e12, 2000, 2000)                          # the step rule
+    assert not prefill_late(None, 1e12, 2000, 2000)
+    with pytest.raises(ValueError, match="TTFT target"):
+        LocalPrefillBudget(budget.guard, ttft_target_s=0.0)
+    made = make_itl_guard(50.0, None, "budget", 1.0, ttft_target_ms=800.0)
+    assert made.ttft_target_s == pytest.approx(0.8)
+    assert isinstance(make_itl_guard(50.0, None, "step", 1.0, ttft_target_ms=800.0), ItlGuard)

@@ -172,6 +172,9 @@ def test_the_planners_itl_target_and_profile_reach_the_frontend_unless_it_has_it
     # N frontends meter a decode worker's local-prefill budget together: each gets 1/N of it
     assert (frontend().itl_budget_share, frontend("--frontends", "4").itl_budget_share) == (1.0, 0.25)
     assert frontend("--itl-guard-mode", "budget").itl_guard_mode == "budget"
+    assert frontend().ttft_target_ms is None
+    assert frontend("--planner", "--ttft-ms", "800").ttft_target_ms == 800.0
+    assert frontend("--planner", "--ttft-ms", "800", "--ttft-target-ms", "500").ttft_target_ms == 500.0
     assert main(["serve", "--model", model_dir, "--itl-budget-share", "0"]) == 2
     assert "--itl-budget-share must be in (0, 1]" in capsys.readouterr().err
     assert main(["serve", "--model", model_dir, "--itl-target-ms", "0"]) == 2
