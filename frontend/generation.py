@@ -30,6 +30,7 @@ from typing import Callable
 from frontend.tokenizer import IncrementalDetokenizer
 from frontend.workers import SHUTTING_DOWN, WORKER_LOST
 from kvstore.hashing import block_hashes
+from perf.itl_guard import note_decode_s
 from proto.splitserve.v1 import generation_pb2, worker_pb2
 from runtime.convert import FINISH_FROM_PB, sampling_to_pb
 from runtime.errors import InvalidRequest, SplitserveError, Unavailable
@@ -90,7 +91,7 @@ class Generation:
     """One request's generation; `run()` drives it, `put_nowait` is the worker stream's side."""
 
     __slots__ = ("g", "inp", "on_delta", "rid", "detok", "output", "cached", "start", "last", "conn",
-                 "remote", "overlap_blocks", "finished", "ended", "control", "itls")
+                 "remote", "overlap_blocks", "finished", "ended", "control", "itls", "first_at")
 
     def __init__(self, generator, inp, on_delta: Callable[[Delta], None]) -> None:
         """`generator`: frontend.generate.Generator (the fleet and its policy); `inp`: its GenerateInput."""
@@ -100,6 +101,7 @@ class Generation:
         self.output: list[int] = []
         self.cached = 0
         self.start = time.perf_counter()
+        self.first_at: float | None = None
         self.last: float | None = None
         self.conn = None
         self.remote = None
@@ -153,6 +155,7 @@ class Generation:
 
     def _first_token(self, now: float, cached_tokens: int) -> None:
         g = self.g
+        self.first_at = now
         g.metrics.ttft.observe(now - self.start)
         g.pool.router.first_token(self.rid)
         if g.on_first_token is not None:
@@ -265,7 +268,10 @@ class Generation:
             else:
                 self.conn.cancel(self.rid)   # client went away or an error: free the worker's blocks
         self._flush_itls()
-        m.e2e.observe(time.perf_counter() - self.start)
+        end = time.perf_counter()
+        m.e2e.observe(end - self.start)
+        if self.ended and self.first_at is not None and n_out > 1:
+            note_decode_s(g.itl_guard, end - self.first_at)
         if g.on_done is not None and n_out:
             g.on_done(arrived_at, len(self.inp.prompt_token_ids), n_out, self.cached)
         m.prompt_tokens.inc(len(self.inp.prompt_token_ids))

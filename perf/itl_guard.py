@@ -29,9 +29,12 @@ may spend part of its time on prompts from a saturated prefill worker's queue: i
 a share f of its time and its decode steps alone take b, its requests' mean ITL is about b / (1 - f),
 so up to f = 1 - b / (aim x target) keeps them at `aim` (0.8) of the target. The frontend meters
 each decode worker's local prefills to that share: a credit of prefill seconds, none when the worker
-is first seen, grows at f per second of wall time (its current decode batch sets b), capped at the
-prompt in hand's cost, and a prompt runs locally only when the credit covers it (the extra time its
-chunks add to the worker's steps, priced with the profile like the step rule).
+is first seen, grows at f per second of wall time (its current decode batch sets b), and a prompt
+runs locally only when the credit covers it (the extra time its chunks add to the worker's steps,
+priced with the profile like the step rule). The credit is capped at what the worker earns over one
+request's decode time (first token to last, a moving average of finished requests: the span a mean
+ITL is taken over), or at the prompt in hand's cost if that is more: a burst of prompts may spend
+the slack of one request's lifetime at once, and no more.
 A saturated prefill worker's overflow then spreads over the decode workers' slack instead of waiting
 (the step rule) or landing on them all at once (no guard). With N frontends (`serve --frontends N`)
 each meters 1/N of that share. Given a TTFT target too, the budget rule counts a prefill worker as
@@ -104,6 +107,7 @@ class LocalPrefillBudget:
     aim: float = 0.8
     ttft_target_s: float | None = None     # opens the queue gate where a prompt at P would be late
     _credit: dict[str, tuple[float, float]] = field(default_factory=dict)   # worker -> (seconds, as of)
+    _window_s: float = 0.0      # a request's decode time, first token to last (moving average)
 
     def __post_init__(self) -> None:
         if not 0 < self.share <= 1:
@@ -142,6 +146,12 @@ class LocalPrefillBudget:
             cost += step([(s, min(chunk, prompt_tokens - s)), *decodes]) - alone
         return cost
 
+    def note_decode_s(self, seconds: float) -> None:
+        """A finished request's decode time (first token to last): the span its mean ITL was taken
+        over, which bounds how much credit a decode worker may bank."""
+        if seconds > 0:
+            self._window_s = seconds if not self._window_s else self._window_s + 0.05 * (seconds - self._window_s)
+
     def must_wait(self, worker_id: str, now_s: float, prompt_tokens: int, uncached_tokens: int,
                   requests: int, decoding: int) -> bool:
         """True when the decode worker's credit does not cover the prompt (it waits at its prefill
@@ -149,8 +159,9 @@ class LocalPrefillBudget:
         with the requests it is `decoding` now (those waiting for a saturated prefill worker
         are not in its steps yet), at this prompt's length."""
         cost = self.cost_s(prompt_tokens, prompt_tokens - uncached_tokens, decoding, prompt_tokens)
+        share = self.spare_share(decoding, prompt_tokens)
         credit, as_of = self._credit.get(worker_id, (0.0, now_s))    # a worker first seen has earned none
-        credit = min(credit + self.spare_share(decoding, prompt_tokens) * max(now_s - as_of, 0.0), cost)
+        credit = min(credit + share * max(now_s - as_of, 0.0), max(cost, share * self._window_s))
         wait = credit < cost
         self._credit[worker_id] = (credit if wait else credit - cost, now_s)
         return wait
@@ -174,6 +185,12 @@ def must_wait(guard: Guard | None, prompt_tokens: int, uncached_tokens: int, req
         return False
     return guard.must_wait(worker_id, now_s, prompt_tokens, uncached_tokens, requests,
                            requests if decoding is None else decoding)
+
+
+def note_decode_s(guard: Guard | None, seconds: float) -> None:
+    """A finished request's decode time, for the budget rule's cap (other rules ignore it)."""
+    if isinstance(guard, LocalPrefillBudget):
+        guard.note_decode_s(seconds)
 
 
 def prefill_late(guard: Guard | None, queued_tokens: float, prompt_tokens: int, uncached_tokens: int) -> bool:

@@ -60,7 +60,7 @@ import numpy as np
 from kvstore.events import KvEventBatch
 from planner import Planner
 from router import NoWorkerAvailable, Router, RouterConfig, WorkerRole
-from perf.itl_guard import ItlGuard, ItlGuardMode, LocalPrefillBudget, must_wait, prefill_late
+from perf.itl_guard import ItlGuard, ItlGuardMode, LocalPrefillBudget, must_wait, note_decode_s, prefill_late
 from perf.profile import Profile
 from sim.plan.config import SimConfig, SimResult, TimelinePoint
 from sim.plan.decode import DecodeWorker, Kind
@@ -395,6 +395,7 @@ class Simulation(PlannerTicks):
                 self._release_decode(t, rid, stop=False)
         for rid in done:
             self.itl[rid] = itl = (t - self.first_token[rid]) / (self.output[rid] - 1)
+            note_decode_s(self._itl_guard, t - self.first_token[rid])
             self._note_itl(itl)
             self._release_decode(t, rid, stop=False)
             if itl > self.cfg.itl_target_s and not self.ttft[rid] > self.cfg.ttft_target_s:

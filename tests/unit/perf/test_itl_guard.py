@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from perf.itl_guard import ItlGuard, ItlGuardMode, LocalPrefillBudget, make_itl_guard, must_wait, prefill_late
+from perf.itl_guard import ItlGuard, ItlGuardMode, LocalPrefillBudget, make_itl_guard, must_wait, note_decode_s, prefill_late
 from perf.profile import CurveTiming, load_profile
 
 CURVE = {"base_s": 0.005, "per_token_s": 2e-5, "per_attn_pair_s": 1e-9, "per_kv_token_s": 1e-8}
@@ -156,3 +156,25 @@ def test_with_a_ttft_target_a_queue_that_would_make_the_prompt_late_opens_the_ga
     made = make_itl_guard(50.0, None, "budget", 1.0, ttft_target_ms=800.0)
     assert made.ttft_target_s == pytest.approx(0.8)
     assert isinstance(make_itl_guard(50.0, None, "step", 1.0, ttft_target_ms=800.0), ItlGuard)
+
+
+def test_a_decode_worker_banks_at_most_one_requests_decode_time_of_credit(curve_profile):
+    """The credit's cap: what the worker earns over one request's decode time (first token to last,
+    a moving average of finished ones), so that a burst of prompts can use that much slack at once;
+    before any request has finished, one prompt's cost."""
+    budget = LocalPrefillBudget(ItlGuard(curve_profile, itl_target_s=0.05))
+    cost, f = budget.cost_s(2000, 0, 4, 2000), budget.spare_share(4, 2000)
+    lifetime = 5 * cost / f                           # a request decodes while the worker earns 5 prompts
+    note_decode_s(budget, lifetime)
+    note_decode_s(budget.guard, lifetime)             # the step rule ignores it
+    must_wait(budget, 2000, 2000, 4, 4, "d0", now_s=0.0)
+    t = 3600.0                                        # an idle hour banks one lifetime's credit, 5 prompts
+    taken = [not must_wait(budget, 2000, 2000, 4, 4, "d0", now_s=t) for _ in range(8)]
+    assert taken == [True] * 5 + [False] * 3
+    # the moving average follows the requests: shorter ones lower the cap
+    for _ in range(200):
+        budget.note_decode_s(cost / f)
+    must_wait(budget, 2000, 2000, 4, 4, "d1", now_s=0.0)
+    assert [not must_wait(budget, 2000, 2000, 4, 4, "d1", now_s=3600.0) for _ in range(3)] == [True, False, False]
+    budget.note_decode_s(0.0)                         # a request with no decode time changes nothing
+    assert budget._window_s == pytest.approx(cost / f, rel=0.01)
