@@ -67,7 +67,7 @@ OLD_SPELLINGS = {"sla.interval_s": ("--interval-s",), "sla.profile": ("--profile
                  "pools.min_decode_workers": ("--min-decode",), "pools.max_decode_workers": ("--max-decode",)}
 # The frontend's settings that decide where a prompt is computed (frontend/generate.py), which the
 # simulator follows; their flags are the frontend's own, under this prefix in the namespace.
-SIMULATED_FRONTEND = ("remote_prefill_min_tokens", "max_prefill_queue_tokens")
+SIMULATED_FRONTEND = ("remote_prefill_min_tokens", "max_prefill_queue_tokens", "itl_guard_mode")
 FRONTEND_PREFIX = "frontend."
 
 
@@ -260,6 +260,7 @@ def _record(args: argparse.Namespace, sla: SlaConfig, planner_cfg, sim_cfg, plan
         "prefill_order": sla.prefill_order.value, "handoff_s": sim_cfg.handoff_s,
         "remote_prefill_min_tokens": sim_cfg.remote_prefill_min_tokens,
         "max_prefill_queue_tokens": sim_cfg.max_prefill_queue_tokens,
+        "itl_guard_mode": str(sim_cfg.itl_guard_mode),
         "local_prefill_share": round(float(result.local_prefill.mean()), 4),
         **summary,
         "gpu_hours": round(gpu_hours, 4),

@@ -99,8 +99,8 @@ def test_the_flags_bench_plan_spelled_its_own_way_still_work():
 
 
 def test_the_simulated_frontend_takes_the_frontends_flags_and_defaults():
-    """--remote-prefill-min-tokens and --max-prefill-queue-tokens are the frontend's declared flags
-    (runtime/config.py), with its defaults; --handoff-ms is this command's own."""
+    """--remote-prefill-min-tokens, --max-prefill-queue-tokens and --itl-guard-mode are the frontend's
+    declared flags (runtime/config.py), with its defaults; --handoff-ms is this command's own."""
     base = ["bench", "plan", "--trace", "x", "--ttft-ms", "1000", "--itl-ms", "50"]
     args = build_parser().parse_args(base)
     _, sim = _configs(args, plan_settings(args), 16.5)
@@ -111,6 +111,9 @@ def test_the_simulated_frontend_takes_the_frontends_flags_and_defaults():
                                              "4096", "--handoff-ms", "20"])
     _, sim = _configs(args, plan_settings(args), 16.5)
     assert (sim.remote_prefill_min_tokens, sim.max_prefill_queue_tokens, sim.handoff_s) == (256, 4096, 0.02)
+    assert sim.itl_guard_mode == declared.itl_guard_mode == "step"
+    args = build_parser().parse_args(base + ["--itl-guard-mode", "budget"])
+    assert _configs(args, plan_settings(args), 16.5)[1].itl_guard_mode == "budget"
 
 
 def test_the_planners_serving_modes_are_reported(tmp_path, capsys):
