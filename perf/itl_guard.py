@@ -64,19 +64,25 @@ class ItlGuard:
         if not self.itl_target_s > 0:
             raise ValueError(f"the ITL target must be > 0 s, got {self.itl_target_s}")
 
+    def prompt_chunks(self, prompt_tokens: int, cached_tokens: int, decode_batch: int) -> list[tuple[int, int]]:
+        """(start, tokens) of each chunk the decode worker would compute the prompt in: what its step
+        budget leaves beside `decode_batch` decodes, from the end of the cached prefix."""
+        chunk = max(self.profile.max_num_batched_tokens - decode_batch, 1)
+        start = min(max(cached_tokens, 0), max(prompt_tokens - 1, 0))
+        return [(s, min(chunk, prompt_tokens - s)) for s in range(start, prompt_tokens, chunk)]
+
+    @staticmethod
+    def decodes(decode_batch: int, decode_context: float) -> list[tuple[int, int]]:
+        """A step's decodes as chunks: one token each after `decode_context` - 1."""
+        return [(max(int(decode_context), 1) - 1, 1)] * max(decode_batch, 0)
+
     def local_step_s(self, prompt_tokens: int, cached_tokens: int, decode_batch: int,
                      decode_context: float) -> float:
         """The slowest step of the decode worker while it computes the prompt itself: its
-        `decode_batch` decodes (of `decode_context` tokens each) plus one chunk of the prompt."""
-        budget = self.profile.max_num_batched_tokens
-        chunk = max(budget - decode_batch, 1)
-        start = min(max(cached_tokens, 0), max(prompt_tokens - 1, 0))
-        todo = prompt_tokens - start
-        full, tail = divmod(todo, chunk)
-        chunks = [(start + (full - 1) * chunk, chunk)] if full else []
-        if tail:
-            chunks.append((start + full * chunk, tail))
-        decodes = [(max(int(decode_context), 1) - 1, 1)] * max(decode_batch, 0)
+        `decode_batch` decodes (of `decode_context` tokens each) plus one chunk of the prompt,
+        the last full chunk (its attention spans the most context) or the shorter tail after it."""
+        decodes = self.decodes(decode_batch, decode_context)
+        chunks = self.prompt_chunks(prompt_tokens, cached_tokens, decode_batch)[-2:]
         return max(self._step_s([c, *decodes]) for c in chunks)
 
     def breaks_target(self, prompt_tokens: int, cached_tokens: int, decode_batch: int,
@@ -136,15 +142,10 @@ class LocalPrefillBudget:
     def cost_s(self, prompt_tokens: int, cached_tokens: int, decode_batch: int, decode_context: float) -> float:
         """What computing the prompt on the decode worker adds to its steps: each chunk's step less
         the decode step it rides on."""
-        chunk = max(self.guard.profile.max_num_batched_tokens - decode_batch, 1)
-        start = min(max(cached_tokens, 0), max(prompt_tokens - 1, 0))
-        decodes = [(max(int(decode_context), 1) - 1, 1)] * max(decode_batch, 0)
-        step = self.guard.profile.timing.step_s
-        alone = step(decodes) if decodes else 0.0
-        cost = 0.0
-        for s in range(start, prompt_tokens, chunk):
-            cost += step([(s, min(chunk, prompt_tokens - s)), *decodes]) - alone
-        return cost
+        g = self.guard
+        decodes = g.decodes(decode_batch, decode_context)
+        alone = g._step_s(decodes) if decodes else 0.0
+        return sum(g._step_s([c, *decodes]) - alone for c in g.prompt_chunks(prompt_tokens, cached_tokens, decode_batch))
 
     def note_decode_s(self, seconds: float) -> None:
         """A finished request's decode time (first token to last): the span its mean ITL was taken
