@@ -23,7 +23,7 @@ a prefill worker computes the same prompt in full-budget chunks beside no decode
 only the prompt's own TTFT, which the prefill worker's deadline order and its lease bound
 (docs/disaggregation.md has the figures).
 
-`LocalPrefillBudget` (`--itl-guard budget`) reads the target as what it is in the goodput and the
+`LocalPrefillBudget` (`--itl-guard-mode budget`) reads the target as what it is in the goodput and the
 planner's attainment: a bound on each request's *mean* ITL, not on every step. Then a decode worker
 may spend part of its time on prompts from a saturated prefill worker's queue: if local prefills take
 a share f of its time and its decode steps alone take b, its requests' mean ITL is about b / (1 - f),
@@ -34,8 +34,7 @@ runs locally only when the credit covers it (the extra time its chunks add to th
 priced with the profile like the step rule). The credit is capped at what the worker earns over one
 request's decode time (first token to last, a moving average of finished requests: the span a mean
 ITL is taken over), or at the prompt in hand's cost if that is more: a burst of prompts may spend
-the slack of one request's lifetime at once, and no more.
-A saturated prefill worker's overflow then spreads over the decode workers' slack instead of waiting
+the slack of one request's lifetime at once, and no more. A saturated prefill worker's overflow then spreads over the decode workers' slack instead of waiting
 (the step rule) or landing on them all at once (no guard). With N frontends (`serve --frontends N`)
 each meters 1/N of that share. Given a TTFT target too, the budget rule counts a prefill worker as
 saturated for a prompt as soon as its queue is more than `aim` of that target's work, rather than
@@ -83,7 +82,7 @@ class ItlGuard:
         the last full chunk (its attention spans the most context) or the shorter tail after it."""
         decodes = self.decodes(decode_batch, decode_context)
         chunks = self.prompt_chunks(prompt_tokens, cached_tokens, decode_batch)[-2:]
-        return max(self._step_s([c, *decodes]) for c in chunks)
+        return max(self.step_s([c, *decodes]) for c in chunks)
 
     def breaks_target(self, prompt_tokens: int, cached_tokens: int, decode_batch: int,
                       decode_context: float) -> bool:
@@ -99,7 +98,8 @@ class ItlGuard:
         length (the frontend does not see the others')."""
         return self.breaks_target(prompt_tokens, prompt_tokens - uncached_tokens, requests, prompt_tokens)
 
-    def _step_s(self, chunks: Sequence[tuple[int, int]]) -> float:
+    def step_s(self, chunks: Sequence[tuple[int, int]]) -> float:
+        """One step of the decode worker computing `chunks` ((start, tokens) each), by the profile."""
         return self.profile.timing.step_s(chunks)
 
 
@@ -144,8 +144,8 @@ class LocalPrefillBudget:
         the decode step it rides on."""
         g = self.guard
         decodes = g.decodes(decode_batch, decode_context)
-        alone = g._step_s(decodes) if decodes else 0.0
-        return sum(g._step_s([c, *decodes]) - alone for c in g.prompt_chunks(prompt_tokens, cached_tokens, decode_batch))
+        alone = g.step_s(decodes) if decodes else 0.0
+        return sum(g.step_s([c, *decodes]) - alone for c in g.prompt_chunks(prompt_tokens, cached_tokens, decode_batch))
 
     def note_decode_s(self, seconds: float) -> None:
         """A finished request's decode time (first token to last): the span its mean ITL was taken
