@@ -28,6 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.poisson_trace import arrival_times  # noqa: E402
 from perf.profile import load_profile  # noqa: E402
 from sim.plan.simulator import SimConfig, Simulation  # noqa: E402
 from sim.workload import Workload  # noqa: E402
@@ -55,9 +56,8 @@ def configs(gpus: int, splits: list[tuple[int, int]]) -> list[Config]:
 
 
 def poisson(isl: int, osl: int, rate: float, seconds: float, seed: int) -> Workload:
-    rng = np.random.default_rng(seed)
-    t = np.cumsum(rng.exponential(1 / rate, size=int(rate * seconds * 1.5) + 16))
-    t = t[t < seconds]
+    """The workload `bench/poisson_trace.py` would write for these arguments, in memory."""
+    t = arrival_times(rate, seconds, seed)
     n = len(t)
     return Workload(f"{isl}/{osl}@{rate:g}", t, np.full(n, isl, dtype=np.int64), np.full(n, osl, dtype=np.int64), None)
 

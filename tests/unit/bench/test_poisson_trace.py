@@ -21,3 +21,15 @@ def test_the_trace_reads_back_with_its_lengths_and_rate(tmp_path):
     assert set(w.prompt.tolist()) == {3072} and set(w.output.tolist()) == {150}
     gaps = np.diff(w.arrival_s)
     assert np.all(gaps >= 0) and abs(gaps.mean() - 1 / 20.0) < 0.01
+
+
+def test_arrival_times_are_the_same_however_many_gaps_are_drawn_at_once():
+    """One gap at a time, summed in order, is the reference; drawing them in batches (several
+    batches when the first falls short) gives the same floats."""
+    rng = np.random.default_rng(3)
+    want, t = [], rng.exponential(1 / 2.0)
+    while t < 50.0:
+        want.append(t)
+        t += rng.exponential(1 / 2.0)
+    for batch in (None, 7, 1):
+        assert np.array_equal(poisson_trace.arrival_times(2.0, 50.0, seed=3, batch=batch), np.array(want))
