@@ -110,10 +110,8 @@ def check_sla(sla: SlaConfig, quantization: str | None = None, tp: tuple[int, in
     (serve's), so that settings at odds with them (a mode choice beside a prefill minimum above 0)
     are refused at start-up rather than at every decision."""
     profile = load_profile(sla.profile, quantization, tp)
-    if limits is None:
-        sla_planner_config(sla, profile)
-    else:
-        PlannerConfig.from_settings(sla, profile.startup_s, limits, (profile.prefill_tp, profile.decode_tp))
+    PlannerConfig.from_settings(sla, profile.startup_s, limits or PoolLimitsConfig(),
+                                (profile.prefill_tp, profile.decode_tp))
     return profile
 
 

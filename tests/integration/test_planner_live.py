@@ -32,6 +32,18 @@ MAX_TOKENS = 40
 RATE_RPS = 5.0
 
 
+def planner_cluster(tmp_path, *argv: str):
+    """`serve --mock --planner` on the slow mock profile (workers and planner alike), one decode
+    worker of at most 4 running 2 sequences each, 1 s decisions, short drains and leases; `argv`
+    adds the prefill pool and the rest."""
+    profile = tmp_path / "slow-mock.json"
+    profile.write_text(json.dumps(PROFILE))
+    return own_cluster("--mock", "--decode-workers", "1", "--max-decode-workers", "4", "--max-num-seqs", "2",
+                       "--mock-profile", str(profile), "--planner", "--planner-profile", str(profile),
+                       "--ttft-ms", "2000", "--itl-ms", "100", "--planner-interval-s", "1",
+                       "--drain-timeout-s", "10", "--lease-ttl-s", "2", *argv, tmp_dir=tmp_path)
+
+
 def pool(cluster, name: str) -> admin_pb2.PoolStatus:
     with grpc.insecure_channel(cluster.admin_url) as ch:
         md = [("authorization", f"Bearer {read_token_file(cluster.admin_port)}")]
@@ -74,13 +86,7 @@ def load_watching(cluster, pools: tuple[str, ...], watch, rate_rps: float, durat
 
 
 def test_the_planner_scales_decode_up_and_down_with_no_failed_request(tmp_path):
-    profile = tmp_path / "slow-mock.json"
-    profile.write_text(json.dumps(PROFILE))
-    with own_cluster("--mock", "--prefill-workers", "0", "--decode-workers", "1", "--max-decode-workers", "4",
-                     "--max-num-seqs", "2", "--mock-profile", str(profile), "--planner",
-                     "--planner-profile", str(profile), "--ttft-ms", "2000", "--itl-ms", "100",
-                     "--planner-interval-s", "1", "--drain-timeout-s", "10", "--lease-ttl-s", "2",
-                     tmp_dir=tmp_path) as c:
+    with planner_cluster(tmp_path, "--prefill-workers", "0") as c:
         peak = {"desired": 1, "ready": 1}
 
         def watch(status: dict) -> None:
@@ -182,13 +188,7 @@ def test_the_planner_switches_to_aggregated_serving_without_cutting_a_request(tm
 
     if not nixl_available():
         pytest.skip("NIXL is not installed")
-    profile = tmp_path / "slow-mock.json"
-    profile.write_text(json.dumps(PROFILE))
-    with own_cluster("--mock", "--prefill-workers", "1", "--decode-workers", "1", "--max-decode-workers", "4",
-                     "--max-num-seqs", "2", "--mock-profile", str(profile), "--planner",
-                     "--planner-profile", str(profile), "--planner-mode", "auto", "--ttft-ms", "2000",
-                     "--itl-ms", "100", "--planner-interval-s", "1", "--drain-timeout-s", "10",
-                     "--lease-ttl-s", "2", tmp_dir=tmp_path) as c:
+    with planner_cluster(tmp_path, "--prefill-workers", "1", "--planner-mode", "auto") as c:
         seen = {"prefill_ready": [], "decode_ready": []}
 
         def watch(status: dict) -> None:
