@@ -21,7 +21,8 @@
 #              and its GB/s against a torch peer copy GPU 0 -> GPU 1 measured in the same run; UCX's
 #              protocol choice (UCX_PROTO_INFO) saved
 #   pytest     tests/gpu, or $PYTEST_PATHS (the multi-GPU tests skip below 2 GPUs)
-#   tp70_serve (not in the default list) 70B TP=2 fp8 through HTTP: 1k/1k at concurrency 1,32,128
+#   tp70_serve (not in the default list) 70B TP=$TP70_TP fp8 through HTTP: 1k/1k at concurrency 1,32,128
+#              (TP70_SERVE_ARGS replaces that: "--concurrency 128 --num-requests 256")
 #   compare    (not in the default list) one GPU: batch-1 and the 1k/1k engine loop of HEAD against .base, a
 #              `git archive` of the commit before this work carried beside the tree (run.sh's compare stage)
 # DEVICE=cpu runs the reduced forms (tiny model, gloo, DRAM) that the CPU test of this script runs.
@@ -114,7 +115,7 @@ for stage in "$@"; do
              [ -f "$OUT/compare.jsonl" ] && cp "$OUT/compare.jsonl" "$(rec compare)" ;;
     tp70_serve)
       timeout "$(left 0 "${T_TP70_SERVE:-500}")" $PY bench/device/serve_e2e.py --arch llama-3.1-70b --scenario 1k1k \
-        --concurrency 1,32,128 --modes agg --out "$OUT" --label "${TAG}" --tag "tp${TP70_TP:-2}${TP70_QUANT:-fp8}" \
+        ${TP70_SERVE_ARGS:---concurrency 1,32,128} --modes agg --out "$OUT" --label "${TAG}" --tag "tp${TP70_TP:-2}${TP70_QUANT:-fp8}" \
         --serve-args="--tensor-parallel-size ${TP70_TP:-2} --quantization ${TP70_QUANT:-fp8}" 2>&1 | tail -20 \
         | tee "$OUT/tp70_serve.log" ;;
     *) echo "unknown stage $stage" ;;

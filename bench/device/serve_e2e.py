@@ -127,11 +127,12 @@ def run_mode(mode: str, args, bench_args: list[str], model: Path, env: dict, out
                                   "--admin-port", "0", *mode_flags(mode, args.decode_workers),
                                   *shlex.split(" ".join(args.serve_args))],
                                  env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    rc = 1
+    rc, started, ready_s = 1, time.monotonic(), None
     try:
-        deadline = time.monotonic() + 400
+        deadline = started + 400
         while True:
             if "Splitserve is ready" in log_path.read_text(errors="replace"):
+                ready_s = round(time.monotonic() - started, 1)      # `serve` started to ready (1 s polls)
                 break
             if serve.poll() is not None or time.monotonic() > deadline:
                 print(f"the {mode} cluster did not start; its log: {log_path}", file=sys.stderr)
@@ -148,7 +149,8 @@ def run_mode(mode: str, args, bench_args: list[str], model: Path, env: dict, out
             serve.kill()
             serve.wait()
     print(json.dumps({"bench": "serve_e2e_log", "mode": mode, "arch": args.arch, "scenario": args.scenario,
-                      "concurrency": args.concurrency, "exit": serve.returncode, "bench_exit": rc, **found,
+                      "concurrency": args.concurrency, "start_to_ready_s": ready_s, "exit": serve.returncode,
+                      "bench_exit": rc, **found,
                       **log_findings(log_path.read_text(errors="replace"))}), flush=True)
     return rc
 
