@@ -210,7 +210,8 @@ class Scheduler:
         if self.order.deadline_s is not None and self.waiting and budget > 0:
             self.order.arrange(self.waiting, self.prefill_speed.tokens_per_s, time.perf_counter())
         i = 0
-        while i < len(self.waiting) and len(self.running) < self.max_num_seqs:
+        # a request whose KV is in flight holds its seat: it joins the running set when the KV lands
+        while i < len(self.waiting) and len(self.running) + len(self.remote.awaiting_kv) < self.max_num_seqs:
             req = self.waiting[i]
             if req.num_pending:          # preempted mid-flight: admit once its token is back
                 break

@@ -85,3 +85,20 @@ def test_aggregated_worker_admission_unchanged():
     assert [(r.request_id, r.num_tokens) for r in plan.rows] == [("r0", 64)]
     assert [r.request_id for r in s.waiting] == ["r1", "r2"]
     assert reserved(s) == []
+
+
+def test_requests_awaiting_their_kv_count_against_max_num_seqs():
+    # a decode-only step past max_num_seqs overflows the decode kernel's fixed buffers (sized for
+    # max_num_seqs rows): a request whose KV is in flight holds one of those seats already
+    s = Scheduler(BlockPool(1000), BS, max_model_len=4096, max_num_seqs=3, max_num_batched_tokens=64)
+    add(s, "local", 32)
+    for i in range(4):
+        add(s, f"remote-{i}", 32, remote=True, first=1000 * (i + 1))
+    s.schedule()
+    assert reserved(s) == ["remote-0", "remote-1"]             # 1 running + 2 awaiting = 3 seats
+    assert [r.request_id for r in s.waiting] == ["remote-2", "remote-3"]
+    for i in range(2):
+        s.kv_arrived(f"remote-{i}", 7)
+    assert len(s.running) == 3
+    plan = s.schedule()
+    assert len(plan.rows) <= 3 and reserved(s) == []
