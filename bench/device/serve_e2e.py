@@ -81,6 +81,17 @@ def mode_flags(mode: str, decode_workers: int) -> list[str]:
             "--kv-memory-fraction", str(round(0.85 / workers, 3))]
 
 
+def gpus_serving(mode: str, decode_workers: int, serve_args: list[str]) -> int:
+    """The GPUs `serve` places for this mode: one per worker, times `--tensor-parallel-size`."""
+    argv, tp = shlex.split(" ".join(serve_args)), 1
+    for i, a in enumerate(argv):
+        if a.startswith("--tensor-parallel-size="):
+            tp = int(a.split("=", 1)[1])
+        elif a == "--tensor-parallel-size" and i + 1 < len(argv):
+            tp = int(argv[i + 1])
+    return (decode_workers + (1 if mode == "disagg" else 0)) * tp
+
+
 def log_findings(text: str) -> dict:
     """ERROR lines (our logging's, gRPC's `E1124 ...` and uvicorn's `ERROR:`) and tracebacks in a log."""
     errors = [line for line in text.splitlines()
@@ -121,6 +132,7 @@ def run_mode(mode: str, args, bench_args: list[str], model: Path, env: dict, out
     log_path = out / f"serve_{mode}.log"
     flags = [a.replace(".jsonl", f"_{mode}.jsonl").replace(".png", f"_{mode}.png") for a in bench_args]
     flags[flags.index("--label") + 1] += f" {mode}"
+    flags += ["--gpus", str(gpus_serving(mode, args.decode_workers, args.serve_args))]   # per-GPU figures
     with open(log_path, "wb") as log:
         serve = subprocess.Popen([sys.executable, "-m", "splitserve", "serve", "--model", str(model), "--model-name",
                                   args.arch, "--load-format", "dummy", "--device", "cuda", "--http-port", "8000",

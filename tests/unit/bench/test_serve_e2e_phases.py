@@ -1,5 +1,6 @@
 """bench/device/serve_e2e.py records where a remote prompt's time goes: the handoff histograms of the
-workers' own metrics (as the frontend's /metrics exposes them), as counts and means."""
+workers' own metrics (as the frontend's /metrics exposes them), as counts and means; and its per-GPU
+figures divide by every GPU `serve` places."""
 
 from __future__ import annotations
 
@@ -39,3 +40,11 @@ def test_phase_means_and_counters_from_worker_metrics():
 def test_no_phases_without_observations():
     text = generate_latest(WorkerMetrics("decode-0").registry).decode()
     assert not any(k.endswith(("_mean_ms", "_count")) for k in parse_counters(text))
+
+
+def test_per_gpu_figures_count_every_gpu_serve_places():
+    from serve_e2e import gpus_serving
+    assert gpus_serving("agg", 1, ["--tensor-parallel-size 4 --quantization auto"]) == 4
+    assert gpus_serving("agg", 2, ["--tensor-parallel-size=2"]) == 4
+    assert gpus_serving("disagg", 1, []) == 2          # a prefill worker beside the decode worker
+    assert gpus_serving("agg", 1, []) == 1
