@@ -5,8 +5,8 @@ and decode_worker/remote_prefill.py are the real thing):
 
 1. **Admission** (`offer`): requests wait here in arrival order and are admitted while the KV pool
    has room for the sequence (its prompt + output tokens are reserved at once, so nothing is ever
-   preempted) and fewer than max_num_seqs sequences run (those whose KV is still in flight do not
-   count, as in the engine). A request prefilled remotely (REMOTE) then has its blocks reserved
+   preempted) and fewer than max_num_seqs sequences run or await their KV from a prefill worker
+   (as in the engine). A request prefilled remotely (REMOTE) then has its blocks reserved
    and its prompt is sent to a prefill worker (`take_reserved`); it joins the batch when its KV has
    landed (`kv_landed`). A
    request whose KV is already here (READY: the decode-only stage of the static search) joins at
@@ -180,8 +180,8 @@ class DecodeWorker(Worker):
             need = prompt + output
             if self.reserved + need > self.kv_tokens and (self.batch or self.awaiting or self.lane):
                 break
-            if self.batch + len(self.lane) >= self.max_seqs:
-                break           # the engine admits while fewer than max_num_seqs run (KV in flight aside)
+            if self.batch + len(self.lane) + len(self.awaiting) >= self.max_seqs:
+                break           # the engine admits while fewer than max_num_seqs run or await their KV
             waiting.popleft()
             self.reserved += need
             if kind is Kind.REMOTE:

@@ -108,7 +108,8 @@ class Simulation(PlannerTicks):
         self.decode: dict[str, DecodeWorker] = {}
         self.all_workers: list = []
         self._num_workers = 0
-        # remote prefills join when their KV lands, past max_num_seqs if need be (as in the engine)
+        # the batch stays within max_num_seqs (admission counts the KV in flight); a larger one,
+        # should it occur, is priced at the profile's plain decode step
         fast, cap, slow = profile.decode_step_fn(profile.max_num_seqs), profile.max_num_seqs, profile.decode_step_s
         self._step_fn = lambda batch, context: fast(batch, context) if batch <= cap else slow(batch, context)
         timing = profile.timing

@@ -85,6 +85,18 @@ def test_decode_worker_admission_and_draining(ms_profile):
     assert small.due()[0] == [1] and small.idle                # a drained worker may stop
 
 
+def test_decode_worker_seats_held_by_kv_in_flight(ms_profile):
+    # as the engine: a remote prefill's reservation holds one of max_seqs' seats until its KV lands
+    w = DecodeWorker("d", 0.0, 0.0, ms_profile.decode_step_fn(8), max_seqs=2, kv_tokens=10_000)
+    for rid in range(3):
+        w.offer(rid, 100, 11, Kind.REMOTE)
+    assert w.take_reserved() == [0, 1] and len(w.waiting) == 1
+    w.kv_landed(0)
+    assert w.batch == 1 and len(w.waiting) == 1                    # 1 running + 1 awaiting
+    w.advance(w.next_event_s())
+    assert w.due()[0] == [0] and w.take_reserved() == [2]          # a seat freed: the next is sent
+
+
 def test_prefill_worker_queue_and_lru_cache():
     w = PrefillWorker("p", 0.0, 0.0, cache_blocks=3)
     assert w.submit(1.0, 7, 1.0, 0.5) == (7, 1.0, 1.5)             # idle: starts at once
