@@ -8,7 +8,9 @@ their chunks, so a prefill pool of its own is cheaper. The core sizes both (plan
 each decision and hands this chooser their GPUs; with `--planner-mode auto` it keeps or switches
 the mode by one rule:
 
-- The first decision with requests to size takes the cheaper mode (a tie: disaggregated).
+- The first decision with requests to size takes the cheaper mode; a tie goes to the mode that
+  needs fewer GPUs at the load times (1 + hysteresis), the one with room to spare for the GPUs both
+  need now (a tie there too: disaggregated).
 - After that the other mode wins a decision when it needs fewer GPUs at the planned load times
   (1 + hysteresis) than the mode in force needs at the planned load: the scale-down margin of the
   pools (PlannerConfig.hysteresis), so that a load sitting where the two cost the same keeps its
@@ -75,8 +77,10 @@ class ModeChooser:
         if self.configured is not ServingMode.AUTO:
             return decision(ModeReason.FIXED)
         if self.mode is None:
-            cheaper = costs.aggregated < costs.disaggregated
-            self.mode = ServingMode.AGGREGATED if cheaper else ServingMode.DISAGGREGATED
+            agg, disagg = costs.aggregated, costs.disaggregated
+            if agg == disagg:           # a tie at the load: the mode with room to spare at the margin
+                agg, disagg = costs.aggregated_margin, costs.disaggregated_margin
+            self.mode = ServingMode.AGGREGATED if agg < disagg else ServingMode.DISAGGREGATED
             return decision(ModeReason.FIRST)
         challenger = other(self.mode)
         won = costs.with_margin(challenger) < costs.at_load(self.mode)

@@ -158,3 +158,18 @@ def test_bad_mode_settings_are_refused_with_a_reason():
         SlaConfig(mode_switch_intervals=0)
     with pytest.raises(ValueError, match="prefill pool's minimum at 0"):
         config(prefill=PoolLimits(1, 64))
+
+
+def test_a_tie_at_the_first_decision_goes_to_the_mode_with_room_at_the_margin():
+    """Both modes need 3 GPUs at the load; at the load times (1 + hysteresis) the split needs a
+    fourth (a second decode worker's worth at the boundary) and one aggregated pool does not: the
+    same GPUs serve more of a rise aggregated, so the first decision takes it."""
+    chooser = ModeChooser(ServingMode.AUTO, switch_intervals=3)
+    chooser.choose(ModeCosts(disaggregated=3, aggregated=3, disaggregated_margin=4, aggregated_margin=3))
+    assert chooser.current is ServingMode.AGGREGATED
+    chooser = ModeChooser(ServingMode.AUTO, switch_intervals=3)
+    chooser.choose(ModeCosts(disaggregated=3, aggregated=3, disaggregated_margin=3, aggregated_margin=4))
+    assert chooser.current is ServingMode.DISAGGREGATED
+    chooser = ModeChooser(ServingMode.AUTO, switch_intervals=3)       # a tie at both: disaggregated
+    chooser.choose(ModeCosts(disaggregated=3, aggregated=3, disaggregated_margin=4, aggregated_margin=4))
+    assert chooser.current is ServingMode.DISAGGREGATED
