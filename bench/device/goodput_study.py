@@ -222,6 +222,7 @@ def goodput_argv(run: Run, args: argparse.Namespace, url: str, out: Path, budget
             "--duration-s", f"{args.probe_duration_s:g}", "--max-probes", str(args.max_probes),
             "--precision", f"{args.precision:g}", "--start-in-flight", f"{args.start_in_flight:g}",
             *(["--start-rate", f"{args.start_rate:g}"] if args.start_rate else []),
+            "--processes", str(args.processes),
             "--min-requests", str(args.min_requests), "--time-budget-s", f"{budget_s:.0f}",
             "--timeout-s", f"{max(budget_s, 30):.0f}", "--seed", str(args.seed), "--no-progress",
             "--output", str(out / "goodput_study.jsonl"), "--plot", str(out / f"goodput_{tag}.png")]
@@ -339,6 +340,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     ap.add_argument("--min-requests", type=int, default=8)
     ap.add_argument("--precision", type=float, default=0.15)
     ap.add_argument("--start-in-flight", type=float, default=16.0)
+    ap.add_argument("--processes", type=int, default=1,
+                    help="bench goodput's client processes (a fast workload's probes outrun one client)")
     ap.add_argument("--start-rate", type=float, default=None,
                     help="the first probe's rate, req/s (default: --start-in-flight over the idle E2E)")
     ap.add_argument("--seed", type=int, default=0)

@@ -118,6 +118,8 @@ def check_args(args: argparse.Namespace) -> tuple[Targets, bench_serve.Plan]:
         raise BenchInputError(f"--attainment must lie in (0, 1], got {args.attainment}")
     if args.min_requests < 1:
         raise BenchInputError(f"--min-requests must be >= 1, got {args.min_requests}")
+    if args.processes < 1:
+        raise BenchInputError(f"--processes must be >= 1, got {args.processes}")
     if args.warmup is None:
         args.warmup = WARMUP_PER_GPU * max(args.gpus, 1)
     if args.warmup < 0:
@@ -179,9 +181,20 @@ class Session:
     header: dict
 
 
-async def measure(s: Session, specs: list[RequestSpec], concurrency: int | None, desc: str) -> dict:
-    """Send `specs` (open loop at their arrival times, or closed loop) and reduce them to a record."""
-    run = await bench_serve.run_level_in_process(s.args, s.model, specs, concurrency, desc)
+async def measure(s: Session, specs: list[RequestSpec], concurrency: int | None, desc: str,
+                  probe_at: tuple[float, int] | None = None) -> dict:
+    """Send `specs` (open loop at their arrival times, or closed loop) and reduce them to a record.
+    A probe (`probe_at`: its rate and salt) with --processes N is sent by N client processes, each
+    every N-th request of the same list at its own arrival time (procs.py), their results merged."""
+    if probe_at is not None and s.args.processes > 1:
+        from splitserve.bench.procs import run_level_processes
+        rate, salt = probe_at
+        args = argparse.Namespace(**vars(s.args), probe_rate=rate)
+        results, duration_s, peak, lag = await asyncio.to_thread(
+            run_level_processes, probe_share, args, s.model, None, salt, s.args.processes)
+        run = bench_serve.LevelRun(results, duration_s, peak, lag)
+    else:
+        run = await bench_serve.run_level_in_process(s.args, s.model, specs, concurrency, desc)
     record = summarize_level(run.results, run.duration_s, s.args.gpus)
     record |= attainment_fields(run.results, s.targets)
     record["client_lag_p99_s"] = percentile(np.array(run.loop_lag_s), 99)
@@ -194,13 +207,23 @@ async def probe(s: Session, rate: float, index: int) -> dict:
     span = specs[-1].arrival_s
     record = s.header | {"bench": "goodput_probe", "rate_req_s": rate,
                          "offered_rate_req_s": round((n - 1) / span, 4) if span > 0 else None}
-    record |= await measure(s, specs, None, f"{rate:.4g} req/s")
+    record |= await measure(s, specs, None, f"{rate:.4g} req/s", probe_at=(rate, index))
+    record["processes"] = s.args.processes
     record["passed"] = record["attainment"] >= s.args.attainment
     lag = record["client_lag_p99_s"]
     if lag is not None and lag > 0.25 * s.targets.itl_s:
         print(f"bench goodput: warning: the client's event loop ran {lag * 1000:.0f} ms late (p99) at "
               f"{rate:.4g} req/s; latencies there are the client's as much as the server's", file=sys.stderr)
     return record
+
+
+def probe_share(conn, args: argparse.Namespace, model: str, concurrency: int | None, salt: int, k: int,
+                n: int) -> None:
+    """In client process k of n (procs.py): the probe's requests, as `probe` builds them, every n-th
+    from the k-th, sent open loop at their arrival times."""
+    plan = bench_serve.make_plan(args)
+    specs = probe_specs(plan, args, args.probe_rate, probe_size(args, args.probe_rate), salt)[k::n]
+    bench_serve.run_share(conn, args, model, specs, concurrency, f"p{k}")
 
 
 async def alone(s: Session) -> dict:

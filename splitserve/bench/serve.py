@@ -197,8 +197,9 @@ def add_report_arguments(p: argparse.ArgumentParser, plot: str) -> None:
     p.add_argument("--extra-body", type=_json_object, default=None,
                    help='HTTP only: a JSON object merged into every request body, e.g. \'{"echo": true, "logprobs": 1}\'')
     p.add_argument("--processes", type=int, default=1,
-                   help="split each level's clients over this many processes (procs.py) and merge their "
-                        "records, so that the load generator never sets the pace")
+                   help="split each level's clients (bench goodput: each probe's requests) over this many "
+                        "processes (procs.py) and merge their records, so that the load generator never sets "
+                        "the pace")
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,13 +355,19 @@ def level_share(conn, args: argparse.Namespace, model: str, concurrency: int | N
 
     plan = make_plan(args)
     specs = level_specs(plan, args, concurrency, salt)[k::n]
-    mine = None if concurrency is None else shares(concurrency, n)[k]
+    run_share(conn, args, model, specs, None if concurrency is None else shares(concurrency, n)[k], f"p{k}")
+
+
+def run_share(conn, args: argparse.Namespace, model: str, specs: list[RequestSpec], concurrency: int | None,
+              desc: str) -> None:
+    """A client process's part (procs.py): say ready, wait for go, run `specs` at `concurrency`
+    (None: open loop at their arrival times, from the common go), send the results back."""
     conn.send("ready")
     conn.recv()                                     # go
     with asyncio.Runner(loop_factory=event_loop_factory(args.url)) as runner:
         start = time.perf_counter()
-        run = runner.run(run_level_in_process(args, model, specs, mine, f"p{k}")) if specs and mine != 0 \
-            else None
+        run = runner.run(run_level_in_process(args, model, specs, concurrency, desc)) \
+            if specs and concurrency != 0 else None
         end = time.perf_counter()
     conn.send((start, end, run.results if run else [], run.loop_lag_s if run else [],
                run.max_in_flight if run else 0))

@@ -129,3 +129,25 @@ def test_device_study_runs_its_smallest_configuration_on_the_cpu(tmp_path):
     assert run["counters"]["splitserve_prefill_remote_total"] == 0          # aggregated: nothing remote
     assert all(log["error_lines"] == 0 and log["tracebacks"] == 0 for log in lines[-1]["logs"].values())
     assert (tmp_path / "goodput_agg1_64x8_loose.png").is_file()
+
+
+def test_probes_split_over_client_processes(fifo_server):
+    """--processes 2: each probe's Poisson arrivals are sent by two client processes (every other
+    request each, at its own arrival time) and merged into one probe of the full size."""
+    lines, _ = goodput(fifo_server, "--ttft-ms", str(TTFT_MS), "--itl-ms", str(ITL_MS), "--isl", "16",
+                       "--osl", str(OSL), "--duration-s", "4", "--start-rate", "8", "--max-probes", "2",
+                       "--processes", "2", timeout_s=120)
+    probes = [x for x in lines if x["bench"] == "goodput_probe"]
+    assert len(probes) == 2 and all(p["processes"] == 2 for p in probes)
+    for p in probes:
+        assert abs(p["requests"] - 4 * p["rate_req_s"]) <= 1 and p["errors"] == 0
+        assert p["token_mismatches"] == 0
+    assert probes[0]["attainment"] >= 0.9       # 8 req/s is a third of this server's goodput
+    assert 3.0 <= probes[0]["duration_s"] <= 10.0     # one probe's span, not two run one after the other
+
+
+def test_bad_process_count_is_refused(fifo_server):
+    r = subprocess.run([sys.executable, "-m", "splitserve", "bench", "goodput", "--url", fifo_server, "--ttft-ms",
+                        "500", "--itl-ms", "60", "--isl", "16", "--osl", "4", "--processes", "0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "--processes must be >= 1" in r.stderr
