@@ -344,6 +344,11 @@ class Planner:
             self.itl_lift.observe(max(o.ttft_count, o.itl_count), o.ttft_missed + o.itl_missed, 2 * allowance, ready,
                                   lambda: aggregated_attainment(ready, rate, prompts, alone, model).meets(needs),
                                   cfg.min_records)
+            # no prefill pool to judge: its lift, a correction for misses seen while it served,
+            # is undone as in an interval its model agreed with, so that the disaggregated mode's
+            # GPUs (the mode choice's challenger) are not priced at a burst long gone
+            if o.ttft_count >= cfg.min_records:
+                self.ttft_lift.relax()
             return
         self.ttft_lift.observe(o.ttft_count, o.ttft_missed - o.ttft_missed_decode, allowance, obs.prefill.ready,
                                lambda: self._prefill_meets(obs.prefill.ready, rate, service), cfg.min_records)

@@ -110,7 +110,12 @@ class MissLift:
             return
         self._share = -1.0
         if model_meets():
-            self.value = 1 + (self.value - 1) * (1 - LIFT_DECAY)
-            if self.value < 1.01:
-                self.value = 1.0
-            self.floor = 0
+            self.relax()
+
+    def relax(self) -> None:
+        """One interval's undoing: `value` loses LIFT_DECAY of its excess over 1, the floor goes."""
+        self._share = -1.0
+        self.value = 1 + (self.value - 1) * (1 - LIFT_DECAY)
+        if self.value < 1.01:
+            self.value = 1.0
+        self.floor = 0

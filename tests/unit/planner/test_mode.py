@@ -173,3 +173,23 @@ def test_a_tie_at_the_first_decision_goes_to_the_mode_with_room_at_the_margin():
     chooser = ModeChooser(ServingMode.AUTO, switch_intervals=3)       # a tie at both: disaggregated
     chooser.choose(ModeCosts(disaggregated=3, aggregated=3, disaggregated_margin=4, aggregated_margin=4))
     assert chooser.current is ServingMode.DISAGGREGATED
+
+
+def test_in_aggregated_serving_the_prefill_lift_is_undone():
+    """A prefill lift left from a burst served disaggregated would price the disaggregated mode (the
+    mode choice's challenger) at that burst for as long as the planner serves aggregated: with no
+    prefill pool to judge, each interval with outcomes undoes it as one its model agreed with."""
+    def served(n: int) -> Outcomes:
+        return Outcomes(ttft_count=n, itl_count=n)
+
+    planner = Planner(config(mode=ServingMode.AGGREGATED), PROFILE)
+    planner.ttft_lift.value, planner.ttft_lift.floor = 2.0, 6
+    closed_loop(planner, [DECODE_HEAVY] * 2, outcomes=served)
+    after_two = planner.ttft_lift.value
+    assert 1.0 < after_two < 2.0 and planner.ttft_lift.floor == 0
+    closed_loop(planner, [DECODE_HEAVY] * 30, outcomes=served)
+    assert planner.ttft_lift.value == 1.0
+    quiet = Planner(config(mode=ServingMode.AGGREGATED), PROFILE)      # no outcomes: no evidence, no change
+    quiet.ttft_lift.value = 2.0
+    closed_loop(quiet, [DECODE_HEAVY] * 3)
+    assert quiet.ttft_lift.value == 2.0
