@@ -21,7 +21,7 @@
 #              and its GB/s against a torch peer copy GPU 0 -> GPU 1 measured in the same run; UCX's
 #              protocol choice (UCX_PROTO_INFO) saved
 #   pytest     tests/gpu, or $PYTEST_PATHS (the multi-GPU tests skip below 2 GPUs)
-#   tp70_serve (not in the default list) 70B TP=$TP70_TP fp8 through HTTP: 1k/1k at concurrency 1,32,128
+#   tp70_serve (not in the default list) 70B, TP=$TP70_TP, weights $TP70_QUANT, through HTTP: 1k/1k at concurrency 1,32,128
 #              (TP70_SERVE_ARGS replaces that: "--concurrency 128 --num-requests 256")
 #   compare    (not in the default list) one GPU: batch-1 and the 1k/1k engine loop of HEAD against .base, a
 #              `git archive` of the commit before this work carried beside the tree (run.sh's compare stage)
