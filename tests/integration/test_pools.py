@@ -126,6 +126,9 @@ def probe(address: str) -> tuple[str, str] | None:
 
 
 def test_status_and_workers_list_through_the_cli(cluster):
+    # the launcher's "ready" comes from the workers' health; the controller learns it from their
+    # leases on its next tick (0.5 s, longer on a loaded machine): read the pools once it has
+    until(lambda: settled(cluster, "decode", 1) and settled(cluster, "prefill", 1), 30, 0.2, "both pools ready")
     table = cluster.cli("pools", "status").stdout
     assert re.search(r"^POOL\s+ROLE\s+DESIRED\s+READY\s+STARTING\s+DRAINING\s+RUNNING\s+QUEUED\s+KV USE\s+"
                      r"TTFT p50/p90\s+ITL p50/p90", table, re.M), table
