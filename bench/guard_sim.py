@@ -9,7 +9,8 @@ For each workload and configuration (`aggN`: N aggregated workers; `xPyD step` a
 the split with the frontend's ITL guard under each rule, the budget rule with the TTFT gate), the
 script finds the goodput the way `bench goodput` does on a cluster: the highest Poisson rate at
 which --attainment-goal of the requests meet both targets (TTFT, and each request's mean ITL), by
-doubling from --start-rate and then bisecting to --tolerance. Each probe is one simulator run of
+its search (splitserve/bench/rate_search.py): doubling from --start-rate while probes pass, halving
+while they fail, then bisecting until the bracket is within --tolerance of its lower end. Each probe is one simulator run of
 --seconds of arrivals (seeded, the same trace for every configuration at a rate). A JSON line per
 probe and per result. What it measures is the simulator's model of the live request path
 (sim/plan/simulator.py), not GPUs: its figures rank rules and say where a GPU run should look.
@@ -32,7 +33,11 @@ from bench.poisson_trace import arrival_times  # noqa: E402
 from perf.profile import load_profile  # noqa: E402
 from sim.plan.simulator import SimConfig, Simulation  # noqa: E402
 from sim.workload import Workload  # noqa: E402
+from splitserve.bench.rate_search import RateSearch, SearchLimits  # noqa: E402
 from splitserve.bench.records import git_sha  # noqa: E402
+
+MIN_RATE = 0.01         # req/s: halving stops here, as bench goodput's --min-rate
+MAX_PROBES = 64         # far more than a search from 1 to --max-rate takes; bench goodput's cap is a budget
 
 
 @dataclass(frozen=True)
@@ -71,24 +76,17 @@ def attainment(cfg: Config, w: Workload, profile, ttft_s: float, itl_s: float) -
 
 
 def goodput(cfg: Config, isl: int, osl: int, a, profile, emit) -> dict:
-    """Doubling then bisection on the rate, as `bench goodput` searches a live cluster."""
-    def probe(rate: float) -> bool:
+    """Doubling then bisection on the rate: `bench goodput`'s own search (splitserve/bench/rate_search.py),
+    each probe a simulation instead of a live cluster."""
+    search = RateSearch(SearchLimits(a.start_rate, min(a.start_rate, MIN_RATE), a.max_rate, a.tolerance, MAX_PROBES))
+    while (rate := search.next_rate()) is not None:
         res = attainment(cfg, poisson(isl, osl, rate, a.seconds, a.seed), profile, a.ttft_ms / 1e3, a.itl_ms / 1e3)
+        passed = res["attainment"] >= a.attainment_goal
         emit({"bench": "guard_sim_probe", "config": cfg.name, "workload": f"{isl}/{osl}", "rate_req_s": round(rate, 4),
-              **res, "passed": res["attainment"] >= a.attainment_goal})
-        return res["attainment"] >= a.attainment_goal
-    lo, hi, rate = 0.0, None, a.start_rate
-    while hi is None:
-        if probe(rate):
-            lo, rate = rate, rate * 2
-        else:
-            hi = rate
-        if rate > a.max_rate:
-            break
-    while hi is not None and hi - lo > a.tolerance * max(lo, a.start_rate):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if probe(mid) else (lo, mid)
-    return {"goodput_req_s": round(lo, 4), "bracket_req_s": [round(lo, 4), None if hi is None else round(hi, 4)]}
+              **res, "passed": passed})
+        search.record(rate, passed)
+    return {"goodput_req_s": round(search.goodput, 4),
+            "bracket_req_s": [round(search.goodput, 4), None if search.failed is None else round(search.failed, 4)]}
 
 
 def parse_workloads(text: str) -> list[tuple[int, int]]:
@@ -123,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=300.0, help="each probe's arrivals")
     ap.add_argument("--start-rate", type=float, default=1.0)
     ap.add_argument("--max-rate", type=float, default=1000.0)
-    ap.add_argument("--tolerance", type=float, default=0.05, help="bisect until the bracket is this share of the rate")
+    ap.add_argument("--tolerance", type=float, default=0.05, help="bisect until the bracket is narrower than this share of its lower end")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON lines (default: stdout only)")
     a = ap.parse_args(argv)

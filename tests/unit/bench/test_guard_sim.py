@@ -50,3 +50,14 @@ def test_bad_input_is_a_message_and_exit_code_2(capsys):
 @pytest.mark.parametrize("text,want", [("3P1D", [(3, 1)]), ("3p1d,2P2D", [(3, 1), (2, 2)])])
 def test_splits_parse(text, want):
     assert guard_sim.parse_splits(text, 4) == want
+
+
+def test_a_start_above_the_goodput_halves_as_bench_goodput_does(tmp_path):
+    out = tmp_path / "g.jsonl"
+    assert guard_sim.main(["--profile", H200_FP8, "--workloads", "8192/256", "--seconds", "60", "--start-rate", "40",
+                           "--tolerance", "0.2", "--out", str(out)]) == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    agg = [p["rate_req_s"] for p in lines if p["bench"] == "guard_sim_probe" and p["config"] == "agg2"]
+    assert agg[:3] == [40.0, 20.0, 10.0]          # halved while it fails, then bisected
+    result = next(x for x in lines if x["bench"] == "guard_sim" and x["config"] == "agg2")
+    assert 0 < result["goodput_req_s"] < result["bracket_req_s"][1] <= 1.2 * result["goodput_req_s"] + 1e-9
