@@ -248,11 +248,15 @@ class Simulation(PlannerTicks):
             self._prefill_of[rid] = p.worker_id
         return True
 
+    def _lengths(self, rid: int, overlap_blocks: int) -> tuple[int, int]:
+        """The prompt's tokens, and those left to compute after its cached prefix (at least one)."""
+        prompt = int(self.prompt[rid])
+        return prompt, prompt - min(overlap_blocks * TRACE_BLOCK_TOKENS, prompt - 1)
+
     def _prefill_late(self, queued: float, rid: int, overlap_blocks: int) -> bool:
         """The budget rule's TTFT gate (perf/itl_guard.py): the prefill worker's queue would make
         this prompt late."""
-        prompt = int(self.prompt[rid])
-        return prefill_late(self._itl_guard, queued, prompt, prompt - min(overlap_blocks * TRACE_BLOCK_TOKENS, prompt - 1))
+        return prefill_late(self._itl_guard, queued, *self._lengths(rid, overlap_blocks))
 
     def _must_wait(self, t: float, rid: int, overlap_blocks: int, decode: str | None) -> bool:
         """The ITL guard: a prompt past the queue gate waits at its prefill worker when computing
@@ -261,8 +265,7 @@ class Simulation(PlannerTicks):
         w = self.decode.get(decode) if decode is not None else None
         if self._itl_guard is None or w is None:
             return False
-        prompt = int(self.prompt[rid])
-        uncached = prompt - min(overlap_blocks * TRACE_BLOCK_TOKENS, prompt - 1)
+        prompt, uncached = self._lengths(rid, overlap_blocks)
         return must_wait(self._itl_guard, prompt, uncached, w.load, w.batch, decode, t)
 
     def _report(self, t: float) -> None:
