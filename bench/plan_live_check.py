@@ -48,7 +48,7 @@ from perf.profile import load_profile  # noqa: E402
 from sim.plan.simulator import SimConfig, Simulation  # noqa: E402
 from sim.workload import Workload, load_workload, synthetic_workload  # noqa: E402
 from splitserve.bench.clients import RequestSpec  # noqa: E402
-from splitserve.bench.serve import _event_loop_factory, git_sha, run_level  # noqa: E402
+from splitserve.bench.serve import event_loop_factory, git_sha, run_level_in_process  # noqa: E402
 
 TRACES = Path(os.environ.get("SPLITSERVE_TRACES", "/work/shared/data/traces"))
 BLOCK = 16
@@ -137,17 +137,17 @@ def live(name: str, w: Workload, profile_path: str, args) -> tuple[dict, float]:
         try:
             if not wait_ready(cluster, f"{url}/health", d, p, 180.0, {"sig": None}):
                 raise RuntimeError(f"the {name} cluster did not start")
-            client = SimpleNamespace(url=url, timeout_s=600.0, api_key=None, no_progress=True)
+            client = SimpleNamespace(url=url, timeout_s=600.0, api_key=None, no_progress=True, extra_body=None)
             calib = specs_of(slice_of(name, 60.0, args.seed + 1).take(np.arange(8)), 4096, args.seed + 1)
-            with asyncio.Runner(loop_factory=_event_loop_factory("http://")) as runner:
+            with asyncio.Runner(loop_factory=event_loop_factory("http://")) as runner:
                 gaps = []
                 for s in calib:     # one at a time on the idle cluster
-                    r = runner.run(run_level(client, "check", [s], 1, "handoff")).results[0]
+                    r = runner.run(run_level_in_process(client, "check", [s], 1, "handoff")).results[0]
                     if r.error is None and s.prompt_len >= 128:
                         gaps.append(r.ttft_s - profile.prefill_s(s.prompt_len))
                 before = httpx.get(f"{url}/metrics", timeout=5.0).text
                 t0 = time.perf_counter()
-                run = runner.run(run_level(client, "check", specs_of(w, 4096, args.seed), None, name))
+                run = runner.run(run_level_in_process(client, "check", specs_of(w, 4096, args.seed), None, name))
                 wall = time.perf_counter() - t0
                 after = httpx.get(f"{url}/metrics", timeout=5.0).text
         finally:
