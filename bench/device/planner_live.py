@@ -25,9 +25,14 @@ Per run:
    starts, the pools' timeline, errors; OUT/timeline_CONFIG.jsonl and OUT/requests_CONFIG.npz keep the
    samples and each request's TTFT and ITL.
 
-The simulator's forecast for the same slice and settings: `splitserve bench plan --trace
-OUT/slice.csv --warm-start-s 0 --ttft-ms ... --itl-ms ... --planner-profile ... --planner-interval-s
-... --planner-startup-s ... --gpu-budget ...` (docs/planner.md, "The planner on GPUs").
+The simulator's forecast for the same slice, settings and configurations, on any machine (no GPU):
+
+    python bench/device/planner_live.py --simulate planner,2p2d,2p1d,agg4 --out DIR   # one line each
+
+runs `splitserve bench plan`'s simulator (its planner settings from the same flags, the pools starting
+at --initial, no warm-start history, as the live run has none) on the slice; `splitserve bench plan
+--trace DIR/slice.csv --warm-start-s 0 ...` gives the same planner figures and searches the cheapest
+static configuration besides (docs/planner.md, "The planner on GPUs").
 """
 
 from __future__ import annotations
@@ -248,9 +253,88 @@ def replay(url: str, model: str, w: Workload, seed: int):
         return run, t0, time.perf_counter()
 
 
+def simulate(args, w: Workload, slice_csv: Path) -> list[dict]:
+    """The simulator on the slice for each of --simulate's configurations (planner, aggN, XpYd)."""
+    from perf.profile import load_profile
+    from planner import Planner
+    from sim.plan.simulator import Simulation
+    from splitserve.bench import plan as bench_plan
+
+    t_ms, i_ms = args.targets
+    ap = argparse.ArgumentParser()
+    bench_plan.add_arguments(ap)
+    plan_args = ap.parse_args(["--trace", str(slice_csv), "--warm-start-s", "0", "--ttft-ms", str(t_ms),
+                               "--itl-ms", str(i_ms), "--planner-profile", args.profile,
+                               "--planner-interval-s", str(args.interval_s), "--planner-startup-s",
+                               str(args.startup_s), "--gpu-budget", str(args.gpus), "--planner-mode",
+                               args.planner_mode, "--seed", str(args.seed), "--no-progress"])
+    settings = bench_plan.plan_settings(plan_args)
+    profile = load_profile(settings.sla.profile)
+    planner_cfg, sim_cfg = bench_plan._configs(plan_args, settings, profile.startup_s)
+    records = []
+    for name in args.simulate.split(","):
+        pools = parse_config(name)
+        if pools is None:
+            r = Simulation(w, profile, sim_cfg, planner=Planner(planner_cfg, profile),
+                           prefill_workers=args.initial[0], decode_workers=args.initial[1]).run()
+        else:
+            r = Simulation(w, profile, sim_cfg, prefill_workers=pools[0], decode_workers=pools[1]).run()
+        ok_t, ok_i = r.ttft_ok(t_ms / 1e3), r.itl_ok(i_ms / 1e3)
+        records.append({"bench": "planner_live_sim", "git_sha": git_sha(), "config": name.lower(),
+                        "trace": Path(args.trace).name, "speedup": args.speedup, "requests": len(w),
+                        "targets_ms": list(args.targets), "profile": args.profile,
+                        "handoff_s": sim_cfg.handoff_s, "sla_attainment": round(float((ok_t & ok_i).mean()), 5),
+                        "ttft_attainment": round(float(ok_t.mean()), 5),
+                        "itl_attainment": round(float(ok_i.mean()), 5),
+                        "gpu_seconds": round(r.gpu_s, 1), "mean_gpus": round(r.gpu_s / max(r.end_s, 1e-9), 3),
+                        "workers_started": r.workers_started,
+                        "local_prefill_share": round(float(r.local_prefill.mean()), 4) if len(r.local_prefill)
+                        else None, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    return records
+
+
+def plot(run_dir: Path, path: Path, title: str) -> None:
+    """From a directory of live runs (timeline_*.jsonl, requests_*.npz): the request rate, the GPUs
+    each configuration held, and the TTFT p90 and mean-ITL p90 per 10 s of arrivals."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
+    for npz in sorted(run_dir.glob("requests_*.npz")):
+        tag = npz.stem.split("_", 1)[1]
+        r = np.load(npz)
+        edges = np.arange(0.0, float(r["arrival_s"].max()) + 10.0, 10.0)
+        which = np.digitize(r["arrival_s"], edges) - 1
+        mid = edges[:-1] + 5.0
+        if not ax[0].lines:
+            ax[0].plot(mid, np.bincount(which, minlength=len(mid))[:len(mid)] / 10.0, color="k")
+        for k, (key, scale) in enumerate((("ttft_s", 1.0), ("itl_s", 1e3)), start=2):
+            v = r[key] * scale
+            p90 = [np.nanpercentile(v[which == i], 90) if np.any(which == i) else np.nan for i in range(len(mid))]
+            ax[k].plot(mid, p90, label=tag)
+        tl = [json.loads(line) for line in open(run_dir / f"timeline_{tag}.jsonl")]
+        ax[1].step([x["t_s"] for x in tl], [x["gpus_held"] for x in tl], where="post", label=tag)
+    ax[0].set_ylabel("arrivals (req/s)")
+    ax[1].set_ylabel("GPUs held")
+    ax[2].set_ylabel("TTFT p90 (s)")
+    ax[3].set_ylabel("mean ITL p90 (ms)")
+    ax[3].set_xlabel("replay time (s)")
+    for a in ax[1:]:
+        a.legend(loc="upper right", fontsize=8)
+    ax[0].set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True, help="planner, aggN or XpYd (static pools)")
+    ap.add_argument("--config", default=None, help="planner, aggN or XpYd (static pools): run it live")
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="instead: plot the live runs kept in --out (their timelines and requests)")
+    ap.add_argument("--simulate", default=None, metavar="CONFIGS",
+                    help="instead: the simulator on the slice, for each of these (comma-separated)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--gpus", type=int, default=4, help="GPUs 0..N-1 of those visible: the planner's budget")
     ap.add_argument("--trace", default=TRACE)
@@ -281,12 +365,24 @@ def main() -> int:
         raise SystemExit("--targets: TTFT_MS,ITL_MS; --initial: PREFILL,DECODE") from None
     if args.speedup <= 0 or args.gpus < 1:
         raise SystemExit("--speedup must be > 0 and --gpus >= 1")
-    parse_config(args.config)
+    if args.plot:
+        plot(Path(args.out), Path(args.plot), args.label or "planner_live")
+        return 0
+    if (args.config is None) == (args.simulate is None):
+        raise SystemExit("give --config (a live run), --simulate (the simulator) or --plot")
+    for name in [args.config] if args.config else args.simulate.split(","):
+        parse_config(name)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     w = trace_slice(args.trace, args.start_s, args.trace_seconds, args.speedup, args.max_input_len,
                     args.max_output)
     write_azure_csv(w, out / "slice.csv")
+    if args.simulate:
+        with open(out / "planner_live.jsonl", "a") as f:
+            for rec in simulate(args, w, out / "slice.csv"):
+                print(json.dumps(rec), flush=True)
+                f.write(json.dumps(rec) + "\n")
+        return 0
     model = model_dir(args)
     ports = {k: free_port() for k in ("http", "grpc", "admin")}
     token = secrets.token_hex(16)
