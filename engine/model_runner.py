@@ -31,6 +31,7 @@ calls), once the masks are filled.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import numpy as np
 import torch
@@ -122,6 +123,14 @@ def _flashinfer_available() -> bool:
         return True
     except ImportError:
         return False
+
+
+def held_by_others(total: int, free: int, reserved: int, kv_fraction: float, slack: int = 2 << 30) -> int:
+    """Bytes of a GPU that other processes hold, when more than a worker taking `kv_fraction` of the
+    free memory leaves them (plus `slack` for its own CUDA context and libraries), else 0. `reserved`:
+    what this process's allocator holds already (its weights)."""
+    held = total - free - reserved
+    return held if held > (1.0 - kv_fraction) * total + slack else 0
 
 
 class ModelRunner(Runner):
@@ -237,8 +246,16 @@ class ModelRunner(Runner):
     def _blocks_that_fit(self) -> int:
         per_block = self.block_bytes
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
             budget = int(free * self.cfg.kv_memory_fraction) - (1 << 30)  # keep 1 GiB for activations
+            held = held_by_others(total, free, torch.cuda.memory_reserved(self.device), self.cfg.kv_memory_fraction)
+            if held:
+                log.warning("%s (CUDA_VISIBLE_DEVICES=%s): %.1f GiB of its %.1f GiB are held by other processes, "
+                            "more than --kv-memory-fraction %.2f leaves them; the KV cache gets %d blocks of what "
+                            "is free. A decode worker that left this GPU stays mapped by the prefill workers that "
+                            "pushed to it until they restart (docs/multi_gpu.md)", self.device,
+                            os.environ.get("CUDA_VISIBLE_DEVICES", "unset"), held / 2**30, total / 2**30,
+                            self.cfg.kv_memory_fraction, max(budget // per_block - 1, 1))
         else:
             budget = self.cfg.kv_cpu_mib << 20
         return max(budget // per_block - 1, 1)
