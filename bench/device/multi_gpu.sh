@@ -21,6 +21,8 @@
 #              and its GB/s against a torch peer copy GPU 0 -> GPU 1 measured in the same run; UCX's
 #              protocol choice (UCX_PROTO_INFO) saved
 #   pytest     tests/gpu, or $PYTEST_PATHS (the multi-GPU tests skip below 2 GPUs)
+#   ipc        (not in the default list) a KV cache registered on GPU 1, pushed into from GPU 0, then its process
+#              exits: GPU 1's memory at each step with UCX_CUDA_IPC_CACHE=y and n, and the pushes' times ($IPC_ARGS)
 #   tp70_serve (not in the default list) 70B, TP=$TP70_TP, weights $TP70_QUANT, through HTTP: 1k/1k at concurrency 1,32,128
 #              (TP70_SERVE_ARGS replaces that: "--concurrency 128 --num-requests 256")
 #   compare    (not in the default list) one GPU: batch-1 and the 1k/1k engine loop of HEAD against .base, a
@@ -118,6 +120,12 @@ for stage in "$@"; do
         ${TP70_SERVE_ARGS:---concurrency 1,32,128} --modes agg --out "$OUT" --label "${TAG}" --tag "tp${TP70_TP:-2}${TP70_QUANT:-fp8}" \
         --serve-args="--tensor-parallel-size ${TP70_TP:-2} --quantization ${TP70_QUANT:-fp8}" 2>&1 | tail -20 \
         | tee "$OUT/tp70_serve.log" ;;
+    ipc) # does a departed decode worker's KV memory come back, with UCX's cuda_ipc cache on and off, and
+         # what a push costs each way (bench/device/kv_ipc_release.py; docs/multi_gpu.md)
+      if [ "$DEVICE" = cpu ]; then ipc_args=(--device cpu --kv-gib 0.05 --caches y --sizes 4 --reps 2 --settle-s 0.2)
+      else ipc_args=(${IPC_ARGS:-}); fi
+      timeout "$(left 0 "${T_IPC:-150}")" $PY bench/device/kv_ipc_release.py --out "$(rec kv_ipc_release)" "${ipc_args[@]}" \
+        2>> "$OUT/kv_ipc_release.log" | tail -4 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -1,6 +1,7 @@
 """bench/device/multi_gpu.sh's plumbing, in its CPU form (DEVICE=cpu: the tiny model, gloo between
 ranks, DRAM between workers): every stage writes its named record with what the GPU run reports —
-the placement of a TP=2 cluster, TP=2 parity with TP=1 (bf16 and FP8), the KV handoff — so that the
+the placement of a TP=2 cluster, TP=2 parity with TP=1 (bf16 and FP8), the KV handoff, a KV
+cache's release after its process exits — so that the
 one 2-GPU run the script is for does not fail on a typo."""
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def records(out: Path, stage: str) -> list[dict]:
 def test_every_stage_writes_its_record_on_the_cpu(tmp_path):
     env = {**os.environ, "DEVICE": "cpu", "OUT": str(tmp_path), "PY": sys.executable, "WHL_DIRS": "none",
            "PYTHONPATH": str(ROOT)}
-    r = subprocess.run(["bash", "bench/device/multi_gpu.sh", "placement", "tp", "tp70", "nvlink"], cwd=ROOT, env=env,
+    r = subprocess.run(["bash", "bench/device/multi_gpu.sh", "placement", "tp", "tp70", "nvlink", "ipc"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     [placement] = records(tmp_path, "placement")
@@ -40,3 +41,5 @@ def test_every_stage_writes_its_record_on_the_cpu(tmp_path):
     assert tp70["tp_parity"]["quantization"] == "fp8" and tp70["tp_parity"]["tokens_equal"]
     [nvlink] = records(tmp_path, "nvlink")
     assert nvlink["tokens_match"] and nvlink["kv_bytes_match"] and nvlink["kv_share_of_ttft"] > 0
+    [ipc] = records(tmp_path, "kv_ipc_release")
+    assert ipc["ucx_cuda_ipc_cache"] == "y" and ipc["pushes"]["4"]["median_ms"] > 0
