@@ -57,4 +57,5 @@ async def serve_worker(cfg: WorkerConfig) -> None:
     service.attach(loop, remote)
     loop.start()
     await host.serve(loop, f"worker {worker_id} ({cfg.role}, max_model_len {engine.max_model_len})", agent,
-                     startup_s, drainer=service)
+                     startup_s, drainer=service,
+                     before_agent_closes=None if remote is None else remote.disconnect_all)

@@ -65,6 +65,7 @@ class RemotePrefillClient:
         self._loop = asyncio.get_running_loop()
         self._pending: dict[str, _Pending] = {}
         self._peers: dict[str, worker_pb2_grpc.PrefillStub] = {}
+        self._connected: dict[str, worker_pb2_grpc.PrefillStub] = {}   # every prefill worker that took our agent
         self._connecting: dict[str, asyncio.Future] = {}
         self._notified: dict[str, asyncio.Future] = {}
         self._poller: asyncio.Task | None = None
@@ -180,8 +181,24 @@ class RemotePrefillClient:
             stub = await asyncio.shield(self._connecting[addr])
         finally:
             self._connecting.pop(addr, None)
-        self._peers[addr] = stub
+        self._peers[addr] = self._connected[addr] = stub
         return stub
+
+    async def disconnect_all(self, timeout_s: float = 2.0) -> int:
+        """Leaving (after the drain, before our KV agent closes): every prefill worker that loaded our
+        agent forgets it. A prefill worker that is gone or does not answer in `timeout_s` is skipped.
+        The number that knew us."""
+        stubs, self._connected = list(self._connected.values()), {}
+        self._peers.clear()
+
+        async def one(stub) -> bool:
+            try:
+                r = await stub.Disconnect(worker_pb2.DisconnectRequest(decode_worker_id=self.worker_id),
+                                          timeout=timeout_s, metadata=cluster_metadata())
+                return r.known
+            except grpc.aio.AioRpcError:
+                return False
+        return sum(await asyncio.gather(*(one(s) for s in stubs)))
 
     async def _do_connect(self, addr: str) -> worker_pb2_grpc.PrefillStub:
         channel = worker_channel(addr, max_message_bytes=64 << 20)      # runtime/grpc_links.py

@@ -51,6 +51,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
         self.timings = PrefillTimings(worker_id)
         self.draining = False
         self._num_calls = 0             # Prefill calls in progress (computing or pushing)
+        self._decode_peers: dict[str, str] = {}    # decode worker id -> its KV agent's peer name here
         self._warn = Throttled(log)
 
     def attach(self, engine_loop: EngineLoop, agent: KvEndpoint) -> None:
@@ -93,10 +94,21 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
         if self.agent is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill worker is starting")
         try:
-            self.agent.add_peer(request.agent_metadata)
+            peer = self.agent.add_peer(request.agent_metadata)
         except (KvTransferError, ValueError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot connect: {e}")
+        if request.decode_worker_id:
+            self._decode_peers[request.decode_worker_id] = peer
         return worker_pb2.ConnectResponse(prefill_agent_name=self.agent.name)
+
+    async def Disconnect(self, request, context):
+        """A decode worker that drained and is stopping: its KV agent goes from ours (NIXL's remote
+        agent, its prepared descriptors), so that nothing here refers to its memory any longer."""
+        peer = self._decode_peers.pop(request.decode_worker_id, None)
+        known = peer is not None and self.agent is not None and self.agent.remove_peer(peer)
+        if known:
+            log.info("decode worker %s disconnected: its KV agent is removed", request.decode_worker_id)
+        return worker_pb2.DisconnectResponse(known=known)
 
     async def Prefill(self, request, context):
         rid = request.request_id

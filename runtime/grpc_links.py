@@ -13,7 +13,7 @@ accepts a ping every PING_INTERVAL_MS / 2, with or without calls, and pings its 
 SERVER_PING_MS itself (a frontend that vanished without closing its Session is noticed by its
 workers). tests/unit/runtime/test_grpc_links.py holds a real server and channel to this for a while.
 
-Cluster token. A worker's RPCs (Session, Prefill, Connect, Drain, GetStatus, Snapshot) let whoever
+Cluster token. A worker's RPCs (Session, Prefill, Connect, Disconnect, Drain, GetStatus, Snapshot) let whoever
 reaches its port generate, drain it or read its cache, so with a token configured a worker refuses
 (UNAUTHENTICATED) every call that does not carry it in the `x-splitserve-cluster-token` metadata
 (`ClusterTokenInterceptor`, compared in constant time; gRPC health stays open for probes). The

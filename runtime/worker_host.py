@@ -245,12 +245,13 @@ class WorkerHost:
         self._drain.set()
 
     async def serve(self, loop, describe: str, agent=None, startup_s: dict | None = None,
-                    drainer: Drainable | None = None) -> None:
+                    drainer: Drainable | None = None, before_agent_closes=None) -> None:
         """A worker's whole life once its engine runs: ready, then wait for SIGTERM/SIGINT or
         Worker.Drain, drain through `drainer`, leave the pool (the lease goes), stop the engine
         `loop` (an engine.EngineLoop) and close the NIXL `agent` if there is one, in that order.
         `describe` names the worker in logs; `startup_s` (phase -> seconds) is logged with the time
-        from process start to ready."""
+        from process start to ready; `before_agent_closes` (a coroutine function) runs after the
+        engine stops and before the agent closes (the decode worker's peers forget its agent)."""
         aio = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             aio.add_signal_handler(sig, self.request_drain, f"signal {signal.Signals(sig).name}")
@@ -268,6 +269,11 @@ class WorkerHost:
             log.info("%s stopping", describe)
             await self.close()
             loop.stop()
+            if before_agent_closes is not None and not self._stop_now.is_set():
+                try:
+                    await asyncio.wait_for(before_agent_closes(), 5.0)
+                except Exception as e:  # noqa: BLE001 - leaving goes on whatever the peers answer
+                    log.warning("before closing the KV agent: %s", e)
             if agent is not None:
                 agent.close()
 

@@ -135,6 +135,16 @@ class KvEndpoint:
         handle.state = TransferState.DONE if ok else TransferState.ERROR
         return handle.state
 
+    def remove_peer(self, peer: str) -> bool:
+        """Forget a peer worker on every rank pair (it left); False if it was not connected."""
+        pairs = self._pairs.pop(peer, None)
+        for i, name in pairs or ():
+            try:
+                self.agents[i].remove_peer(name)
+            except KvTransferError:
+                pass                            # that rank had already dropped it
+        return pairs is not None
+
     def take_notifications(self) -> list[tuple[str, bytes]]:
         for agent in self.agents[1:]:
             agent.keep_progressing()

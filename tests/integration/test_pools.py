@@ -197,6 +197,12 @@ def test_decode_scale_up_takes_traffic_and_scale_down_drains_under_load(cluster,
     assert metric(cluster.url, "splitserve_request_migrations_total", reason="drain") > moved
     assert re.search(r"decode-\d+\[\d+\] runtime.worker_host: drain timeout \(\d s\): handed [1-9]", cluster.log())
     assert metric(cluster.url, "splitserve_request_migrations_total", reason="worker_lost") == 0
+    # each drained decode worker had the prefill worker load its KV agent; leaving, it had it removed
+    gone = {w.worker_id for w in decode} - {w.worker_id for w in cluster.workers()}
+    assert len(gone) == 2, gone
+    until(lambda: gone <= set(re.findall(r"prefill-0\[\d+\] prefill_worker.service: decode worker (\S+) "
+                                         r"disconnected", cluster.log())), 10, 0.2,
+          "the prefill worker to forget the drained decode workers' KV agents")
 
 
 def test_prefill_scale_up_and_down_while_kv_pushes_are_in_flight(cluster, reference):

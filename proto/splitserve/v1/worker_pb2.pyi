@@ -232,6 +232,18 @@ class ConnectResponse(_message.Message):
     prefill_agent_name: str
     def __init__(self, prefill_agent_name: _Optional[str] = ...) -> None: ...
 
+class DisconnectRequest(_message.Message):
+    __slots__ = ("decode_worker_id",)
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    decode_worker_id: str
+    def __init__(self, decode_worker_id: _Optional[str] = ...) -> None: ...
+
+class DisconnectResponse(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_agent_name", "first_block", "decode_block_ids", "lease_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

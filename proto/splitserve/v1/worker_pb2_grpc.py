@@ -240,6 +240,11 @@ class PrefillStub:
                 request_serializer=proto_dot_splitserve_dot_v1_dot_worker__pb2.ConnectRequest.SerializeToString,
                 response_deserializer=proto_dot_splitserve_dot_v1_dot_worker__pb2.ConnectResponse.FromString,
                 _registered_method=True)
+        self.Disconnect = channel.unary_unary(
+                '/splitserve.v1.Prefill/Disconnect',
+                request_serializer=proto_dot_splitserve_dot_v1_dot_worker__pb2.DisconnectRequest.SerializeToString,
+                response_deserializer=proto_dot_splitserve_dot_v1_dot_worker__pb2.DisconnectResponse.FromString,
+                _registered_method=True)
         self.Prefill = channel.unary_unary(
                 '/splitserve.v1.Prefill/Prefill',
                 request_serializer=proto_dot_splitserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
@@ -251,6 +256,12 @@ class PrefillServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Connect(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Disconnect(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -269,6 +280,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Connect,
                     request_deserializer=proto_dot_splitserve_dot_v1_dot_worker__pb2.ConnectRequest.FromString,
                     response_serializer=proto_dot_splitserve_dot_v1_dot_worker__pb2.ConnectResponse.SerializeToString,
+            ),
+            'Disconnect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Disconnect,
+                    request_deserializer=proto_dot_splitserve_dot_v1_dot_worker__pb2.DisconnectRequest.FromString,
+                    response_serializer=proto_dot_splitserve_dot_v1_dot_worker__pb2.DisconnectResponse.SerializeToString,
             ),
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
@@ -303,6 +319,33 @@ class Prefill:
             '/splitserve.v1.Prefill/Connect',
             proto_dot_splitserve_dot_v1_dot_worker__pb2.ConnectRequest.SerializeToString,
             proto_dot_splitserve_dot_v1_dot_worker__pb2.ConnectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Disconnect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Prefill/Disconnect',
+            proto_dot_splitserve_dot_v1_dot_worker__pb2.DisconnectRequest.SerializeToString,
+            proto_dot_splitserve_dot_v1_dot_worker__pb2.DisconnectResponse.FromString,
             options,
             channel_credentials,
             insecure,
