@@ -48,6 +48,7 @@ from perf.profile import load_profile  # noqa: E402
 from sim.plan.simulator import SimConfig, Simulation  # noqa: E402
 from sim.workload import Workload, load_workload, synthetic_workload  # noqa: E402
 from splitserve.bench.clients import RequestSpec  # noqa: E402
+from splitserve.bench.goodput import request_mean_itl_s  # noqa: E402
 from splitserve.bench.serve import event_loop_factory, git_sha, run_level_in_process  # noqa: E402
 
 TRACES = Path(os.environ.get("SPLITSERVE_TRACES", "/work/shared/data/traces"))
@@ -94,8 +95,8 @@ def latencies(results) -> tuple[np.ndarray, np.ndarray, int]:
             itl.append(np.inf)
             continue
         ttft.append(r.ttft_s)
-        n = r.num_output_tokens
-        itl.append((r.chunk_times[-1] - r.chunk_times[0]) / (n - 1) if n > 1 else np.nan)
+        mean_itl = request_mean_itl_s(r)
+        itl.append(np.nan if mean_itl is None else mean_itl)
     return np.array(ttft), np.array(itl), errors
 
 

@@ -60,6 +60,7 @@ sys.path.insert(0, str(ROOT))
 
 from sim.workload import Workload, load_workload  # noqa: E402
 from splitserve.bench.clients import RequestSpec  # noqa: E402
+from splitserve.bench.goodput import request_mean_itl_s  # noqa: E402
 from splitserve.bench.records import git_sha  # noqa: E402
 
 TRACE = os.path.join(os.environ.get("SPLITSERVE_TRACES", "/work/shared/data/traces"), "azure_llm_2023_conv.csv")
@@ -164,15 +165,17 @@ class StatusPoller(threading.Thread):
         self._halt.set()
         self.join(timeout=10)
 
-    def gpu_seconds(self, t_start: float, t_end: float) -> float:
-        """∫ GPUs held dt over [t_start, t_end] (seconds since the poller started), step-wise."""
-        pts = [(s["t_s"], s["gpus_held"]) for s in self.samples]
-        total = 0.0
-        for (t, g), (t_next, _) in zip(pts, pts[1:] + [(t_end, 0)]):
-            a, b = max(t, t_start), min(t_next, t_end)
-            if b > a:
-                total += g * (b - a)
-        return total
+
+
+def held_seconds(samples: list[dict], t_start: float, t_end: float) -> float:
+    """∫ GPUs held dt over [t_start, t_end]: each sample's count holds until the next sample."""
+    pts = [(s["t_s"], s["gpus_held"]) for s in samples]
+    total = 0.0
+    for (t, g), (t_next, _) in zip(pts, pts[1:] + [(t_end, 0)]):
+        a, b = max(t, t_start), min(t_next, t_end)
+        if b > a:
+            total += g * (b - a)
+    return total
 
 
 def attainment(results, targets_s: tuple[float, float]) -> dict:
@@ -183,11 +186,11 @@ def attainment(results, targets_s: tuple[float, float]) -> dict:
             ttft.append(np.inf)
             itl.append(np.inf)
             continue
-        n = r.num_output_tokens
-        if n < r.expected_tokens:
+        if r.num_output_tokens < r.expected_tokens:
             truncated += 1
         ttft.append(r.ttft_s)
-        itl.append((r.chunk_times[-1] - r.chunk_times[0]) / (n - 1) if n > 1 else np.nan)
+        mean_itl = request_mean_itl_s(r)
+        itl.append(np.nan if mean_itl is None else mean_itl)
     ttft, itl = np.array(ttft), np.array(itl)
     ok_t = ttft <= targets_s[0]
     ok_i = np.isnan(itl) | (itl <= targets_s[1])
@@ -417,7 +420,7 @@ def main() -> int:
             serve.wait()
     start, end = t0 - poller.t0, t1 - poller.t0
     summary, ttft, itl = attainment(run.results, (args.targets[0] / 1e3, args.targets[1] / 1e3))
-    gpu_s = poller.gpu_seconds(start, end)
+    gpu_s = held_seconds(poller.samples, start, end)
     held = [s["gpus_held"] for s in poller.samples if start <= s["t_s"] <= end]
     starts = sum(max(0, b["gpus_held"] - a["gpus_held"]) for a, b in zip(poller.samples, poller.samples[1:])
                  if start <= b["t_s"] <= end)
