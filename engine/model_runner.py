@@ -252,8 +252,8 @@ class ModelRunner(Runner):
             if held:
                 log.warning("%s (CUDA_VISIBLE_DEVICES=%s): %.1f GiB of its %.1f GiB are held by other processes, "
                             "more than --kv-memory-fraction %.2f leaves them; the KV cache gets %d blocks of what "
-                            "is free. A decode worker that left this GPU stays mapped by the prefill workers that "
-                            "pushed to it until they restart (docs/multi_gpu.md)", self.device,
+                            "is free. It may be the KV cache of a decode worker that left this GPU, which the prefill "
+                            "workers that pushed to it can keep mapped until they restart (docs/multi_gpu.md)", self.device,
                             os.environ.get("CUDA_VISIBLE_DEVICES", "unset"), held / 2**30, total / 2**30,
                             self.cfg.kv_memory_fraction, max(budget // per_block - 1, 1))
         else:

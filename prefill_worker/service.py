@@ -103,7 +103,8 @@ class PrefillService(worker_pb2_grpc.PrefillServicer):
 
     async def Disconnect(self, request, context):
         """A decode worker that drained and is stopping: its KV agent goes from ours (NIXL's remote
-        agent, its prepared descriptors), so that nothing here refers to its memory any longer."""
+        agent, its prepared descriptors). Whether UCX then unmaps its memory is another matter
+        (docs/multi_gpu.md)."""
         peer = self._decode_peers.pop(request.decode_worker_id, None)
         known = peer is not None and self.agent is not None and self.agent.remove_peer(peer)
         if known:
