@@ -48,7 +48,7 @@ from perf.profile import load_profile  # noqa: E402
 from sim.plan.simulator import SimConfig, Simulation  # noqa: E402
 from sim.workload import Workload, load_workload, synthetic_workload  # noqa: E402
 from splitserve.bench.clients import RequestSpec  # noqa: E402
-from splitserve.bench.goodput import request_mean_itl_s  # noqa: E402
+from splitserve.bench.goodput import request_latencies  # noqa: E402
 from splitserve.bench.serve import event_loop_factory, git_sha, run_level_in_process  # noqa: E402
 
 TRACES = Path(os.environ.get("SPLITSERVE_TRACES", "/work/shared/data/traces"))
@@ -84,20 +84,6 @@ def specs_of(w: Workload, vocab: int, seed: int) -> list[RequestSpec]:
     prompts = [rng.integers(1, vocab, int(n)) for n in w.prompt]
     return [RequestSpec(int(n), int(o), (lambda p=p: p), float(t))
             for n, o, t, p in zip(w.prompt, w.output, w.arrival_s, prompts)]
-
-
-def latencies(results) -> tuple[np.ndarray, np.ndarray, int]:
-    ttft, itl, errors = [], [], 0
-    for r in results:
-        if r.error is not None or not r.chunk_times:
-            errors += 1
-            ttft.append(np.inf)
-            itl.append(np.inf)
-            continue
-        ttft.append(r.ttft_s)
-        mean_itl = request_mean_itl_s(r)
-        itl.append(np.nan if mean_itl is None else mean_itl)
-    return np.array(ttft), np.array(itl), errors
 
 
 def attainment(ttft: np.ndarray, itl: np.ndarray, targets: tuple[float, float]) -> dict:
@@ -153,7 +139,8 @@ def live(name: str, w: Workload, profile_path: str, args) -> tuple[dict, float]:
                 after = httpx.get(f"{url}/metrics", timeout=5.0).text
         finally:
             cluster.stop(timeout_s=30.0)
-    ttft, itl, errors = latencies(run.results)
+    ttft, itl = request_latencies(run.results)
+    errors = int(np.isinf(ttft).sum())
     local = counter(after, "splitserve_prefill_local_total") - counter(before, "splitserve_prefill_local_total")
     fallback = counter(after, "splitserve_prefill_fallback_total") - counter(before, "splitserve_prefill_fallback_total")
     handoff = float(np.median(gaps)) if gaps else 0.0

@@ -60,7 +60,7 @@ sys.path.insert(0, str(ROOT))
 
 from sim.workload import Workload, load_workload  # noqa: E402
 from splitserve.bench.clients import RequestSpec  # noqa: E402
-from splitserve.bench.goodput import request_mean_itl_s  # noqa: E402
+from splitserve.bench.goodput import request_latencies  # noqa: E402
 from splitserve.bench.records import git_sha  # noqa: E402
 
 TRACE = os.path.join(os.environ.get("SPLITSERVE_TRACES", "/work/shared/data/traces"), "azure_llm_2023_conv.csv")
@@ -179,30 +179,19 @@ def held_seconds(samples: list[dict], t_start: float, t_end: float) -> float:
 
 
 def attainment(results, targets_s: tuple[float, float]) -> dict:
-    ttft, itl, errors, truncated = [], [], 0, 0
-    for r in results:
-        if r.error is not None or not r.chunk_times:
-            errors += 1
-            ttft.append(np.inf)
-            itl.append(np.inf)
-            continue
-        if r.num_output_tokens < r.expected_tokens:
-            truncated += 1
-        ttft.append(r.ttft_s)
-        mean_itl = request_mean_itl_s(r)
-        itl.append(np.nan if mean_itl is None else mean_itl)
-    ttft, itl = np.array(ttft), np.array(itl)
+    ttft, itl = request_latencies(results)
+    truncated = np.array([r.error is None and bool(r.chunk_times) and r.num_output_tokens < r.expected_tokens
+                          for r in results], dtype=bool)
     ok_t = ttft <= targets_s[0]
     ok_i = np.isnan(itl) | (itl <= targets_s[1])
-    ok = ok_t & ok_i
-    ok[[i for i, r in enumerate(results) if r.error is None and r.chunk_times
-        and r.num_output_tokens < r.expected_tokens]] = False
+    ok = ok_t & ok_i & ~truncated
+    errors = int(np.isinf(ttft).sum())
     fin_t, fin_i = ttft[np.isfinite(ttft)], itl[np.isfinite(itl)]
 
     def q(x, p, nd):
         return round(float(np.percentile(x, p)), nd) if len(x) else None
     return {"sla_attainment": round(float(ok.mean()), 5), "ttft_attainment": round(float(ok_t.mean()), 5),
-            "itl_attainment": round(float(ok_i.mean()), 5), "errors": errors, "truncated": truncated,
+            "itl_attainment": round(float(ok_i.mean()), 5), "errors": errors, "truncated": int(truncated.sum()),
             "ttft_p50_s": q(fin_t, 50, 3), "ttft_p90_s": q(fin_t, 90, 3), "ttft_p99_s": q(fin_t, 99, 3),
             "itl_p50_ms": q(fin_i * 1e3, 50, 2), "itl_p90_ms": q(fin_i * 1e3, 90, 2),
             "itl_p99_ms": q(fin_i * 1e3, 99, 2)}, ttft, itl

@@ -79,6 +79,18 @@ def request_mean_itl_s(r: RequestResult) -> float | None:
     return (r.chunk_times[-1] - r.chunk_times[0]) / later
 
 
+def request_latencies(results: Sequence[RequestResult]) -> tuple[np.ndarray, np.ndarray]:
+    """Each request's TTFT and mean ITL, in seconds: inf for both where it failed (an error, or no
+    token), nan for the ITL where no token came after the first chunk."""
+    ttft = np.full(len(results), np.inf)
+    itl = np.full(len(results), np.inf)
+    for i, r in enumerate(results):
+        if r.error is None and r.chunk_times:
+            mean_itl = request_mean_itl_s(r)
+            ttft[i], itl[i] = r.ttft_s, np.nan if mean_itl is None else mean_itl
+    return ttft, itl
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     bench_serve.add_target_arguments(p)
     p.add_argument("--ttft-ms", type=float, required=True, help="time-to-first-token target, ms")

@@ -76,3 +76,22 @@ def test_serve_flags_for_the_planner_and_a_static_split():
     # the frontend gets what `serve --planner` would give it
     assert argv[argv.index("--itl-target-ms") + 1] == "50.0" and argv[argv.index("--decode-profile") + 1] == "P.json"
     assert pl.token_free("secret", "secret") == "<admin token>" and pl.token_free("--gpus", "secret") == "--gpus"
+
+
+def test_attainment_counts_failed_and_truncated_requests_as_misses():
+    from splitserve.bench.clients import RequestResult
+
+    def done(ttft, gaps, expected):
+        times = [ttft + sum(gaps[:i]) for i in range(len(gaps) + 1)]
+        return RequestResult(16, expected, sent_at=0.0, chunk_times=times, chunk_tokens=[1] * len(times))
+    results = [done(0.5, [0.01] * 9, 10),                 # meets both
+               done(3.0, [0.01] * 9, 10),                 # late first token
+               done(0.5, [0.08] * 9, 10),                 # slow decode
+               done(0.5, [0.01] * 4, 10),                 # cut short: 5 of 10 tokens
+               done(0.5, [], 1),                          # one token: no ITL, meets it
+               RequestResult(16, 10, error="HTTP 500")]
+    summary, ttft, itl = pl.attainment(results, (2.0, 0.05))
+    assert summary["sla_attainment"] == round(2 / 6, 5)
+    assert summary["errors"] == 1 and summary["truncated"] == 1
+    assert summary["ttft_attainment"] == round(4 / 6, 5) and summary["itl_attainment"] == round(4 / 6, 5)
+    assert np.isinf(ttft[5]) and np.isnan(itl[4]) and itl[0] == pytest.approx(0.01)
